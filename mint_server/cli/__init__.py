@@ -1,0 +1,12 @@
+"""The `mint` command. Each command group lives in its own module; this file only assembles them."""
+
+import typer
+
+from mint_server.cli import model as model_cli
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="MinT: LoRA post-training and serving.")
+model_cli.register(app)
+
+
+def main() -> None:
+    app()

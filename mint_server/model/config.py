@@ -1,0 +1,111 @@
+"""Model configuration: one dataclass for every supported family, read from an HF config.json.
+
+A family is declarative: an entry in FAMILIES says which HF architecture it is and which switches
+(qk-norm, attention bias) it turns on. Adding a dense family is one entry here plus, if its weight
+names differ, a name map in loader.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ModelError(ValueError):
+    """A model directory or config that we cannot load; the message names the problem."""
+
+
+class UnsupportedModelError(ModelError):
+    """The checkpoint's architecture is not one we implement."""
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    qk_norm: bool
+    attention_bias: bool
+
+
+# HF `architectures[0]` → family switches.
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("llama", qk_norm=False, attention_bias=False),
+    "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, attention_bias=False),
+}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.architecture]
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", ""), "")]
+        arch = archs[0] if archs else ""
+        if arch not in FAMILIES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
+            )
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+            rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+            rope_type = rope.get("rope_type") or rope.get("type") or "default"
+            if rope_type not in ("default", "llama3"):
+                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                architecture=arch,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope_theta,
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rope_scaling=dict(rope) if rope_type == "llama3" else None,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ModelError(f"config.json is missing field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelError(f"model directory {str(path)!r} does not exist")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelError(f"{str(path)!r} has no config.json")
+        try:
+            hf = json.loads(cfg_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(hf)
