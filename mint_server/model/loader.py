@@ -1,0 +1,78 @@
+"""Load an HF checkpoint dir (config.json + safetensors, sharded or not) into our Transformer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mint_server.model.config import ModelConfig, ModelError
+from mint_server.model.transformer import Transformer, rope_inv_freq
+
+# HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
+NAME_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 matmul is very slow on CPUs; fp32 there, bf16 on accelerators.
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint; a clear error naming whatever is missing."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [model_dir / s for s in shards]
+    elif (model_dir / "model.safetensors").is_file():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise ModelError(f"{str(model_dir)!r} has no model.safetensors (nor model.safetensors.index.json)")
+    for f in files:
+        if not f.is_file():
+            raise ModelError(f"weight file {f.name!r} listed in the index is missing from {str(model_dir)!r}")
+    return files
+
+
+def our_name(hf_name: str) -> str | None:
+    for prefix, repl in NAME_PREFIXES:
+        if hf_name.startswith(prefix):
+            return repl + hf_name[len(prefix) :]
+    return None
+
+
+def load_model(
+    model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> Transformer:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_hf_dir(model_dir)
+    device = torch.device(device) if device is not None else default_device()
+    dtype = dtype or default_dtype(device)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                ours = our_name(name)
+                if ours in expected:
+                    state[ours] = sf.get_tensor(name).to(device=device, dtype=dtype)
+    missing = expected - set(state)
+    if missing:
+        raise ModelError(f"checkpoint {str(model_dir)!r} lacks weights: {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.requires_grad_(False)  # the base is frozen; only adapters ever train
+    return model.eval()

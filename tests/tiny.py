@@ -1,0 +1,60 @@
+"""Tiny random checkpoints of the real architectures, built in code (no hub), for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 320
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def save_tiny_tokenizer(dest: Path) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, vocab TINY_VOCAB, ChatML specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello mint", "1 2 3 4 5 6 7 8 9 10"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(dest)
+
+
+def make_tiny_checkpoint(dest: Path, family: str = "llama", tie: bool = True, seed: int = 0) -> Path:
+    """Save a random tiny `family` model (llama | qwen3) plus tokenizer into dest; returns dest."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if family == "llama":
+        cfg = LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        })
+        model = LlamaForCausalLM(cfg)
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    else:
+        raise ValueError(family)
+    dest.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(dest)
+    save_tiny_tokenizer(dest)
+    return dest
