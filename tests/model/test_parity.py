@@ -73,7 +73,7 @@ def test_lora_logits_match_peft(fixture, request, tmp_path):
 def test_mixed_batch_rows_equal_rows_alone(tiny_qwen3):
     model = load_model(tiny_qwen3, device="cpu")
     bank = LoraBank(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
-    for slot, rank in zip([0, 1, 3, 5], [2, 8, 4, 1]):
+    for slot, rank in zip([0, 1, 3, 5], [2, 8, 4, 1], strict=True):
         bank.write(slot, random_adapter(model.config, rank, seed=slot).weights, rank, alpha=8.0)
     row_slots = [3, -1, 0, 5, 1, 3, -1, 0]
     tokens = torch.randint(0, model.config.vocab_size, (len(row_slots), 21), generator=torch.Generator().manual_seed(4))
