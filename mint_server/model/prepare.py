@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.paths import data_dir as resolve_data_dir
 
@@ -93,24 +94,19 @@ def _prepare_default(data_dir: str | os.PathLike | None, log: Log) -> Prepared:
     if is_prepared(out):
         return Prepared(out, did_work=False)
     gguf_file = _fetch_gguf(root / "cache", log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         log(f"converting {DEFAULT_BASE_MODEL} to a float32 HF checkpoint")
         files = _convert_gguf(gguf_file, tmp)
-        marker = {"source": DEFAULT_BASE_MODEL, "source_sha256": _GGUF_SHA256, "files": files}
-        _write_json(tmp / MARKER, marker)
-        _finish_tree(tmp)
-        if out.exists() and not is_prepared(out):  # left by a crash; os.replace cannot overwrite it
-            shutil.rmtree(out)
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not is_prepared(out):  # otherwise a concurrent prepare won the race; use its result
-                raise
-        _fsync_dir(out.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _write_json(
+            tmp / MARKER, {"source": DEFAULT_BASE_MODEL, "source_sha256": _GGUF_SHA256, "files": files}
+        )
+        # mkdtemp and safetensors create owner-only files; a base model is for every local user.
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+
+    atomic_write_dir(out, fill)  # also replaces a marker-less dir a crash may have left
     return Prepared(out, did_work=True)
 
 
@@ -175,21 +171,3 @@ def _sha256(path: Path) -> str:
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
-
-
-def _finish_tree(root: Path) -> None:
-    """Make the files durable and readable by all; mkdtemp and safetensors create them owner-only."""
-    root.chmod(0o755)
-    for p in filter(Path.is_file, root.iterdir()):
-        p.chmod(0o644)
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
