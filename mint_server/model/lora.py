@@ -8,7 +8,7 @@ zero gradient and AdamW leaves them at zero).
 
 A forward pass receives a `LoraBatch`: per target, the stacked A/B of the n adapters it uses, the
 index of each batch row into them (-1 = bare base), and the per-adapter scale (lora_alpha / r, as
-PEFT). `lora_delta` is the one place the LoRA math lives, so MoE experts, MLA projections or a
+PEFT). `add_lora` is the one place the LoRA math lives, so MoE experts, MLA projections or a
 fused kernel plug in here.
 """
 
@@ -82,25 +82,31 @@ class LoraBatch:
     def is_base_only(self) -> bool:
         return not self.weights or bool((self.rows < 0).all())
 
-    def delta(self, target: str, layer: int, x: Tensor) -> Tensor | None:
+    def apply(self, target: str, layer: int, x: Tensor, y: Tensor) -> Tensor:
+        """y (the base projection of x) plus this target's LoRA delta; y unchanged if no LoRA on it."""
         ab = self.weights.get(target)
         if ab is None:
-            return None
-        return lora_delta(x, ab[0][:, layer], ab[1][:, layer], self)
+            return y
+        return add_lora(y, x, ab[0][:, layer], ab[1][:, layer], self)
 
 
-def lora_delta(x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Tensor:
-    """LoRA output for x [rows, tokens, in] with A [n, r, in], B [n, out, r] → [rows, tokens, out].
+def add_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Tensor:
+    """y + scale · (x Aᵀ) Bᵀ for x [rows, tokens, in], A [n, r, in], B [n, out, r], y [rows, tokens, out].
 
     One adapter for the whole batch: two plain matmuls. Mixed: gather each row's A/B and run two
     batched matmuls, so cost grows with rows × rank, never with a Python loop over rows or adapters.
+    The scale is applied to the small rank-r intermediate and the second product accumulates into y
+    (addmm), so no output-sized temporary is made — it matters for the 49k-wide lm_head.
     """
+    rows, tokens, out = y.shape
     if batch.uniform is not None:
         u = batch.uniform
-        return (x @ A[u].transpose(0, 1)) @ B[u].transpose(0, 1) * batch.scale[u]
+        xa = (x.reshape(rows * tokens, -1) @ A[u].transpose(0, 1)) * batch.scale[u].to(x.dtype)
+        return torch.addmm(y.reshape(rows * tokens, out), xa, B[u].transpose(0, 1)).view(rows, tokens, out)
     a = A[batch.row_index]  # [rows, r, in]
     b = B[batch.row_index]  # [rows, out, r]
-    return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2)) * batch.row_scale[:, None, None].to(x.dtype)
+    xa = torch.bmm(x, a.transpose(1, 2)) * batch.row_scale[:, None, None].to(x.dtype)
+    return torch.baddbmm(y, xa, b.transpose(1, 2))
 
 
 def init_lora_weights(

@@ -1,7 +1,7 @@
 """Decoder-only transformer for the dense Llama and Qwen3 families, with multi-LoRA built in.
 
 gpt-fast style: small modules, no framework. Every forward takes an optional `LoraBatch` (which
-adapter each row uses) and an optional `KVCache` view (which cache slot each row writes and reads).
+adapter each row uses) and an optional `KVCache` view (which cache blocks each row writes and reads).
 """
 
 from __future__ import annotations
@@ -52,49 +52,78 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Preallocated K/V for `num_slots` sequences of up to `max_len` tokens, per layer.
+    """Paged K/V: a fixed pool of `num_blocks` blocks of `block_size` positions, for every layer.
 
-    A forward writes the new keys/values of row i into slot `slots[i]` at its absolute positions and
-    attends over that slot's prefix; memory is fixed at construction (the engine's KV budget).
+    A sequence owns a list of blocks (its block table), block i holding its positions
+    [i·block_size, (i+1)·block_size); blocks of a shared prompt prefix may sit in several tables.
+    Memory is fixed at construction (the engine's KV budget), whatever the sequences' lengths.
+    Block `SCRATCH` (0) belongs to nobody: table entries past a row's own blocks point at it, so
+    padding tokens write there instead of into someone's block, and what it holds is always masked.
     """
 
+    SCRATCH = 0
+
     def __init__(
-        self, cfg: ModelConfig, num_slots: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
     ) -> None:
-        shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        if num_blocks < 2 or block_size < 1:
+            raise ValueError("a KV cache needs at least 2 blocks (one is scratch) of at least 1 position")
+        # [layers, blocks, positions, kv_heads, head_dim]: one gather of a table's blocks is already
+        # the [rows, positions, heads, dim] attention wants, with no copy to reorder it.
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Zeros, not empty: masked keys get weight 0 and 0 · NaN would still poison a row.
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def copy_prefix(self, src: int, dsts: list[int], length: int) -> None:
-        """Fork: the first `length` positions of slot `src` into each of `dsts` (shared-prefix sampling)."""
-        if dsts:
-            idx = torch.tensor(dsts, device=self.k.device)
-            self.k[:, idx, :, :length] = self.k[:, src : src + 1, :, :length]
-            self.v[:, idx, :, :length] = self.v[:, src : src + 1, :, :length]
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy block src[i] into dst[i] in every layer (forking a partly filled prompt block)."""
+        if dst:
+            s = torch.tensor(src, device=self.k.device)
+            d = torch.tensor(dst, device=self.k.device)
+            self.k[:, d] = self.k[:, s]
+            self.v[:, d] = self.v[:, s]
 
 
 class CacheView:
-    """Which cache slot each batch row uses, and how far attention must look (set per forward)."""
+    """Which blocks each batch row reads and writes, and at which absolute positions (set per forward).
 
-    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor) -> None:
-        self.cache, self.slots, self.positions = cache, slots, positions
+    block_table [B, n] long: row b's i-th block holds its positions [i·bs, (i+1)·bs); entries past
+    the row's own blocks are KVCache.SCRATCH, and n must cover the largest position. positions [B, T]:
+    each query token's absolute position. Attention reads only the first ⌈(max position + 1) / bs⌉
+    blocks, so its cost follows the longest sequence in the batch, not the cache's capacity.
+    """
+
+    def __init__(self, cache: KVCache, block_table: Tensor, positions: Tensor) -> None:
+        self.cache, self.positions = cache, positions
+        bs = cache.block_size
         self.kv_len = int(positions.max()) + 1
-        # [B, 1, T, kv_len]: a query sees keys at positions ≤ its own; stale keys beyond are masked.
+        self.table = block_table[:, : -(-self.kv_len // bs)]
+        self.write_block = block_table.gather(1, positions // bs)  # [B, T]
+        self.write_offset = positions % bs
+        # [B, 1, T, kv_len]: a query sees keys at positions ≤ its own; whatever lies beyond (stale
+        # entries, padding, the scratch block) is masked.
         keys = torch.arange(self.kv_len, device=positions.device)
-        self.mask = (keys[None, None, None, :] <= positions[:, None, :, None])
+        self.mask = keys[None, None, None, :] <= positions[:, None, :, None]
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        c = self.cache
-        rows = self.slots[:, None].expand_as(self.positions)
-        # Advanced indices around a slice put (row, token) first: [B, T, H, D].
-        c.k[layer][rows, :, self.positions] = k.transpose(1, 2)
-        c.v[layer][rows, :, self.positions] = v.transpose(1, 2)
-        return c.k[layer][self.slots, :, : self.kv_len], c.v[layer][self.slots, :, : self.kv_len]
+        """Store this forward's k, v [B, H, T, D]; return each row's keys/values [B, H, kv_len, D]."""
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        ck[self.write_block, self.write_offset] = k.transpose(1, 2)
+        cv[self.write_block, self.write_offset] = v.transpose(1, 2)
+        return self._read(ck), self._read(cv)
+
+    def _read(self, c: Tensor) -> Tensor:
+        return c[self.table].flatten(1, 2)[:, : self.kv_len].transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -133,11 +162,7 @@ class Attention(nn.Module):
 def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, layer: int) -> Tensor:
     """Base projection plus the batch's LoRA delta for this target (never merged into the base)."""
     y = linear(x)
-    if lora is not None:
-        d = lora.delta(target, layer, x)
-        if d is not None:
-            y = y + d
-    return y
+    return y if lora is None else lora.apply(target, layer, x, y)
 
 
 class MLP(nn.Module):
