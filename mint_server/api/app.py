@@ -1,0 +1,43 @@
+"""The FastAPI app: `create_app(engine, settings)` wires auth, service, routes and lifecycle."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from mint_server.api import routes_rest, routes_service, routes_training
+from mint_server.api.auth import Authenticator, Signer
+from mint_server.api.http import BodyLimit, install_error_handlers
+from mint_server.api.metrics import Metrics
+from mint_server.api.service import Service
+from mint_server.api.settings import Settings
+from mint_server.engine.interface import Engine
+
+log = logging.getLogger(__name__)
+
+
+def create_app(engine: Engine, settings: Settings) -> FastAPI:
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    authenticator = Authenticator(settings.api_keys, Signer.for_data_dir(settings.data_dir), settings.no_auth)
+    svc = Service(engine, settings, Metrics())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        svc.start()
+        yield
+        log.info("draining in-flight work before exit")
+        await svc.shutdown()
+
+    app = FastAPI(title="MinT", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.service = svc
+    app.state.authenticator = authenticator
+    install_error_handlers(app)
+    app.include_router(routes_service.router)
+    app.include_router(routes_service.metrics_router)
+    app.include_router(routes_training.router)
+    app.include_router(routes_rest.router)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

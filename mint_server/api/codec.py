@@ -1,0 +1,222 @@
+"""Wire encodings ↔ tinker types, both directions, for the two request/response kinds that travel as
+protobuf (forward_backward, sampling results). The message classes come from `tinker.proto`; the
+SDK ships only the client half of each conversion, so the server half is written here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
+from tinker.types._pydantic_types.forward_backward_input import ForwardBackwardInput as WireFwdBwdInput
+from tinker.types._pydantic_types.tensor_data import TensorData as WireTensorData
+
+_NP_OF_DTYPE = {"float32": np.dtype(np.float32), "int64": np.dtype(np.int64)}
+_PROTO_OF_DTYPE = {"float32": pb.DTYPE_FLOAT32, "int64": pb.DTYPE_INT64}
+_DTYPE_OF_PROTO = {pb.DTYPE_FLOAT32: "float32", pb.DTYPE_INT64: "int64"}
+_STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
+
+
+class DecodeError(ValueError):
+    """A body we cannot turn into a request; the message names the field."""
+
+
+@dataclass(frozen=True)
+class FwdBwdCall:
+    model_id: str
+    seq_id: int | None
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None
+    data: list[types.Datum]
+    forward_only: bool
+
+
+# --- requests ------------------------------------------------------------------------------------
+def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
+    dtype = _DTYPE_OF_PROTO.get(msg.dtype)
+    if dtype is None:
+        raise DecodeError(f"{where}: unsupported tensor dtype {msg.dtype}")
+    np_dtype = _NP_OF_DTYPE[dtype]
+    shape = list(msg.shape) or None
+    try:
+        if msg.HasField("sparse_csr"):
+            csr = msg.sparse_csr
+            return types.TensorData(
+                data=np.frombuffer(csr.values, dtype=np_dtype).copy(),
+                dtype=dtype,
+                shape=shape,
+                sparse_crow_indices=np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
+                sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
+            )
+        return types.TensorData(data=np.frombuffer(msg.dense, dtype=np_dtype).copy(), dtype=dtype, shape=shape)
+    except ValueError as e:  # byte count not a multiple of the itemsize, or shape mismatch
+        raise DecodeError(f"{where}: {e}") from None
+
+
+def _datum_from_proto(msg: pb.Datum, i: int) -> types.Datum:
+    chunks = []
+    for chunk in msg.model_input:
+        if chunk.WhichOneof("chunk") != "encoded_text":
+            raise DecodeError(f"data[{i}].model_input: only token (encoded_text) chunks are supported")
+        tokens = chunk.encoded_text.tokens
+        if len(tokens) % 4:
+            raise DecodeError(f"data[{i}].model_input: token bytes are not int32")
+        chunks.append(types.EncodedTextChunk(tokens=np.frombuffer(tokens, dtype=np.int32).tolist()))
+    inputs = {k: _tensor_from_proto(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in msg.loss_fn_inputs.items()}
+    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+
+
+def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
+    msg = pb.ForwardBackwardRequest()
+    try:
+        msg.ParseFromString(body)
+    except Exception as e:  # protobuf raises its own DecodeError type
+        raise DecodeError(f"body is not a ForwardBackwardRequest protobuf: {e}") from None
+    if not msg.model_id:
+        raise DecodeError("missing field 'model_id'")
+    config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
+    for k, v in msg.loss_fn_config_v2.items():  # v2 carries strings too and wins when present
+        config[k] = v.text if v.WhichOneof("value") == "text" else v.number
+    return FwdBwdCall(
+        model_id=msg.model_id,
+        # proto3 has no "unset" for ints: the SDK always sends seq_id >= 1, so 0 means missing.
+        seq_id=msg.seq_id or None,
+        loss_fn=msg.loss_fn,
+        loss_fn_config=config or None,
+        data=[_datum_from_proto(d, i) for i, d in enumerate(msg.data)],
+        forward_only=msg.forward_only,
+    )
+
+
+def public_tensor(t: WireTensorData) -> types.TensorData:
+    try:
+        return types.TensorData(
+            data=t.data,
+            dtype=t.dtype,
+            shape=t.shape,
+            sparse_crow_indices=t.sparse_crow_indices,
+            sparse_col_indices=t.sparse_col_indices,
+        )
+    except ValueError as e:
+        raise DecodeError(f"tensor: {e}") from None
+
+
+def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float | str] | None, list[types.Datum]]:
+    """`forward_backward_input` / `forward_input` of a 0.22 JSON request."""
+    if not isinstance(obj, dict):
+        raise DecodeError(f"missing field {field!r}")
+    try:
+        wire = WireFwdBwdInput.model_validate(obj)
+    except ValidationError as e:
+        raise DecodeError(describe_validation_error(e, prefix=field)) from None
+    data = [
+        types.Datum(model_input=d.model_input, loss_fn_inputs={k: public_tensor(v) for k, v in d.loss_fn_inputs.items()})
+        for d in wire.data
+    ]
+    return wire.loss_fn, dict(wire.loss_fn_config) if wire.loss_fn_config else None, data
+
+
+def describe_validation_error(e: ValidationError, prefix: str = "") -> str:
+    """One line per problem, each naming its field, e.g. "missing field 'model_id'"."""
+    lines = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        if err["type"] == "missing":
+            lines.append(f"missing field {loc!r}")
+        elif err["type"] == "extra_forbidden":
+            lines.append(f"unknown field {loc!r}")
+        else:
+            lines.append(f"invalid field {loc!r}: {err['msg']}")
+    return "; ".join(lines) or "invalid request body"
+
+
+# --- responses -----------------------------------------------------------------------------------
+def _dense(t: types.TensorData) -> np.ndarray:
+    return np.asarray(t.to_numpy(), dtype=_NP_OF_DTYPE[t.dtype])
+
+
+def encode_fwdbwd_output(out: types.ForwardBackwardOutput) -> bytes:
+    """One ArrayRecord per run of datums whose fields agree on dtype and trailing shape."""
+    msg = pb.ForwardBackwardOutput(loss_fn_output_type=out.loss_fn_output_type or "ArrayRecord")
+    for k, v in out.metrics.items():
+        msg.metrics[k] = float(v)
+    arrays = [{k: _dense(t) for k, t in d.items()} for d in out.loss_fn_outputs]
+
+    def layout(d: dict[str, np.ndarray]) -> tuple:
+        return tuple(sorted((k, a.dtype.str, a.shape[1:]) for k, a in d.items()))
+
+    start = 0
+    while start < len(arrays):
+        end = start + 1
+        while end < len(arrays) and layout(arrays[end]) == layout(arrays[start]):
+            end += 1
+        record = msg.loss_fn_outputs.add(num_datums=end - start)
+        for name, arr in arrays[start].items():
+            parts = [np.ascontiguousarray(d[name]) for d in arrays[start:end]]
+            offsets = np.cumsum([0] + [p.nbytes for p in parts], dtype=np.int64)
+            bt = record.fields[name]
+            bt.data = b"".join(p.tobytes() for p in parts)
+            bt.offsets = offsets.tobytes()
+            bt.dtype = _PROTO_OF_DTYPE["float32" if arr.dtype == np.float32 else "int64"]
+            bt.trailing_shape.extend(arr.shape[1:])
+        start = end
+    return msg.SerializeToString()
+
+
+def _topk_proto(topk: types.TopkLogprobs, target: pb.TopkLogprobs) -> None:
+    n, k = topk.token_ids.shape
+    target.token_ids = np.ascontiguousarray(topk.token_ids, dtype=np.int32).tobytes()
+    target.logprobs = np.ascontiguousarray(topk.logprobs, dtype=np.float32).tobytes()
+    target.k = k
+    target.length = n
+
+
+def _logprob_array(values: list[float | None] | None) -> np.ndarray | None:
+    if values is None:
+        return None
+    return np.asarray([math.nan if v is None else v for v in values], dtype=np.float32)
+
+
+def encode_sample_response(resp: types.SampleResponse) -> bytes:
+    msg = pb.SampleResponse(prompt_cache_hit_tokens=resp.prompt_cache_hit_tokens)
+    for seq in resp.sequences:
+        out = msg.sequences.add(stop_reason=_STOP_REASON[seq.stop_reason])
+        out.tokens = np.asarray(seq.tokens, dtype=np.int32).tobytes()
+        if seq.logprobs is not None:
+            out.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
+        if seq.topk_logprobs_np is not None:
+            _topk_proto(seq.topk_logprobs_np, out.topk_sampled_logprobs)
+    prompt = resp.prompt_logprobs_np if resp.prompt_logprobs_np is not None else _logprob_array(resp.prompt_logprobs)
+    if prompt is not None:
+        msg.prompt_logprobs = np.asarray(prompt, dtype=np.float32).tobytes()
+    if resp.topk_prompt_logprobs_np is not None:
+        _topk_proto(resp.topk_prompt_logprobs_np, msg.topk_prompt_logprobs)
+    return msg.SerializeToString()
+
+
+def tensor_json(t: types.TensorData) -> dict[str, Any]:
+    arr = _dense(t)
+    return {"data": arr.ravel().tolist(), "dtype": t.dtype, "shape": list(arr.shape)}
+
+
+def fwdbwd_output_json(out: types.ForwardBackwardOutput) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": out.loss_fn_output_type,
+        "loss_fn_outputs": [{k: tensor_json(t) for k, t in d.items()} for d in out.loss_fn_outputs],
+        "metrics": dict(out.metrics),
+    }
+
+
+def sample_response_json(resp: types.SampleResponse) -> dict[str, Any]:
+    return {
+        "type": "sample",
+        "sequences": [
+            {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": s.logprobs} for s in resp.sequences
+        ],
+        "prompt_logprobs": resp.prompt_logprobs,
+    }

@@ -1,0 +1,200 @@
+"""State shared by the service's operations: registries, the engine handle and common helpers.
+
+Everything here runs on the server's event loop, so plain dicts suffice; engine work happens in
+the engine's own threads and comes back through `asyncio.wrap_future`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from tinker import types
+
+from mint_server.api.adapters import AdapterCache, Loader
+from mint_server.api.futures import FutureStore
+from mint_server.api.metrics import Metrics
+from mint_server.api.ordering import Sequencer
+from mint_server.api.paths import CheckpointRef, parse_checkpoint_path
+from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
+from mint_server.api.sessions import SessionRegistry
+from mint_server.api.settings import Settings
+from mint_server.api.validate import DEFAULT_LOSS_FNS, InvalidInput
+from mint_server.engine.interface import Engine, EngineError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ShuttingDown(Exception):
+    """The server is draining and takes no new work (HTTP 503, which the SDK retries)."""
+
+
+class Busy(Exception):
+    """Too much sampling in flight (HTTP 429: the SDK backs off and resubmits)."""
+
+
+@dataclass
+class TrainingModel:
+    model_id: str
+    owner: str
+    session_id: str
+    lora: types.LoraConfig
+    sequencer: Sequencer
+    adapter_id: str | None = None
+    failed: str | None = None
+
+    def adapter(self) -> str:
+        if self.failed is not None:
+            raise InvalidInput(f"model {self.model_id!r} is unusable: {self.failed}")
+        if self.adapter_id is None:  # cannot happen: creation is the first op in the sequence
+            raise RuntimeError(f"model {self.model_id!r} has no adapter yet")
+        return self.adapter_id
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a read-only adapter is loaded from: a PEFT dir, or a training state plus its LoRA config."""
+
+    key: str
+    peft_dir: Path | None = None
+    state_dir: Path | None = None
+    lora: types.LoraConfig | None = None
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    owner: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    source: Source | None  # None: the bare base model
+    ephemeral_dir: Path | None = None
+
+
+class Core:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = metrics
+        self.runs = RunStore(settings.data_dir / "runs")
+        self.futures = FutureStore(settings.result_ttl_s)
+        self.sessions = SessionRegistry(settings.session_ttl_s)
+        self.adapters = AdapterCache(
+            engine, settings.max_resident_samplers, lambda n: metrics.resident_adapters.labels("sampler").set(n)
+        )
+        metrics.watch_engine(engine)
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
+        self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
+        self.loss_fns: frozenset[str] = frozenset(getattr(engine, "loss_fns", DEFAULT_LOSS_FNS))
+        self.sampling_inflight = 0
+        self.accepting = True
+        # Snapshots behind save_weights_and_get_sampling_client live only as long as their session.
+        self.ephemeral_root = settings.data_dir / "ephemeral"
+        shutil.rmtree(self.ephemeral_root, ignore_errors=True)
+        self.ephemeral_root.mkdir(parents=True, exist_ok=True)
+
+    # --- admission --------------------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        if not self.accepting:
+            raise ShuttingDown("server is shutting down")
+
+    def model(self, model_id: str, owner: str) -> TrainingModel:
+        model = self.models.get(model_id)
+        if model is None or model.owner != owner:
+            raise NotFound(f"model_id {model_id!r} not found (unknown, unloaded, or not yours)")
+        return model
+
+    def seen(self, scope: str, seq_id: int | None) -> types.UntypedAPIFuture | None:
+        return self.dedupe.get((scope, seq_id)) if seq_id is not None else None
+
+    def register(
+        self,
+        owner: str,
+        op: str,
+        future: asyncio.Future[Any],
+        *,
+        scope: str | None = None,
+        seq_id: int | None = None,
+        sample_sequence_ids: list[str] | None = None,
+    ) -> types.UntypedAPIFuture:
+        """Track `future` under a new request id, with metrics, and answer the submit call."""
+        request_id = self.futures.add(owner, op, future)
+        start = time.monotonic()
+        queue = "sampling" if op == "sample" else "training"
+        self.metrics.queue_depth.labels(queue).inc()
+
+        def finished(f: asyncio.Future[Any]) -> None:
+            self.metrics.queue_depth.labels(queue).dec()
+            elapsed = time.monotonic() - start
+            (self.metrics.sample_latency if op == "sample" else self.metrics.op_latency.labels(op)).observe(elapsed)
+            error = None if f.cancelled() else f.exception()
+            if f.cancelled() or error is not None:
+                category = "user" if isinstance(error, EngineError) else "server"
+                self.metrics.requests_failed.labels(op, category).inc()
+
+        future.add_done_callback(finished)
+        answer = types.UntypedAPIFuture(
+            request_id=request_id,
+            model_id=scope if scope and op != "sample" else None,
+            sample_sequence_ids=sample_sequence_ids,
+        )
+        if scope is not None and seq_id is not None:
+            self.dedupe[(scope, seq_id)] = answer
+        return answer
+
+    def spawn(self, coro: Any) -> asyncio.Future[Any]:
+        """Run an operation that needs no ordering; the returned task is owned by the FutureStore."""
+        return asyncio.ensure_future(coro)
+
+    # --- engine -----------------------------------------------------------------------------------
+    @staticmethod
+    async def call(future: Future[T]) -> T:
+        return await asyncio.wrap_future(future)
+
+    def loader(self, source: Source) -> Loader:
+        async def load() -> str:
+            if source.peft_dir is not None:
+                return await self.call(self.engine.load_peft(source.peft_dir))
+            assert source.state_dir is not None and source.lora is not None
+            adapter_id = await self.call(self.engine.create_adapter(source.lora))
+            try:
+                await self.call(self.engine.load_state(adapter_id, source.state_dir, False))
+            except BaseException:
+                await self.call(self.engine.release_adapter(adapter_id))
+                raise
+            return adapter_id
+
+        return load
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def resolve(self, path: str, owner: str) -> tuple[CheckpointRecord, RunRecord]:
+        """A checkpoint path `owner` may read (own or published), with its run."""
+        rec = self.runs.get_checkpoint(parse_checkpoint_path(path), owner)
+        run = self.runs.find_run(rec.run_id)
+        if run is None:
+            raise NotFound(f"checkpoint {path!r} not found")
+        return rec, run
+
+    def source_of(self, rec: CheckpointRecord, run: RunRecord) -> Source:
+        data = self.runs.data_dir(rec.ref)
+        key = f"ckpt:{rec.ref.tinker_path}:{rec.created_at}"  # created_at: an overwrite is a new source
+        if rec.kind == "sampler_weights":
+            return Source(key, peft_dir=data)
+        return Source(key, state_dir=data, lora=types.LoraConfig(**run.lora))
+
+    def forget_checkpoint(self, ref: CheckpointRef) -> None:
+        self.adapters.forget_prefix(f"ckpt:{ref.tinker_path}:")
+
+    def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
+        if name is not None and name != self.engine.base_model:
+            raise InvalidInput(f"unknown {field_name} {name!r}; this server serves {self.engine.base_model!r}")

@@ -1,0 +1,154 @@
+"""The mindlab-toolkit extensions: reverse-KL forward/backward against a reference model, and
+linear interpolation of checkpoints into a new sampler checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from typing import Any
+
+import numpy as np
+from tinker import types
+
+from mint_server.api.auth import Principal
+from mint_server.api.codec import tensor_json
+from mint_server.api.core import Core, Source, TrainingModel
+from mint_server.api.mint_types import (
+    ForwardBackwardReverseKLRequest,
+    ForwardBackwardReverseKLResponse,
+    InterpolateCheckpointsRequest,
+    InterpolateCheckpointsResponse,
+    ReverseKLItemOutput,
+    WireTensor,
+)
+from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path
+from mint_server.api.training import TrainingService
+from mint_server.api.validate import InvalidInput, check_datums, check_tokens
+
+# How a reverse-KL datum reaches the engine: the student's tokens are the model input; the
+# reference's tokens travel as an int64 loss input under this key.
+REFERENCE_TOKENS = "reference_tokens"
+
+
+def _tensor(t: WireTensor, field: str) -> types.TensorData:
+    data = t.data if isinstance(t.data, list) else [t.data]
+    try:
+        return types.TensorData(data=data, dtype=t.dtype, shape=t.shape or [len(data)])
+    except ValueError as e:
+        raise InvalidInput(f"{field}: {e}") from None
+
+
+def _reverse_kl_datums(req: ForwardBackwardReverseKLRequest, vocab_size: int, max_context: int) -> list[types.Datum]:
+    student = [
+        types.Datum(
+            model_input=d.student_input,
+            loss_fn_inputs={
+                "target_tokens": _tensor(d.target_tokens, f"data[{i}].target_tokens"),
+                "weights": _tensor(d.weights, f"data[{i}].weights"),
+            },
+        )
+        for i, d in enumerate(req.data)
+    ]
+    # The student side must pass the same checks as a cross-entropy datum.
+    check_datums(student, "cross_entropy", frozenset({"cross_entropy"}), vocab_size, max_context)
+    data = []
+    for i, (d, s) in enumerate(zip(req.data, student, strict=True)):
+        where = f"data[{i}].reference_input"
+        try:
+            reference = d.reference_input.to_ints()
+        except ValueError:
+            raise InvalidInput(f"{where}: only token chunks are supported") from None
+        if not reference or len(reference) > max_context:
+            raise InvalidInput(f"{where} must hold 1 to {max_context} tokens, got {len(reference)}")
+        check_tokens(reference, vocab_size, where)
+        inputs = {**s.loss_fn_inputs, REFERENCE_TOKENS: types.TensorData(data=reference, dtype="int64", shape=[len(reference)])}
+        data.append(types.Datum(model_input=s.model_input, loss_fn_inputs=inputs))
+    return data
+
+
+class MintService:
+    def __init__(self, core: Core, training: TrainingService) -> None:
+        self.core = core
+        self.engine = core.engine
+        self.training = training
+
+    def reverse_kl(self, p: Principal, req: ForwardBackwardReverseKLRequest) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Any:
+            # Every refusal happens in here, so that a refused request still gives up its seq_id.
+            if not math.isfinite(req.temperature) or req.temperature <= 0:
+                raise InvalidInput("temperature must be finite and > 0")
+            reference: Source | None = None
+            if is_checkpoint_path(req.reference_model_path):
+                rec, run_rec = self.core.resolve(req.reference_model_path, p.owner)
+                reference = self.core.source_of(rec, run_rec)
+            else:
+                self.core.check_base_model(req.reference_model_path, "reference_model_path")
+            if not req.data:
+                raise InvalidInput("data: at least one datum is required")
+            data = _reverse_kl_datums(req, self.engine.vocab_size, self.engine.max_context)
+
+            async def run() -> ForwardBackwardReverseKLResponse:
+                async with contextlib.AsyncExitStack() as stack:
+                    ref_id = None
+                    if reference is not None:
+                        ref_id = await stack.enter_async_context(
+                            self.core.adapters.use(reference.key, self.core.loader(reference))
+                        )
+                    out = await self.core.call(
+                        self.engine.forward_backward_reverse_kl(model.adapter(), ref_id, data, req.temperature)
+                    )
+                return ForwardBackwardReverseKLResponse(
+                    outputs=[ReverseKLItemOutput(loss=WireTensor(**tensor_json(_loss_of(o)))) for o in out.loss_fn_outputs],
+                    metrics=dict(out.metrics),
+                )
+
+            return run
+
+        return self.training.sequenced(p, req.model_id, req.seq_id, "forward_backward_reverse_kl", check)
+
+    def interpolate(self, p: Principal, req: InterpolateCheckpointsRequest) -> types.UntypedAPIFuture:
+        self.core.check_accepting()
+        if not req.source_paths:
+            raise InvalidInput("source_paths: at least one checkpoint is required")
+        if len(req.coefficients) != len(req.source_paths):
+            raise InvalidInput(
+                f"coefficients has {len(req.coefficients)} entries but source_paths has {len(req.source_paths)}"
+            )
+        if not all(math.isfinite(c) for c in req.coefficients):
+            raise InvalidInput("coefficients must be finite")
+        sources = [self.core.resolve(path, p.owner) for path in req.source_paths]
+        _first_rec, first_run = sources[0]
+        if first_run.owner != p.owner:
+            raise InvalidInput("the first source path must be one of your own checkpoints: the result is saved in its run")
+        name = check_name(req.output_path or f"interpolated-{int(time.time() * 1000)}", "output_path")
+        out_ref = CheckpointRef(first_run.run_id, "sampler_weights", name)
+        if self.core.runs.exists(out_ref):
+            raise InvalidInput(f"checkpoint {out_ref.tinker_path!r} already exists")
+        specs = [self.core.source_of(rec, run) for rec, run in sources]
+
+        async def run() -> InterpolateCheckpointsResponse:
+            async with contextlib.AsyncExitStack() as stack:
+                ids = [await stack.enter_async_context(self.core.adapters.use(s.key, self.core.loader(s))) for s in specs]
+                merged = await self.core.call(self.engine.interpolate(ids, list(req.coefficients)))
+            try:
+                await self.training.save_checkpoint(
+                    p.owner, out_ref, None, None, lambda dest: self.core.call(self.engine.export_peft(merged, dest))
+                )
+            finally:
+                await asyncio.wrap_future(self.engine.release_adapter(merged))
+            return InterpolateCheckpointsResponse(
+                path=out_ref.tinker_path, source_paths=list(req.source_paths), coefficients=list(req.coefficients)
+            )
+
+        return self.core.register(p.owner, "interpolate_checkpoints", self.core.spawn(run()))
+
+
+def _loss_of(output: dict[str, types.TensorData]) -> types.TensorData:
+    if "loss" in output:
+        return output["loss"]
+    if output:  # an engine naming its per-token values differently still answers something useful
+        return next(iter(output.values()))
+    return types.TensorData(data=np.zeros(0, dtype=np.float32), dtype="float32", shape=[0])

@@ -1,0 +1,79 @@
+"""Checkpoint paths as clients write them: `tinker://<run>/<kind>/<name>` (`mint://` is a synonym).
+
+Parsing only checks shape; whether the checkpoint exists and who may read it is the registry's
+business. A parsed path never becomes a filesystem path by itself: the registry maps it to a
+directory it created.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["weights", "sampler_weights"]
+KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
+CHECKPOINT_TYPE: dict[Kind, Literal["training", "sampler"]] = {"weights": "training", "sampler_weights": "sampler"}
+SCHEMES = ("tinker://", "mint://")
+
+# Run ids are ours ("<session hex>:train:<n>"); names are the client's, so they are kept to a safe
+# alphabet that can never spell a path component like ".." or contain a separator.
+RUN_ID = re.compile(r"^[0-9a-f]{32}:train:[0-9]{1,9}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class PathError(ValueError):
+    """A malformed checkpoint path or name; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    run_id: str
+    kind: Kind
+    name: str
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def tinker_path(self) -> str:
+        return f"tinker://{self.run_id}/{self.kind}/{self.name}"
+
+
+def check_name(name: str, what: str = "checkpoint name") -> str:
+    if not NAME.match(name) or ".." in name:
+        raise PathError(
+            f"invalid {what} {name!r}: use 1-128 letters, digits, '_', '-' or '.', starting with a letter or digit"
+        )
+    return name
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise PathError(f"invalid training run id {run_id!r}")
+    return run_id
+
+
+def parse_kind(kind: str) -> Kind:
+    if kind not in KINDS:
+        raise PathError(f"unknown checkpoint kind {kind!r}; expected one of {', '.join(KINDS)}")
+    return kind  # type: ignore[return-value]
+
+
+def parse_checkpoint_path(path: str) -> CheckpointRef:
+    scheme = next((s for s in SCHEMES if path.startswith(s)), None)
+    if scheme is None:
+        raise PathError(f"invalid checkpoint path {path!r}: expected tinker://<run>/weights|sampler_weights/<name>")
+    parts = path[len(scheme) :].split("/")
+    if len(parts) != 3 or not all(parts):
+        raise PathError(f"invalid checkpoint path {path!r}: expected tinker://<run>/weights|sampler_weights/<name>")
+    run_id, kind, name = parts
+    try:
+        return CheckpointRef(check_run_id(run_id), parse_kind(kind), check_name(name))
+    except PathError as e:
+        raise PathError(f"invalid checkpoint path {path!r}: {e}") from None
+
+
+def is_checkpoint_path(text: str) -> bool:
+    return text.startswith(SCHEMES)

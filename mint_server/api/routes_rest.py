@@ -1,0 +1,142 @@
+"""REST views: training runs, checkpoints (list/delete/publish/TTL/archive), weights_info, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tarfile
+import tempfile
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
+
+from mint_server.api.auth import Principal
+from mint_server.api.codec import DecodeError
+from mint_server.api.http import json_body, principal, service
+from mint_server.api.paths import CheckpointRef
+from mint_server.api.runs import NotFound
+
+router = APIRouter(prefix="/api/v1")
+Limit = Query(20, ge=1, le=1000)
+Offset = Query(0, ge=0)
+
+
+@router.get("/training_runs")
+async def list_runs(request: Request, limit: int = Limit, offset: int = Offset, p: Principal = Depends(principal)) -> Any:
+    return service(request).checkpoints.list_runs(p, limit, offset).model_dump(mode="json")
+
+
+@router.get("/training_runs/{run_id}")
+async def get_run(run_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+    return service(request).checkpoints.get_run(p, run_id).model_dump(mode="json")
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def list_checkpoints(run_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+    return service(request).checkpoints.list_checkpoints(p, run_id).model_dump(mode="json")
+
+
+@router.get("/checkpoints")
+async def list_owner_checkpoints(
+    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Offset, p: Principal = Depends(principal)
+) -> Any:
+    return service(request).checkpoints.list_owner_checkpoints(p, limit, offset).model_dump(mode="json")
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    svc = service(request).checkpoints
+    svc.delete(p, svc.ref(run_id, kind, name))
+    return Response(status_code=204)
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
+async def publish(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    svc = service(request).checkpoints
+    svc.set_public(p, svc.ref(run_id, kind, name), True)
+    return Response(status_code=204)
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
+async def unpublish(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    svc = service(request).checkpoints
+    svc.set_public(p, svc.ref(run_id, kind, name), False)
+    return Response(status_code=204)
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
+async def set_ttl(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    body = await json_body(request)
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
+        raise DecodeError("invalid field 'ttl_seconds': expected an integer or null")
+    svc = service(request).checkpoints
+    svc.set_ttl(p, svc.ref(run_id, kind, name), ttl)
+    return Response(status_code=204)
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
+async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    """302 to a short-lived signed URL: the SDK hands the URL out, and whoever fetches it has no key."""
+    svc = service(request).checkpoints
+    ref = svc.ref(run_id, kind, name)
+    svc.readable(p, ref)
+    token, expires = request.app.state.authenticator.issue_download(
+        {"sub": p.owner, "run": ref.run_id, "kind": ref.kind, "name": ref.name}
+    )
+    url = str(request.url_for("download_archive", token=token))
+    return Response(status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
+
+
+@router.get("/archives/{token}", name="download_archive")
+async def download_archive(token: str, request: Request) -> Response:
+    claims = request.app.state.authenticator.verify_download(token)
+    if claims is None:
+        raise NotFound("download link is invalid or has expired")
+    svc = service(request).checkpoints
+    ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])
+    peft_dir, cleanup = await svc.peft_dir(claims["sub"], ref)
+    try:
+        archive = await asyncio.to_thread(_tar_gz, peft_dir)
+    finally:
+        cleanup()
+    return FileResponse(
+        archive,
+        media_type="application/gzip",
+        filename=f"{ref.name}.tar.gz",
+        background=BackgroundTask(os.unlink, archive),
+    )
+
+
+def _tar_gz(src: Path) -> str:
+    """The files of `src` at the archive root, as PEFT's from_pretrained expects after extraction."""
+    fd, path = tempfile.mkstemp(suffix=".tar.gz")
+    os.close(fd)
+    with tarfile.open(path, "w:gz") as tar:
+        for f in sorted(src.rglob("*")):
+            if f.is_file():
+                tar.add(f, arcname=str(f.relative_to(src)))
+    return path
+
+
+@router.post("/weights_info")
+async def weights_info(request: Request, p: Principal = Depends(principal)) -> Any:
+    body = await json_body(request)
+    path = body.get("tinker_path")
+    if not isinstance(path, str):
+        raise DecodeError("missing field 'tinker_path'")
+    return service(request).checkpoints.weights_info(p, path).model_dump(mode="json")
+
+
+@router.get("/sessions")
+async def list_sessions(request: Request, limit: int = Limit, offset: int = Offset, p: Principal = Depends(principal)) -> Any:
+    return service(request).checkpoints.list_sessions(p, limit, offset).model_dump(mode="json")
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+    return service(request).checkpoints.session_view(p, session_id).model_dump(mode="json")

@@ -1,0 +1,125 @@
+"""Client bootstrap, sessions, futures, telemetry, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from tinker import types
+from tinker.types.try_again_response import TryAgainResponse
+
+from mint_server.api import codec
+from mint_server.api.auth import Principal
+from mint_server.api.http import parse, principal, service
+from mint_server.engine.interface import EngineError
+
+router = APIRouter(prefix="/api/v1")
+PROTO = "application/x-protobuf"
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.post("/client/config")
+async def client_config(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    await parse(request, types.ClientConfigRequest)
+    # Advertise only what this server implements; every other flag keeps the SDK default.
+    return types.ClientConfigResponse(
+        pjwt_auth_enabled=p.wants_jwt,  # `sk-` keys only work through JWT exchange on tinker 0.22
+        use_pyqwest_transport=False,
+        parallel_fwdbwd_chunks=True,
+        proto_compress_fwdbwd=True,
+        sample_use_retrieve_futures=False,
+        custom_loss_server_side=False,
+        sample_join_sampling_session=False,
+    ).model_dump(mode="json")
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
+    await parse(request, types.ClientConfigRequest)
+    return types.ClientDynamicConfigResponse(sample_cancel_enabled=False).model_dump(mode="json")
+
+
+@router.post("/auth/token")
+async def auth_token(request: Request, p: Principal = Depends(principal)) -> dict[str, str]:
+    return {"jwt": request.app.state.authenticator.issue_jwt(p)}
+
+
+@router.get("/get_server_capabilities")
+async def capabilities(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
+    engine = service(request).engine
+    model = types.SupportedModel(
+        model_name=engine.base_model, max_context_length=engine.max_context, trainable=True, sampleable=True
+    )
+    return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json")
+
+
+@router.post("/create_session")
+async def create_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.CreateSessionRequest)
+    session_id = service(request).create_session(p, req.user_metadata, req.display_name)
+    return types.CreateSessionResponse(session_id=session_id).model_dump(mode="json")
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.SessionHeartbeatRequest)
+    service(request).core.sessions.heartbeat(req.session_id, p.owner)
+    return types.SessionHeartbeatResponse().model_dump(mode="json")
+
+
+@router.post("/sessions/{session_id}/finish")
+async def finish_session(session_id: str, request: Request, p: Principal = Depends(principal)) -> Response:
+    service(request).finish_session(p, session_id)
+    return Response(status_code=204)
+
+
+@router.post("/telemetry")
+async def telemetry(_p: Principal = Depends(principal)) -> dict[str, str]:
+    # Accepted and dropped: the body is never read, so it cannot cost us anything but the upload.
+    return {"status": "accepted"}
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(request: Request, p: Principal = Depends(principal)) -> Response:
+    req = await parse(request, types.FutureRetrieveRequest)
+    svc = service(request)
+    entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
+    if not entry.future.done():
+        return JSONResponse(TryAgainResponse(request_id=req.request_id, queue_state="active").model_dump(mode="json"))
+    if entry.future.cancelled():
+        return JSONResponse({"error": "request was cancelled", "category": "server"})
+    if (error := entry.future.exception()) is not None:
+        category = "user" if isinstance(error, EngineError) else "server"
+        return JSONResponse({"error": str(error) or type(error).__name__, "category": category})
+    return await _result_response(entry.future.result(), request.headers.get("accept", ""))
+
+
+async def _result_response(result: Any, accept: str) -> Response:
+    proto = PROTO in accept
+    if isinstance(result, types.ForwardBackwardOutput):
+        if proto:
+            return Response(await asyncio.to_thread(codec.encode_fwdbwd_output, result), media_type=PROTO)
+        return JSONResponse(await asyncio.to_thread(codec.fwdbwd_output_json, result))
+    if isinstance(result, types.SampleResponse):
+        if proto:
+            return Response(await asyncio.to_thread(codec.encode_sample_response, result), media_type=PROTO)
+        return JSONResponse(await asyncio.to_thread(codec.sample_response_json, result))
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(mode="json", exclude_none=True))
+    raise TypeError(f"cannot encode a {type(result).__name__} result")
+
+
+metrics_router = APIRouter()
+
+
+@metrics_router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus scrape target; unauthenticated, like /api/v1/healthz, and holds no secrets."""
+    return Response(service(request).core.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,121 @@
+"""Training endpoints, sampling endpoints and the mindlab-toolkit extensions.
+
+Handlers only decode, call the service, and encode; every rule lives in the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from tinker import types
+
+from mint_server.api import codec
+from mint_server.api.auth import Principal
+from mint_server.api.http import decompress, json_body, parse, principal, service
+from mint_server.api.mint_types import ForwardBackwardReverseKLRequest, InterpolateCheckpointsRequest
+
+router = APIRouter(prefix="/api/v1")
+
+
+def _future(f: types.UntypedAPIFuture) -> dict[str, Any]:
+    return f.model_dump(mode="json", exclude_none=True)
+
+
+@router.post("/create_model")
+async def create_model(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).training.create_model(p, await parse(request, types.CreateModelRequest)))
+
+
+@router.post("/get_info")
+async def get_info(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    info = service(request).training.get_info(p, await parse(request, types.GetInfoRequest))
+    return info.model_dump(mode="json", exclude_none=True)
+
+
+async def _fwdbwd_call(request: Request, input_field: str, forward_only: bool) -> codec.FwdBwdCall:
+    """tinker 0.38 posts protobuf (maybe zstd); 0.22 posts JSON with `forward_backward_input` or `forward_input`."""
+    if "application/x-protobuf" in request.headers.get("content-type", ""):
+        limit = service(request).core.settings.max_body_bytes
+        body = decompress(await request.body(), request.headers.get("content-encoding"), limit)
+        return await asyncio.to_thread(codec.decode_fwdbwd_proto, body)
+    obj = await json_body(request)
+    unknown = set(obj) - {input_field, "model_id", "seq_id", "type"}
+    if unknown:
+        raise codec.DecodeError(f"unknown field {sorted(unknown)[0]!r}")
+    model_id, seq_id = obj.get("model_id"), obj.get("seq_id")
+    if not isinstance(model_id, str):
+        raise codec.DecodeError("missing field 'model_id'")
+    if seq_id is not None and (not isinstance(seq_id, int) or isinstance(seq_id, bool)):
+        raise codec.DecodeError("invalid field 'seq_id': expected an integer")
+    loss_fn, config, data = await asyncio.to_thread(codec.fwdbwd_input_from_json, obj.get(input_field), input_field)
+    return codec.FwdBwdCall(model_id, seq_id, loss_fn, config, data, forward_only)
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    call = await _fwdbwd_call(request, "forward_backward_input", forward_only=False)
+    return _future(service(request).training.forward_backward(p, call))
+
+
+@router.post("/forward")
+async def forward(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    call = await _fwdbwd_call(request, "forward_input", forward_only=True)
+    return _future(service(request).training.forward_backward(p, call))
+
+
+@router.post("/optim_step")
+async def optim_step(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).training.optim_step(p, await parse(request, types.OptimStepRequest)))
+
+
+@router.post("/save_weights")
+async def save_weights(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).training.save_weights(p, await parse(request, types.SaveWeightsRequest)))
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.SaveWeightsForSamplerRequest)
+    return _future(service(request).training.save_weights_for_sampler(p, req))
+
+
+@router.post("/load_weights")
+async def load_weights(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).training.load_weights(p, await parse(request, types.LoadWeightsRequest)))
+
+
+@router.post("/unload_model")
+async def unload_model(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).training.unload_model(p, await parse(request, types.UnloadModelRequest)))
+
+
+# --- sampling ------------------------------------------------------------------------------------
+@router.post("/create_sampling_session")
+async def create_sampling_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.CreateSamplingSessionRequest)
+    return service(request).sampling.create_session(p, req).model_dump(mode="json")
+
+
+@router.get("/samplers/{sampler_id}")
+async def get_sampler(sampler_id: str, request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return service(request).sampling.describe(p, sampler_id).model_dump(mode="json")
+
+
+@router.post("/asample")
+async def asample(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    return _future(service(request).sampling.asample(p, await parse(request, types.SampleRequest)))
+
+
+# --- mindlab-toolkit extensions ------------------------------------------------------------------
+@router.post("/mint/forward_backward_reverse_kl")
+async def forward_backward_reverse_kl(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, ForwardBackwardReverseKLRequest)
+    return _future(service(request).mint.reverse_kl(p, req))
+
+
+@router.post("/mint/checkpoints/interpolate")
+async def interpolate_checkpoints(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, InterpolateCheckpointsRequest)
+    return _future(service(request).mint.interpolate(p, req))

@@ -1,0 +1,119 @@
+"""Sampling sessions and sample requests.
+
+A sampling session names what to sample from: the base model, a checkpoint, or an unnamed
+snapshot made by save_weights_and_get_sampling_client. Its adapter is loaded on first use and may
+be released and reloaded later (see AdapterCache). Samples are not ordered: they run concurrently
+and the engine batches them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tinker import types
+
+from mint_server.api.auth import Principal
+from mint_server.api.core import Busy, Core, Sampler, Source, TrainingModel
+from mint_server.api.runs import NotFound
+from mint_server.api.validate import InvalidInput, check_sampling
+
+# SampleRequest fields this server cannot honour; refusing beats silently dropping them.
+_UNSUPPORTED = {
+    "topk_sample_logprobs": lambda r: r.topk_sample_logprobs > 0,
+    "target_prompt_logprobs": lambda r: r.target_prompt_logprobs is not None,
+    "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
+    "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
+    "record_stability_info": lambda r: bool(r.record_stability_info),
+}
+
+
+class SamplingService:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.engine = core.engine
+
+    def create_session(
+        self, p: Principal, req: types.CreateSamplingSessionRequest
+    ) -> types.CreateSamplingSessionResponse:
+        self.core.check_accepting()
+        session = self.core.sessions.live(req.session_id, p.owner)
+        sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
+        if (existing := self.core.samplers.get(sampler_id)) is not None:
+            if existing.model_path != req.model_path:
+                raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
+            return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+        source: Source | None = None
+        if req.model_path is not None:
+            rec, run = self.core.resolve(req.model_path, p.owner)
+            self.core.check_base_model(req.base_model)
+            source = self.core.source_of(rec, run)
+        elif req.base_model is None:
+            raise InvalidInput("either model_path or base_model is required")
+        else:
+            self.core.check_base_model(req.base_model)
+        self.core.samplers[sampler_id] = Sampler(
+            sampler_id, p.owner, session.session_id, self.engine.base_model, req.model_path, source
+        )
+        session.sampler_ids.append(sampler_id)
+        return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
+
+    def add_snapshot(self, model: TrainingModel, sampler_id: str, peft_dir: Path) -> None:
+        """Register the sampling session created by save_weights_for_sampler without a path."""
+        self.core.samplers[sampler_id] = Sampler(
+            sampler_id, model.owner, model.session_id, self.engine.base_model, None,
+            Source(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
+        )
+        session = self.core.sessions.get(model.session_id, model.owner)
+        session.sampler_ids.append(sampler_id)
+
+    def sampler(self, p: Principal, sampler_id: str) -> Sampler:
+        sampler = self.core.samplers.get(sampler_id)
+        if sampler is None or sampler.owner != p.owner:
+            raise NotFound(f"sampling session {sampler_id!r} not found")
+        return sampler
+
+    def describe(self, p: Principal, sampler_id: str) -> types.GetSamplerResponse:
+        s = self.sampler(p, sampler_id)
+        return types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path)
+
+    def asample(self, p: Principal, req: types.SampleRequest) -> types.UntypedAPIFuture:
+        self.core.check_accepting()
+        if req.sampling_session_id is None:
+            raise InvalidInput("sampling_session_id is required (create one with create_sampling_session)")
+        sampler = self.sampler(p, req.sampling_session_id)
+        if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
+            return hit
+        for name, used in _UNSUPPORTED.items():
+            if used(req):
+                raise InvalidInput(f"{name} is not supported by this server")
+        if req.topk_prompt_logprobs < 0:
+            raise InvalidInput("topk_prompt_logprobs must be >= 0")
+        tokens = check_sampling(
+            req.prompt, req.num_samples, req.sampling_params, self.engine.vocab_size, self.engine.max_context
+        )
+        if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
+            raise Busy("too many sample requests in flight; retry shortly")
+        self.core.sampling_inflight += 1
+
+        async def run() -> types.SampleResponse:
+            try:
+                args = (tokens, req.num_samples, req.sampling_params, bool(req.prompt_logprobs), req.topk_prompt_logprobs)
+                if sampler.source is None:
+                    return await self.core.call(self.engine.sample(None, *args))
+                async with self.core.adapters.use(sampler.source.key, self.core.loader(sampler.source)) as adapter_id:
+                    return await self.core.call(self.engine.sample(adapter_id, *args))
+            finally:
+                self.core.sampling_inflight -= 1
+
+        ids = [f"{sampler.sampler_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
+        return self.core.register(
+            p.owner, "sample", self.core.spawn(run()), scope=sampler.sampler_id, seq_id=req.seq_id,
+            sample_sequence_ids=ids,
+        )
+
+    def retire(self, sampler: Sampler) -> None:
+        self.core.samplers.pop(sampler.sampler_id, None)
+        if sampler.ephemeral_dir is not None:
+            self.core.adapters.forget(f"ephemeral:{sampler.sampler_id}")
+            shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

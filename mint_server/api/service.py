@@ -1,0 +1,108 @@
+"""The service behind the HTTP routes: composes the operation groups and owns the lifecycle
+(background upkeep, session expiry, graceful shutdown). No HTTP here and no tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from mint_server.api.auth import Principal
+from mint_server.api.checkpoints import CheckpointService
+from mint_server.api.core import Core
+from mint_server.api.extensions import MintService
+from mint_server.api.metrics import Metrics
+from mint_server.api.runs import NotFound
+from mint_server.api.sampling import SamplingService
+from mint_server.api.sessions import Session
+from mint_server.api.settings import Settings
+from mint_server.api.training import TrainingService
+from mint_server.engine.interface import Engine
+
+log = logging.getLogger(__name__)
+
+
+class Service:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
+        self.core = Core(engine, settings, metrics)
+        self.sampling = SamplingService(self.core)
+        self.training = TrainingService(self.core, self.sampling.add_snapshot)
+        self.checkpoints = CheckpointService(self.core)
+        self.mint = MintService(self.core, self.training)
+        self._upkeep: asyncio.Task[None] | None = None
+        self._retiring: set[asyncio.Task[Any]] = set()
+
+    @property
+    def engine(self) -> Engine:
+        return self.core.engine
+
+    # --- sessions ---------------------------------------------------------------------------------
+    def create_session(self, p: Principal, user_metadata: dict[str, Any] | None, display_name: str | None) -> str:
+        self.core.check_accepting()
+        session = self.core.sessions.create(p.owner, user_metadata, display_name)
+        self.core.metrics.sessions.set(self.core.sessions.active_count())
+        return session.session_id
+
+    def finish_session(self, p: Principal, session_id: str) -> None:
+        """Idempotent: finishing an unknown session (e.g. one from before a restart) is a no-op."""
+        try:
+            session = self.core.sessions.get(session_id, p.owner)
+        except NotFound:
+            return
+        if self.core.sessions.close(session):
+            self._retire_session(session, "session finished")
+
+    def _retire_session(self, session: Session, reason: str) -> None:
+        """Release what the session holds in the engine; checkpoints and run records stay."""
+        for model_id in session.model_ids:
+            if (model := self.core.models.get(model_id)) is not None:
+                task = asyncio.ensure_future(self.training.retire(model, reason))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
+        for sampler_id in session.sampler_ids:
+            if (sampler := self.core.samplers.get(sampler_id)) is not None:
+                self.sampling.retire(sampler)
+        self.core.metrics.sessions.set(self.core.sessions.active_count())
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._upkeep = asyncio.ensure_future(self._upkeep_loop())
+
+    async def _upkeep_loop(self) -> None:
+        interval = self.core.settings.upkeep_interval_s
+        ticks = 0
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                # Checkpoint TTLs are coarse (an hour at least): sweep them about once a minute.
+                self.upkeep(sweep_checkpoints=ticks % max(1, int(60 / interval)) == 0)
+            except Exception:
+                log.exception("upkeep failed")
+            ticks += 1
+
+    def upkeep(self, sweep_checkpoints: bool = True) -> None:
+        for session in self.core.sessions.take_expired():
+            log.info("session %s missed its heartbeats; releasing its adapters", session.session_id)
+            self._retire_session(session, "session expired (no heartbeat)")
+        self.core.futures.sweep()
+        live = self.core.futures.request_ids()
+        for key in [k for k, answer in self.core.dedupe.items() if answer.request_id not in live]:
+            del self.core.dedupe[key]
+        if sweep_checkpoints and (expired := self.core.runs.sweep_expired()):
+            for ref in expired:
+                self.core.forget_checkpoint(ref)
+            log.info("deleted %d expired checkpoints", len(expired))
+
+    async def shutdown(self) -> None:
+        """Refuse new work, finish what was accepted (up to drain_timeout_s), then stop the engine."""
+        self.core.accepting = False
+        if self._upkeep is not None:
+            self._upkeep.cancel()
+        self.core.futures.release_pollers()
+        for model in self.core.models.values():
+            model.sequencer.drop_unreachable("server shut down before this request's predecessors arrived")
+        left = await self.core.futures.drain(self.core.settings.drain_timeout_s)
+        if left:
+            log.warning("shutdown: %d operations still running after %.0fs", left, self.core.settings.drain_timeout_s)
+        await asyncio.to_thread(self.core.engine.shutdown, True)

@@ -1,0 +1,28 @@
+"""Service settings: everything `mint serve` decides before the app starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Settings:
+    data_dir: Path
+    api_keys: tuple[str, ...] = ()
+    no_auth: bool = False
+    max_body_bytes: int = 256 * 1024 * 1024
+    # The SDK heartbeats every 10 s and warns after 2 min without one; past this we reclaim the session.
+    session_ttl_s: float = 180.0
+    # retrieve_future holds a pending request this long before answering try_again (SDK timeout is 45 s).
+    long_poll_s: float = 20.0
+    # Finished results stay retrievable this long: the SDK may re-poll after a dropped connection.
+    result_ttl_s: float = 900.0
+    # Sampler adapters kept loaded at once; older ones are released and reloaded from disk on demand.
+    max_resident_samplers: int = 8
+    # In-flight sample requests before asample answers 429 (the SDK backs off and resubmits).
+    max_inflight_samples: int = 512
+    # How often expired sessions, results and checkpoints are swept.
+    upkeep_interval_s: float = 5.0
+    # How long shutdown waits for in-flight work before giving up on it.
+    drain_timeout_s: float = 120.0

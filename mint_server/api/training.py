@@ -1,0 +1,351 @@
+"""Training operations: create/load a model, forward(-backward), optimizer steps, saves.
+
+Each operation on an existing model goes through the model's Sequencer (seq_id order). A request
+refused before it is queued still gives up its seq_id, so the client's later requests do not wait
+for it forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from mint_server.api.auth import Principal
+from mint_server.api.codec import FwdBwdCall
+from mint_server.api.core import Core, TrainingModel
+from mint_server.api.ordering import SeqError, Sequencer
+from mint_server.api.paths import CheckpointRef, Kind, check_name
+from mint_server.api.runs import CheckpointRecord, RunRecord
+from mint_server.api.sessions import Session
+from mint_server.api.validate import InvalidInput, check_adam, check_config, check_datums, check_lora
+
+MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
+Op = Callable[[], Awaitable[Any]]
+
+
+def check_ttl(ttl_seconds: int | None) -> float | None:
+    if ttl_seconds is None:
+        return None
+    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise InvalidInput(f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years)")
+    return time.time() + ttl_seconds
+
+
+def check_optimizer(config: Any) -> None:
+    kind = getattr(config, "type", "adamw")
+    if kind != "adamw":
+        raise InvalidInput(f"optimizer_config.type {kind!r} is not supported; only 'adamw'")
+
+
+def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
+    """What must match for a state to load into an adapter (the seed only affects initialization)."""
+    d = lora.model_dump() if isinstance(lora, types.LoraConfig) else dict(lora)
+    d.pop("seed", None)
+    return d
+
+
+class TrainingService:
+    def __init__(self, core: Core, on_sampler_snapshot: Callable[[TrainingModel, str, Path], None]) -> None:
+        self.core = core
+        self.engine = core.engine
+        self._on_sampler_snapshot = on_sampler_snapshot
+
+    # --- creation -----------------------------------------------------------------------------------
+    def create_model(self, p: Principal, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
+        self.core.check_accepting()
+        session = self.core.sessions.live(req.session_id, p.owner)
+        self.core.check_base_model(req.base_model)
+        if req.lora_config is None:
+            raise InvalidInput("lora_config is required: this server trains LoRA adapters only")
+        check_lora(req.lora_config)
+        check_optimizer(req.optimizer_config)
+        lora = req.lora_config
+
+        async def make_adapter() -> str:
+            return await self.core.call(self.engine.create_adapter(lora))
+
+        return self._start_model(
+            p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
+            lambda model_id: types.CreateModelResponse(model_id=model_id), "create_model",
+        )
+
+    def create_from_state(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
+        """load_weights addressed by session_id + model_seq_id: a new model starting from a checkpoint."""
+        self.core.check_accepting()
+        if req.model_seq_id is None:
+            raise InvalidInput("model_seq_id is required with session_id")
+        session = self.core.sessions.live(req.session_id or "", p.owner)
+        rec, run = self.core.resolve(req.path, p.owner)
+        if rec.kind != "weights":
+            raise InvalidInput(f"path {req.path!r}: a training client loads tinker://…/weights/… checkpoints")
+        self.core.check_base_model(req.base_model)
+        if req.optimizer_config is not None:
+            check_optimizer(req.optimizer_config)
+        lora = types.LoraConfig(**run.lora)
+        state_dir, optimizer = self.core.runs.data_dir(rec.ref), req.optimizer
+
+        async def make_adapter() -> str:
+            adapter_id = await self.core.call(self.engine.create_adapter(lora))
+            try:
+                await self.core.call(self.engine.load_state(adapter_id, state_dir, optimizer))
+            except BaseException:
+                await self.core.call(self.engine.release_adapter(adapter_id))
+                raise
+            return adapter_id
+
+        return self._start_model(
+            p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
+            lambda model_id: types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model_id), "load_weights",
+        )
+
+    def _start_model(
+        self,
+        p: Principal,
+        session: Session,
+        model_seq_id: int,
+        lora: types.LoraConfig,
+        make_adapter: Callable[[], Awaitable[str]],
+        user_metadata: dict[str, Any] | None,
+        respond: Callable[[str], Any],
+        op: str,
+    ) -> types.UntypedAPIFuture:
+        model_id = f"{session.session_id}:train:{model_seq_id}"
+        if model_seq_id < 0:
+            raise InvalidInput("model_seq_id must be >= 0")
+        if (hit := self.core.seen(model_id, 0)) is not None:
+            return hit
+        if model_id in self.core.models or self.core.runs.find_run(model_id) is not None:
+            raise InvalidInput(f"model_seq_id {model_seq_id} was already used in this session")
+        model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1))
+        self.core.models[model_id] = model
+        session.model_ids.append(model_id)
+
+        async def create() -> Any:
+            try:
+                model.adapter_id = await make_adapter()
+            except BaseException as e:
+                model.failed = f"creation failed: {e}"
+                raise
+            self._count_training_adapters()
+            now = time.time()
+            self.core.runs.create_run(
+                RunRecord(
+                    run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
+                    optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
+                    last_request_time=now, user_metadata=user_metadata,
+                )
+            )
+            return respond(model_id)
+
+        future = model.sequencer.submit(None, create)
+        return self.core.register(p.owner, op, future, scope=model_id, seq_id=0)
+
+    def get_info(self, p: Principal, req: types.GetInfoRequest) -> types.GetInfoResponse:
+        model = self.core.model(req.model_id, p.owner)
+        return types.GetInfoResponse(
+            model_id=model.model_id,
+            model_data=types.ModelData(
+                arch=getattr(self.engine, "arch", None),
+                model_name=self.engine.base_model,
+                # A local dir loads offline with AutoTokenizer.from_pretrained; a hub name would not.
+                tokenizer_id=str(self.engine.model_dir),
+            ),
+            is_lora=True,
+            lora_rank=model.lora.rank,
+            model_name=self.engine.base_model,
+        )
+
+    # --- ordered operations -------------------------------------------------------------------------
+    def sequenced(
+        self, p: Principal, model_id: str, seq_id: int | None, op: str, check: Callable[[TrainingModel], Op]
+    ) -> types.UntypedAPIFuture:
+        """Validate with `check` (which returns the operation) and queue it in seq_id order."""
+        self.core.check_accepting()
+        model = self.core.model(model_id, p.owner)
+        if (hit := self.core.seen(model_id, seq_id)) is not None:
+            return hit
+        if seq_id is not None:
+            try:
+                model.sequencer.check(seq_id)
+            except SeqError as e:
+                raise InvalidInput(str(e)) from None
+        try:
+            run = check(model)
+        except Exception:
+            if seq_id is not None:
+                model.sequencer.skip(seq_id)
+            raise
+
+        async def touched() -> Any:
+            self.core.runs.touch(model_id)
+            return await run()
+
+        future = model.sequencer.submit(seq_id, touched)
+        return self.core.register(p.owner, op, future, scope=model_id, seq_id=seq_id)
+
+    def forward_backward(self, p: Principal, call: FwdBwdCall) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Op:
+            check_config(call.loss_fn_config)
+            check_datums(call.data, call.loss_fn, self.core.loss_fns, self.engine.vocab_size, self.engine.max_context)
+            if (engine_check := getattr(self.engine, "validate_train", None)) is not None:
+                engine_check(call.data, call.loss_fn, call.loss_fn_config)  # the engine's full rules, now
+            fn = self.engine.forward if call.forward_only else self.engine.forward_backward
+            return lambda: self.core.call(fn(model.adapter(), call.data, call.loss_fn, call.loss_fn_config))
+
+        return self.sequenced(p, call.model_id, call.seq_id, "forward" if call.forward_only else "forward_backward", check)
+
+    def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Op:
+            params = req.optim_params
+            if not isinstance(params, types.AdamParams):
+                raise InvalidInput("optim_params: only AdamW (adam_params) is supported")
+            check_adam(params)
+            return lambda: self.core.call(self.engine.optim_step(model.adapter(), params))
+
+        return self.sequenced(p, req.model_id, req.seq_id, "optim_step", check)
+
+    def save_weights(self, p: Principal, req: types.SaveWeightsRequest) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Op:
+            ref = self._new_ref(model, "weights", req.path, req.overwrite)
+            expires = check_ttl(req.ttl_seconds)
+
+            async def run() -> types.SaveWeightsResponse:
+                await self.save_checkpoint(
+                    model.owner, ref, expires, req.user_metadata,
+                    lambda dest: self.core.call(self.engine.save_state(model.adapter(), dest, True)),
+                )
+                return types.SaveWeightsResponse(path=ref.tinker_path)
+
+            return run
+
+        return self.sequenced(p, req.model_id, req.seq_id, "save_weights", check)
+
+    def save_weights_for_sampler(self, p: Principal, req: types.SaveWeightsForSamplerRequest) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Op:
+            if req.path is None:
+                return self._snapshot_for_sampling(model, req)
+            ref = self._new_ref(model, "sampler_weights", req.path, overwrite=False)
+            expires = check_ttl(req.ttl_seconds)
+
+            async def run() -> types.SaveWeightsForSamplerResponseInternal:
+                await self.save_checkpoint(
+                    model.owner, ref, expires, req.user_metadata,
+                    lambda dest: self.core.call(self.engine.export_peft(model.adapter(), dest)),
+                )
+                return types.SaveWeightsForSamplerResponseInternal(path=ref.tinker_path)
+
+            return run
+
+        return self.sequenced(p, req.model_id, req.seq_id, "save_weights_for_sampler", check)
+
+    def _snapshot_for_sampling(self, model: TrainingModel, req: types.SaveWeightsForSamplerRequest) -> Op:
+        """save_weights_and_get_sampling_client: an unnamed export that one sampling session uses."""
+        if req.sampling_session_seq_id is None:
+            raise InvalidInput("save_weights_for_sampler needs either path or sampling_session_seq_id")
+        sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
+        if sampler_id in self.core.samplers:
+            raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
+
+        async def run() -> types.SaveWeightsForSamplerResponseInternal:
+            dest = self.core.ephemeral_root / sampler_id.replace(":", "_")
+            dest.mkdir(parents=True, exist_ok=True)
+            await self.core.call(self.engine.export_peft(model.adapter(), dest))
+            self._on_sampler_snapshot(model, sampler_id, dest)
+            return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
+
+        return run
+
+    def load_weights(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
+        if req.session_id is not None:
+            return self.create_from_state(p, req)
+        if req.model_id is None:
+            raise InvalidInput("load_weights needs model_id (existing model) or session_id (new model)")
+
+        def check(model: TrainingModel) -> Op:
+            rec, run_rec = self.core.resolve(req.path, p.owner)
+            if rec.kind != "weights":
+                raise InvalidInput(f"path {req.path!r}: load_weights takes tinker://…/weights/… checkpoints")
+            if lora_shape(run_rec.lora) != lora_shape(model.lora):
+                raise InvalidInput(
+                    f"checkpoint LoRA config {lora_shape(run_rec.lora)} does not match this model's "
+                    f"{lora_shape(model.lora)}"
+                )
+            src = self.core.runs.data_dir(rec.ref)
+
+            async def run() -> types.LoadWeightsResponse:
+                if not self.core.runs.exists(rec.ref):
+                    raise InvalidInput(f"checkpoint {req.path!r} was deleted")
+                await self.core.call(self.engine.load_state(model.adapter(), src, req.optimizer))
+                return types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model.model_id)
+
+            return run
+
+        return self.sequenced(p, req.model_id, req.seq_id, "load_weights", check)
+
+    def unload_model(self, p: Principal, req: types.UnloadModelRequest) -> types.UntypedAPIFuture:
+        def check(model: TrainingModel) -> Op:
+            async def run() -> types.UnloadModelResponse:
+                await self._release(model, "model was unloaded")
+                return types.UnloadModelResponse(model_id=model.model_id)
+
+            return run
+
+        return self.sequenced(p, req.model_id, None, "unload_model", check)
+
+    # --- helpers ------------------------------------------------------------------------------------
+    def _new_ref(self, model: TrainingModel, kind: Kind, name: str | None, overwrite: bool) -> CheckpointRef:
+        if name is None:
+            name = f"{kind}-{int(time.time() * 1000)}"
+        ref = CheckpointRef(model.model_id, kind, check_name(name))
+        if not overwrite and self.core.runs.exists(ref):
+            raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists (pass overwrite=True to replace it)")
+        return ref
+
+    async def save_checkpoint(
+        self,
+        owner: str,
+        ref: CheckpointRef,
+        expires_at: float | None,
+        user_metadata: dict[str, str] | None,
+        write: Callable[[Path], Awaitable[None]],
+    ) -> None:
+        """Have `write` fill a staging dir, move it into place, then commit the record."""
+        staging = self.core.runs.staging_dir(ref.run_id, ref.kind)
+        try:
+            await write(staging)
+            size = await asyncio.to_thread(self.core.runs.publish_data, ref, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.core.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
+        self.core.runs.register_checkpoint(
+            CheckpointRecord(
+                run_id=ref.run_id, kind=ref.kind, name=ref.name, owner=owner, created_at=time.time(),
+                size_bytes=size, expires_at=expires_at, user_metadata=user_metadata,
+            )
+        )
+
+    async def _release(self, model: TrainingModel, reason: str) -> None:
+        """Free the model's adapter; its checkpoints and run record stay."""
+        model.failed = reason
+        self.core.models.pop(model.model_id, None)
+        if model.adapter_id is not None:
+            adapter_id, model.adapter_id = model.adapter_id, None
+            self._count_training_adapters()
+            await self.core.call(self.engine.release_adapter(adapter_id))
+
+    async def retire(self, model: TrainingModel, reason: str) -> None:
+        """Session ended: drop queued work, let the running op finish, then free the adapter."""
+        model.sequencer.close(reason)
+        await model.sequencer.drained()
+        await self._release(model, reason)
+
+    def _count_training_adapters(self) -> None:
+        n = sum(m.adapter_id is not None for m in self.core.models.values())
+        self.core.metrics.resident_adapters.labels("training").set(n)

@@ -1,0 +1,101 @@
+"""`mint serve`: prepare the base model, start the engine, serve the Tinker API over HTTP."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+log = logging.getLogger("mint_server.serve")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def collect_keys(cli_keys: list[str]) -> tuple[str, ...]:
+    env = os.environ.get("MINT_API_KEYS", "")
+    keys = [k.strip() for k in [*cli_keys, *env.split(",")] if k.strip()]
+    return tuple(dict.fromkeys(keys))  # de-duplicated, order kept
+
+
+def base_model_name(arg: str | None, model_dir: Path) -> str:
+    """The name clients use for the base model: the default's hub name, or what the dir was prepared from."""
+    from mint_server.model.prepare import DEFAULT_BASE_MODEL, MARKER
+
+    if arg is None or arg == DEFAULT_BASE_MODEL:
+        return DEFAULT_BASE_MODEL
+    try:
+        return str(json.loads((model_dir / MARKER).read_text())["source"])
+    except (OSError, ValueError, KeyError):
+        return model_dir.name
+
+
+def make_engine(model_dir: Path, name: str) -> Any:
+    from mint_server.engine.local import LocalEngine
+
+    factory = getattr(LocalEngine, "from_model_dir", None)
+    if factory is not None:
+        return factory(model_dir, base_model_name=name)
+    return LocalEngine(model_dir, base_model=name)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def serve(
+        base_model: str = typer.Option(None, "--base-model", help="HF checkpoint dir, or omit for the embedded default."),
+        host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
+        port: int = typer.Option(8000, help="TCP port."),
+        data_dir: Path = typer.Option(None, "--data-dir", help="State dir (default $MINT_HOME or ~/.mint)."),
+        api_key: list[str] = typer.Option(
+            [], "--api-key", help="Accepted API key (tml-… or sk-…); repeatable. Also read from $MINT_API_KEYS."
+        ),
+        no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a key (loopback hosts only)."),
+        max_body_mb: int = typer.Option(256, help="Largest request body accepted, in MiB."),
+        log_level: str = typer.Option("info", help="Log level."),
+    ) -> None:
+        """Serve LoRA training and sampling behind the Tinker API."""
+        import uvicorn
+
+        from mint_server.api.app import create_app
+        from mint_server.api.auth import check_key_form
+        from mint_server.api.settings import Settings
+        from mint_server.model.config import ModelError
+        from mint_server.model.prepare import resolve_base_model
+        from mint_server.paths import data_dir as resolve_data_dir
+
+        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        keys = collect_keys(api_key)
+        if no_auth and not is_loopback(host):
+            raise typer.BadParameter("--no-auth is only allowed when --host is a loopback address", param_hint="--no-auth")
+        if not keys and not no_auth:
+            raise typer.BadParameter("give at least one --api-key (or set MINT_API_KEYS), or use --no-auth on loopback")
+        for i, key in enumerate(keys):
+            try:
+                check_key_form(key)
+            except ValueError as e:  # never echo the key itself
+                raise typer.BadParameter(f"API key #{i + 1}: {e}", param_hint="--api-key") from None
+
+        root = resolve_data_dir(data_dir)
+        try:
+            model_dir = resolve_base_model(base_model, root)
+            name = base_model_name(base_model, model_dir)
+            typer.echo(f"loading {name} from {model_dir}")
+            engine = make_engine(model_dir, name)
+        except ModelError as e:
+            raise typer.BadParameter(str(e), param_hint="--base-model") from None
+        settings = Settings(data_dir=root, api_keys=keys, no_auth=no_auth, max_body_bytes=max_body_mb * 1024 * 1024)
+        app = create_app(engine, settings)
+        auth = "no auth" if no_auth else f"{len(keys)} API key(s)"
+        typer.echo(f"MinT serving {name} on http://{host}:{port} (data dir {root}; {auth})")
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=settings.drain_timeout_s)
