@@ -41,5 +41,7 @@ def check_limit(limit: int | None) -> int:
     if limit is None:
         return DEFAULT_LIMIT
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-        raise InvalidArgument(f"limit must be an integer between 1 and {MAX_LIMIT}, got {limit!r}", field="limit")
+        raise InvalidArgument(
+            f"limit must be an integer between 1 and {MAX_LIMIT}, got {limit!r}", field="limit"
+        )
     return limit

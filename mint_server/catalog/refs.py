@@ -70,7 +70,9 @@ def check_owner(owner: str) -> str:
 def parse_ref(text: str, field: str = "ref") -> Ref:
     """Parse a reference; raises InvalidReference naming the reference when it is malformed."""
     if not isinstance(text, str) or not text:
-        raise InvalidReference(f"{field} is empty; expected NAME, NAME@ALIAS, NAME@N or NAME@<sha>", field=field)
+        raise InvalidReference(
+            f"{field} is empty; expected NAME, NAME@ALIAS, NAME@N or NAME@<sha>", field=field
+        )
     name, sep, selector = text.partition("@")
     if not POLICY_NAME_RE.fullmatch(name):
         raise InvalidReference(f"{field} {text!r}: {name!r} is not a valid policy name", field=field)

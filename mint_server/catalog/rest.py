@@ -1,0 +1,274 @@
+"""HTTP routes for the catalog: `make_catalog_router(...)` returns an APIRouter that the service
+mounts (under /api/v1/mint/catalog). The service supplies the owner (from the API key) through a
+FastAPI dependency; every route is scoped to that owner.
+
+Errors come back as JSON `{"detail": "...", "field": ..., "error": "<exception class>"}`:
+404 NotFound, 409 AlreadyExists, 400 InvalidArgument/InvalidReference, 422 request validation,
+500 IntegrityError (stored data is corrupt; the message names the blob).
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the real Annotated types of the
+# route parameters, which are built inside make_catalog_router.
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+
+from mint_server.catalog import archive
+from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.cursor import DEFAULT_LIMIT, MAX_LIMIT
+from mint_server.catalog.errors import AlreadyExists, CatalogError, InvalidArgument, NotFound
+from mint_server.catalog.records import page_to_dict, to_dict
+
+DEFAULT_MAX_UPLOAD_BYTES = 8 << 30
+
+
+def status_for(error: CatalogError) -> int:
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, AlreadyExists):
+        return 409
+    if isinstance(error, InvalidArgument):
+        return 400
+    return 500  # IntegrityError (corrupt or missing blob) and anything unforeseen
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for e in error.errors():
+        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
+        parts.append(f"{loc or 'request'}: {e.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
+class _CatalogRoute(APIRoute):
+    """Turns catalog errors (and request validation errors) into `{"detail": "..."}` responses here,
+    because an APIRouter cannot install exception handlers on the app that mounts it."""
+
+    def get_route_handler(self) -> Callable:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Any:
+            try:
+                return await handler(request)
+            except CatalogError as e:
+                body = {"detail": str(e), "field": e.field, "error": type(e).__name__}
+                return JSONResponse(body, status_code=status_for(e))
+            except RequestValidationError as e:
+                return JSONResponse(
+                    {"detail": _validation_message(e), "error": "RequestValidationError"}, status_code=422
+                )
+
+        return route
+
+
+class CreatePolicyBody(BaseModel):
+    name: str
+    base_model: str
+    lora_config: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    exist_ok: bool = False  # return the existing policy instead of 409
+
+
+class SetAliasBody(BaseModel):
+    revision: int | str  # a number, or anything after '@' in a reference (alias, sha prefix)
+    reason: str | None = None
+
+
+class RollbackBody(BaseModel):
+    reason: str | None = None
+
+
+class EvalBody(BaseModel):
+    metric: str
+    value: float
+    dataset: str | None = None
+
+
+class SeedBody(BaseModel):
+    policies: int = Field(ge=0, le=10_000_000)
+    revisions_per_policy: int = Field(default=1, ge=1, le=1000)
+    prefix: str = "synthetic-"
+
+
+def make_catalog_router(
+    get_catalog: Callable[[], Catalog],
+    owner_dependency: Callable[..., Any],
+    *,
+    actor_dependency: Callable[..., Any] | None = None,
+    enable_seed: bool = False,
+    max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+) -> APIRouter:
+    """Routes for every catalog operation.
+
+    get_catalog: returns the service's Catalog (called per request; cheap).
+    owner_dependency: FastAPI dependency returning the owner id (raises 401 itself).
+    actor_dependency: who is recorded on alias moves; defaults to the owner.
+    enable_seed: expose POST /seed (bulk synthetic load) — for test and benchmark deployments only.
+    """
+    router = APIRouter(route_class=_CatalogRoute)
+    Owner = Annotated[str, Depends(owner_dependency)]
+
+    def _default_actor(owner: Owner) -> str:
+        return owner
+
+    Actor = Annotated[str, Depends(actor_dependency or _default_actor)]
+    Cursor = Annotated[str | None, Query(description="next_cursor from the previous page")]
+    Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT)]
+
+    # -- policies ---------------------------------------------------------------------------
+    @router.get("/policies")
+    def list_policies(owner: Owner, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT) -> dict[str, Any]:
+        return page_to_dict(get_catalog().list_policies(owner, cursor=cursor, limit=limit))
+
+    @router.post("/policies", status_code=201)
+    def create_policy(owner: Owner, body: CreatePolicyBody) -> dict[str, Any]:
+        create = get_catalog().get_or_create_policy if body.exist_ok else get_catalog().create_policy
+        return to_dict(create(owner, body.name, body.base_model, body.lora_config, body.metadata))
+
+    @router.get("/policies/{name}")
+    def get_policy(owner: Owner, name: str) -> dict[str, Any]:
+        return to_dict(get_catalog().get_policy(owner, name))
+
+    @router.get("/policies/{name}/revisions")
+    def list_revisions(
+        owner: Owner, name: str, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT
+    ) -> dict[str, Any]:
+        return page_to_dict(get_catalog().list_revisions(owner, name, cursor=cursor, limit=limit))
+
+    @router.post("/policies/{name}/revisions", status_code=201)
+    async def import_revision(
+        owner: Owner,
+        name: str,
+        request: Request,
+        base_model: str | None = None,
+        parent: str | None = None,
+        training_run: str | None = None,
+        step: Annotated[int | None, Query(ge=0)] = None,
+        note: str | None = None,
+    ) -> dict[str, Any]:
+        """Publish a PEFT directory uploaded as the request body: a tar or zip archive."""
+        workdir = Path(tempfile.mkdtemp(prefix="mint-import-"))
+        try:
+            upload = workdir / "upload"
+            size = 0
+            with open(upload, "wb") as out:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_upload_bytes:
+                        raise InvalidArgument(f"upload exceeds {max_upload_bytes} bytes", field="archive")
+                    out.write(chunk)
+            if size == 0:
+                raise InvalidArgument(
+                    "request body must be a tar or zip archive of a PEFT directory", field="archive"
+                )
+
+            def publish() -> dict[str, Any]:
+                root = archive.unpack(upload, workdir / "peft", max_bytes=max_upload_bytes * 4)
+                revision = get_catalog().import_peft(
+                    owner,
+                    root,
+                    name,
+                    base_model=base_model,
+                    parent=parent,
+                    training_run=training_run,
+                    step=step,
+                    note=note,
+                )
+                return to_dict(revision)
+
+            return await run_in_threadpool(publish)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # -- aliases ----------------------------------------------------------------------------
+    @router.get("/policies/{name}/aliases")
+    def list_aliases(
+        owner: Owner, name: str, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT
+    ) -> dict[str, Any]:
+        return page_to_dict(get_catalog().list_aliases(owner, name, cursor=cursor, limit=limit))
+
+    @router.get("/policies/{name}/aliases/{alias}")
+    def get_alias(owner: Owner, name: str, alias: str) -> dict[str, Any]:
+        return to_dict(get_catalog().get_alias(owner, name, alias))
+
+    @router.put("/policies/{name}/aliases/{alias}")
+    def set_alias(owner: Owner, actor: Actor, name: str, alias: str, body: SetAliasBody) -> dict[str, Any]:
+        return to_dict(
+            get_catalog().set_alias(owner, name, alias, body.revision, actor=actor, reason=body.reason)
+        )
+
+    @router.post("/policies/{name}/aliases/{alias}/rollback")
+    def rollback_alias(
+        owner: Owner, actor: Actor, name: str, alias: str, body: RollbackBody | None = None
+    ) -> dict[str, Any]:
+        reason = body.reason if body else None
+        return to_dict(get_catalog().rollback_alias(owner, name, alias, actor=actor, reason=reason))
+
+    @router.get("/policies/{name}/aliases/{alias}/history")
+    def alias_history(
+        owner: Owner, name: str, alias: str, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT
+    ) -> dict[str, Any]:
+        return page_to_dict(get_catalog().alias_history(owner, name, alias, cursor=cursor, limit=limit))
+
+    # -- revisions by reference ---------------------------------------------------------------
+    @router.get("/revisions/{ref}")
+    def resolve(owner: Owner, ref: str) -> dict[str, Any]:
+        """NAME (latest), NAME@N, NAME@ALIAS or NAME@<sha prefix>."""
+        return to_dict(get_catalog().resolve(owner, ref))
+
+    @router.get("/revisions/{ref}/lineage")
+    def lineage(
+        owner: Owner, ref: str, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT
+    ) -> dict[str, Any]:
+        return page_to_dict(get_catalog().lineage(owner, ref, cursor=cursor, limit=limit))
+
+    @router.get("/revisions/{ref}/archive")
+    def export(
+        owner: Owner, ref: str, fmt: Annotated[archive.Format, Query(alias="format")] = "tar"
+    ) -> FileResponse:
+        """The revision's PEFT directory as a tar or zip (files at the top level)."""
+        catalog = get_catalog()
+        revision = catalog.resolve(owner, ref)
+        workdir = Path(tempfile.mkdtemp(prefix="mint-export-"))
+        try:
+            catalog.materialize(revision, workdir / "peft")  # verified before anything is sent
+            packed = archive.pack(workdir / "peft", workdir / f"export.{fmt}", fmt)
+        except BaseException:
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return FileResponse(
+            packed,
+            media_type=archive.MEDIA_TYPES[fmt],
+            filename=f"{revision.policy}-{revision.number}.{fmt}",
+            headers={"X-Mint-Revision": revision.ref, "X-Mint-Sha256": revision.sha256},
+            background=BackgroundTask(shutil.rmtree, workdir, ignore_errors=True),
+        )
+
+    @router.get("/revisions/{ref}/evals")
+    def list_evals(
+        owner: Owner, ref: str, metric: str | None = None, cursor: Cursor = None, limit: Limit = DEFAULT_LIMIT
+    ) -> dict[str, Any]:
+        return page_to_dict(get_catalog().list_evals(owner, ref, metric=metric, cursor=cursor, limit=limit))
+
+    @router.post("/revisions/{ref}/evals", status_code=201)
+    def record_eval(owner: Owner, ref: str, body: EvalBody) -> dict[str, Any]:
+        return to_dict(get_catalog().record_eval(owner, ref, body.metric, body.value, dataset=body.dataset))
+
+    if enable_seed:
+
+        @router.post("/seed", status_code=201)
+        def seed(owner: Owner, body: SeedBody) -> dict[str, Any]:
+            result = get_catalog().seed(body.policies, body.revisions_per_policy, owner, prefix=body.prefix)
+            return to_dict(result)
+
+    return router

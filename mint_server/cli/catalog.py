@@ -1,0 +1,600 @@
+"""`mint policy|revision|alias|eval|export|import|catalog …`: the policy catalog from the shell.
+
+Every command works on a local catalog (--data-dir / --db-url, as --owner) or on a running
+server (--server URL --api-key KEY, owner implied by the key). Output is rich tables, or JSON with
+--json. Errors are one line on stderr and exit status 2.
+"""
+
+import getpass
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+# Only the light catalog modules here: `mint` imports this for every command, and the database
+# and HTTP layers (SQLAlchemy, httpx) load in Target.open, only when a catalog command runs.
+from mint_server.catalog.errors import CatalogError, InvalidArgument
+from mint_server.catalog.records import Page, Revision, page_to_dict, to_dict
+
+if TYPE_CHECKING:
+    from mint_server.catalog.client import CatalogClient
+
+T = TypeVar("T")
+PANEL = "Catalog location"
+out = Console(soft_wrap=True)
+err = Console(stderr=True)
+
+
+@dataclass
+class Target:
+    """Where a command's catalog is, from the options every command shares."""
+
+    data_dir: Path | None
+    db_url: str | None
+    server: str | None
+    api_key: str | None
+    owner: str
+    json: bool
+    opened: list["CatalogClient"] = field(default_factory=list)
+
+    def open(self, actor: str | None = None) -> "CatalogClient":
+        from mint_server.catalog.catalog import Catalog
+        from mint_server.catalog.client import HttpClient, LocalClient
+
+        if self.server:
+            if self.data_dir or self.db_url:
+                raise InvalidArgument("--server cannot be combined with --data-dir or --db-url")
+            client: CatalogClient = HttpClient(self.server, self.api_key)
+        else:
+            catalog = Catalog.open(self.db_url, data_dir=self.data_dir)
+            client = LocalClient(catalog, self.owner, actor or _default_actor(self.owner))
+        self.opened.append(client)
+        return client
+
+
+def _default_actor(owner: str) -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return owner
+
+
+def _option(name: str, annotation: Any, default: Any, *decls: str, help: str, **kw: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=default,
+        annotation=Annotated[annotation, typer.Option(*decls, help=help, rich_help_panel=PANEL, **kw)],
+    )
+
+
+# The options shared by every command, appended to each command's own parameters by `command`.
+_COMMON = [
+    _option(
+        "data_dir", Path | None, None, "--data-dir", help="Local data dir (default $MINT_HOME or ~/.mint)."
+    ),
+    _option(
+        "db_url",
+        str | None,
+        None,
+        "--db-url",
+        help="Database URL instead of <data-dir>/catalog.db.",
+        envvar="MINT_CATALOG_URL",
+    ),
+    _option(
+        "server",
+        str | None,
+        None,
+        "--server",
+        help="Use a running MinT server at this URL.",
+        envvar="MINT_SERVER",
+    ),
+    _option("api_key", str | None, None, "--api-key", help="API key for --server.", envvar="MINT_API_KEY"),
+    _option("owner", str, "local", "--owner", help="Owner in local mode.", envvar="MINT_OWNER"),
+    _option("json", bool, False, "--json", help="Print JSON instead of tables."),
+]
+
+
+def command(fn: Callable[..., None]) -> Callable[..., None]:
+    """Give `fn(target, ...)` the shared location options, and turn catalog errors into one line
+    on stderr with exit status 2. Typer reads the combined __signature__."""
+    own = [p for p in inspect.signature(fn).parameters.values() if p.name != "target"]
+
+    def run(**kwargs: Any) -> None:
+        target = Target(**{p.name: kwargs.pop(p.name) for p in _COMMON})
+        try:
+            fn(target, **kwargs)
+        except (CatalogError, OSError) as e:
+            _fail(str(e))
+        except Exception as e:
+            # Database unreachable, bad URL, …: still one line, not a traceback.
+            if not type(e).__module__.startswith("sqlalchemy"):
+                raise
+            _fail(f"database error: {getattr(e, 'orig', None) or e}")
+        finally:
+            for client in target.opened:
+                client.close()
+
+    run.__name__, run.__doc__ = fn.__name__, fn.__doc__
+    run.__signature__ = inspect.Signature(own + _COMMON)  # type: ignore[attr-defined]
+    return run
+
+
+def _fail(message: str) -> None:
+    first_line = message.strip().splitlines()[0] if message.strip() else "failed"
+    typer.echo(f"error: {first_line}", err=True)  # plain echo: rich would wrap long lines
+    raise typer.Exit(2)
+
+
+# -- output helpers -----------------------------------------------------------------------------
+def _emit(target: Target, data: Any, render: Callable[[], None]) -> None:
+    if target.json:
+        print(json.dumps(data, indent=2))
+    else:
+        render()
+
+
+def _when(value: datetime) -> str:
+    return value.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            break
+    return f"{n:.1f} {unit}"
+
+
+def _table(*columns: str) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for c in columns:
+        table.add_column(c)
+    return table
+
+
+def _kv(rows: list[tuple[str, Any]]) -> None:
+    table = Table(box=None, show_header=False, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in rows:
+        table.add_row(key, "" if value is None else str(value))
+    out.print(table)
+
+
+def _next_hint(page: Page[Any]) -> None:
+    if page.next_cursor:
+        err.print(f"more: --cursor {page.next_cursor}", markup=False, highlight=False)
+
+
+def _pages(fetch: Callable[..., Page[T]], cursor: str | None, limit: int, all_pages: bool) -> Page[T]:
+    page = fetch(cursor=cursor, limit=limit)
+    if not all_pages:
+        return page
+    items = list(page.items)
+    while page.next_cursor:
+        page = fetch(cursor=page.next_cursor, limit=limit)
+        items.extend(page.items)
+    return Page(items, None)
+
+
+def _revision_rows(revisions: list[Revision]) -> Table:
+    table = _table("revision", "sha256", "size", "rank", "parent", "step", "created", "note")
+    for r in revisions:
+        table.add_row(
+            r.ref, r.sha256[:12], _size(r.size), str(r.rank), r.parent or "", "" if r.step is None else str(r.step),
+            _when(r.created_at), r.note or "",
+        )  # fmt: skip
+    return table
+
+
+def _parse_json_object(text: str | None, name: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidArgument(f"{name} is not valid JSON: {e}", field=name) from None
+    if not isinstance(value, dict):
+        raise InvalidArgument(f"{name} must be a JSON object", field=name)
+    return value
+
+
+Limit = Annotated[int, typer.Option("--limit", min=1, max=1000, help="Items per page.")]
+Cursor = Annotated[str | None, typer.Option("--cursor", help="Continue from a previous page's cursor.")]
+AllPages = Annotated[bool, typer.Option("--all", help="Fetch every page.")]
+
+
+# -- policy -------------------------------------------------------------------------------------
+policy_app = typer.Typer(no_args_is_help=True, help="Policies: named LoRA adapters with immutable revisions.")
+
+
+@policy_app.command("list")
+@command
+def policy_list(
+    target: Target, limit: Limit = 50, cursor: Cursor = None, all_pages: AllPages = False
+) -> None:
+    """List policies by name."""
+    client = target.open()
+    page = _pages(client.list_policies, cursor, limit, all_pages)
+
+    def render() -> None:
+        table = _table("name", "base model", "rank", "created")
+        for p in page.items:
+            table.add_row(p.name, p.base_model, str(p.lora_config.get("rank", "")), _when(p.created_at))
+        out.print(table)
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+@policy_app.command("show")
+@command
+def policy_show(target: Target, name: Annotated[str, typer.Argument(help="Policy name.")]) -> None:
+    """Show a policy, its aliases and its latest revision."""
+    client = target.open()
+    policy = client.get_policy(name)
+    aliases = client.list_aliases(name, limit=1000).items
+    latest = client.list_revisions(name, limit=1).items
+    data = {
+        **to_dict(policy),
+        "aliases": [to_dict(a) for a in aliases],
+        "latest": to_dict(latest[0]) if latest else None,
+    }
+
+    def render() -> None:
+        _kv(
+            [
+                ("name", policy.name),
+                ("owner", policy.owner),
+                ("base model", policy.base_model),
+                ("lora config", json.dumps(policy.lora_config)),
+                ("metadata", json.dumps(policy.metadata)),
+                ("created", _when(policy.created_at)),
+                ("latest", latest[0].ref if latest else "(no revisions)"),
+                ("aliases", ", ".join(f"{a.name}→{a.revision}" for a in aliases) or "(none)"),
+            ]
+        )
+
+    _emit(target, data, render)
+
+
+@policy_app.command("create")
+@command
+def policy_create(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    base_model: Annotated[str, typer.Option("--base-model", help="Base model the adapters are for.")],
+    rank: Annotated[
+        int | None, typer.Option("--rank", min=1, help="LoRA rank (sets lora_config.rank).")
+    ] = None,
+    lora_config: Annotated[
+        str | None, typer.Option("--lora-config", help="LoRA config as a JSON object.")
+    ] = None,
+    metadata: Annotated[str | None, typer.Option("--metadata", help="Metadata as a JSON object.")] = None,
+    exist_ok: Annotated[bool, typer.Option("--exist-ok", help="Succeed if it already exists.")] = False,
+) -> None:
+    """Create a policy."""
+    config = _parse_json_object(lora_config, "lora_config") or {}
+    if rank is not None:
+        config["rank"] = rank
+    policy = target.open().create_policy(
+        name, base_model, config, _parse_json_object(metadata, "metadata"), exist_ok=exist_ok
+    )
+    _emit(
+        target,
+        to_dict(policy),
+        lambda: out.print(f"policy {policy.name} ({policy.base_model})", markup=False),
+    )
+
+
+# -- revision -----------------------------------------------------------------------------------
+revision_app = typer.Typer(no_args_is_help=True, help="Adapter revisions.")
+
+
+@revision_app.command("list")
+@command
+def revision_list(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+) -> None:
+    """List a policy's revisions, newest first."""
+    client = target.open()
+    page = _pages(lambda **kw: client.list_revisions(name, **kw), cursor, limit, all_pages)
+
+    def render() -> None:
+        out.print(_revision_rows(page.items))
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+@revision_app.command("show")
+@command
+def revision_show(
+    target: Target, ref: Annotated[str, typer.Argument(help="NAME, NAME@N, NAME@ALIAS or NAME@SHA.")]
+) -> None:
+    """Show one revision."""
+    r = target.open().resolve(ref)
+    rows = [
+        ("revision", r.ref), ("sha256", r.sha256), ("size", f"{_size(r.size)} ({r.size} bytes)"), ("rank", r.rank),
+        ("parent", r.parent), ("training run", r.training_run), ("step", r.step), ("note", r.note),
+        ("created", _when(r.created_at)),
+    ]  # fmt: skip
+    _emit(target, to_dict(r), lambda: _kv(rows))
+
+
+@revision_app.command("log")
+@command
+def revision_log(
+    target: Target,
+    ref: Annotated[str, typer.Argument(help="Where to start.")],
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+) -> None:
+    """Lineage: the revision, its parent, grandparent, …"""
+    client = target.open()
+    page = _pages(lambda **kw: client.lineage(ref, **kw), cursor, limit, all_pages)
+
+    def render() -> None:
+        out.print(_revision_rows(page.items))
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+# -- alias --------------------------------------------------------------------------------------
+alias_app = typer.Typer(no_args_is_help=True, help="Aliases (e.g. prod, staging) pointing at revisions.")
+Reason = Annotated[str | None, typer.Option("--reason", help="Why; kept in the alias history.")]
+Actor = Annotated[str | None, typer.Option("--actor", help="Who, in local mode (default: your user name).")]
+
+
+@alias_app.command("set")
+@command
+def alias_set(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    alias: Annotated[str, typer.Argument(help="Alias name.")],
+    revision: Annotated[str, typer.Argument(help="Revision number (or another alias / sha prefix).")],
+    reason: Reason = None,
+    actor: Actor = None,
+) -> None:
+    """Point an alias at a revision."""
+    a = target.open(actor).set_alias(name, alias, revision, reason=reason)
+    _emit(
+        target, to_dict(a), lambda: out.print(f"{a.policy}@{a.name} → {a.policy}@{a.revision}", markup=False)
+    )
+
+
+@alias_app.command("rollback")
+@command
+def alias_rollback(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    alias: Annotated[str, typer.Argument(help="Alias name.")],
+    reason: Reason = None,
+    actor: Actor = None,
+) -> None:
+    """Move an alias back to where it pointed before its latest move."""
+    a = target.open(actor).rollback_alias(name, alias, reason=reason)
+    _emit(
+        target, to_dict(a), lambda: out.print(f"{a.policy}@{a.name} → {a.policy}@{a.revision}", markup=False)
+    )
+
+
+@alias_app.command("history")
+@command
+def alias_history(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    alias: Annotated[str, typer.Argument(help="Alias name.")],
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+) -> None:
+    """Every move of an alias, newest first."""
+    client = target.open()
+    page = _pages(lambda **kw: client.alias_history(name, alias, **kw), cursor, limit, all_pages)
+
+    def render() -> None:
+        table = _table("at", "action", "from", "to", "actor", "reason")
+        for e in page.items:
+            table.add_row(
+                _when(e.at), e.action, "" if e.from_revision is None else str(e.from_revision),
+                str(e.to_revision), e.actor, e.reason or "",
+            )  # fmt: skip
+        out.print(table)
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+@alias_app.command("list")
+@command
+def alias_list(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="Policy name.")],
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+) -> None:
+    """A policy's aliases."""
+    client = target.open()
+    page = _pages(lambda **kw: client.list_aliases(name, **kw), cursor, limit, all_pages)
+
+    def render() -> None:
+        table = _table("alias", "revision", "updated")
+        for a in page.items:
+            table.add_row(a.name, f"{a.policy}@{a.revision}", _when(a.updated_at))
+        out.print(table)
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+# -- eval ---------------------------------------------------------------------------------------
+eval_app = typer.Typer(no_args_is_help=True, help="Evaluation results attached to revisions.")
+
+
+@eval_app.command("record")
+@command
+def eval_record(
+    target: Target,
+    ref: Annotated[str, typer.Argument(help="Revision reference.")],
+    metric: Annotated[str, typer.Argument(help="Metric name.")],
+    value: Annotated[float, typer.Argument(help="Metric value.")],
+    dataset: Annotated[str | None, typer.Option("--dataset", help="What it was measured on.")] = None,
+) -> None:
+    """Record a metric value for a revision."""
+    e = target.open().record_eval(ref, metric, value, dataset=dataset)
+    _emit(target, to_dict(e), lambda: out.print(f"{e.revision} {e.metric}={e.value:g}", markup=False))
+
+
+@eval_app.command("list")
+@command
+def eval_list(
+    target: Target,
+    ref: Annotated[str, typer.Argument(help="Revision reference.")],
+    metric: Annotated[str | None, typer.Option("--metric", help="Only this metric.")] = None,
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+) -> None:
+    """A revision's evals, newest first."""
+    client = target.open()
+    page = _pages(lambda **kw: client.list_evals(ref, metric=metric, **kw), cursor, limit, all_pages)
+
+    def render() -> None:
+        table = _table("revision", "metric", "value", "dataset", "recorded")
+        for e in page.items:
+            table.add_row(e.revision, e.metric, f"{e.value:g}", e.dataset or "", _when(e.created_at))
+        out.print(table)
+        _next_hint(page)
+
+    _emit(target, page_to_dict(page), render)
+
+
+# -- export / import ----------------------------------------------------------------------------
+@command
+def export(
+    target: Target,
+    ref: Annotated[str, typer.Argument(help="Revision reference, e.g. NAME@prod.")],
+    dest: Annotated[Path, typer.Argument(help="Directory to create (must be absent or empty).")],
+) -> None:
+    """Write a revision as a PEFT directory (verified before it appears)."""
+    r = target.open().export(ref, dest)
+    data = {**to_dict(r), "path": str(dest.absolute())}
+    _emit(target, data, lambda: out.print(f"{r.ref} ({r.sha256[:12]}) → {dest}", markup=False))
+
+
+@command
+def import_(
+    target: Target,
+    peft_dir: Annotated[
+        Path, typer.Argument(help="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).")
+    ],
+    policy: Annotated[
+        str, typer.Option("--policy", help="Policy to add the revision to (created if missing).")
+    ],
+    base_model: Annotated[
+        str | None, typer.Option("--base-model", help="Default: the policy's, else the adapter's.")
+    ] = None,
+    parent: Annotated[str | None, typer.Option("--parent", help="Parent revision reference.")] = None,
+    training_run: Annotated[str | None, typer.Option("--training-run")] = None,
+    step: Annotated[int | None, typer.Option("--step", min=0)] = None,
+    note: Annotated[str | None, typer.Option("--note")] = None,
+) -> None:
+    """Publish a PEFT LoRA directory as a new revision."""
+    r = target.open().import_peft(
+        peft_dir,
+        policy,
+        base_model=base_model,
+        parent=parent,
+        training_run=training_run,
+        step=step,
+        note=note,
+    )
+    _emit(target, to_dict(r), lambda: out.print(f"{r.ref} ({r.sha256[:12]}, {_size(r.size)})", markup=False))
+
+
+# -- catalog maintenance ------------------------------------------------------------------------
+catalog_app = typer.Typer(no_args_is_help=True, help="Catalog maintenance and load generation.")
+
+
+@catalog_app.command("seed")
+@command
+def catalog_seed(
+    target: Target,
+    policies: Annotated[int, typer.Option("--policies", min=0, help="How many synthetic policies.")],
+    revisions_per_policy: Annotated[int, typer.Option("--revisions-per-policy", min=1)] = 1,
+    prefix: Annotated[
+        str, typer.Option("--prefix", help="Name prefix of the synthetic policies.")
+    ] = "synthetic-",
+) -> None:
+    """Bulk-load synthetic policies (each with a revision chain and a `prod` alias)."""
+    client = target.open()
+    columns = (TextColumn("seeding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True, disable=target.json) as progress:
+        task = progress.add_task("seed", total=policies)
+        result = client.seed(
+            policies,
+            revisions_per_policy,
+            prefix=prefix,
+            progress=lambda done: progress.update(task, completed=done),
+        )
+    rate = result.policies / result.seconds if result.seconds else 0.0
+    data = {**to_dict(result), "policies_per_second": rate}
+    _emit(
+        target,
+        data,
+        lambda: out.print(
+            f"seeded {result.policies} policies / {result.revisions} revisions in {result.seconds:.2f}s "
+            f"({rate:,.0f} policies/s): {result.first_name} … {result.last_name}",
+            markup=False,
+        ),
+    )
+
+
+@catalog_app.command("gc")
+@command
+def catalog_gc(
+    target: Target,
+    grace_seconds: Annotated[
+        float, typer.Option("--grace-seconds", min=0, help="Keep blobs touched this recently.")
+    ] = 3600.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would go.")] = False,
+) -> None:
+    """Delete blobs no revision references."""
+    report = target.open().gc(grace_seconds=grace_seconds, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    _emit(
+        target,
+        to_dict(report),
+        lambda: out.print(
+            f"{verb} {report.removed} blobs ({_size(report.freed_bytes)}), kept {report.kept}", markup=False
+        ),
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(policy_app, name="policy")
+    app.add_typer(revision_app, name="revision")
+    app.add_typer(alias_app, name="alias")
+    app.add_typer(eval_app, name="eval")
+    app.add_typer(catalog_app, name="catalog")
+    app.command("export")(export)
+    app.command("import")(import_)

@@ -1,0 +1,95 @@
+"""Fixtures for the catalog suite: every backend-dependent test runs on SQLite, and on PostgreSQL
+when MINT_TEST_POSTGRES_URL is set (see .ci/postgres.sh); each test gets a fresh database schema."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Header, HTTPException
+from sqlalchemy import create_engine
+from sqlalchemy.engine import make_url
+
+from mint_server.catalog import Catalog
+from mint_server.catalog.client import API_PREFIX
+from mint_server.catalog.rest import make_catalog_router
+
+PG_URL = os.environ.get("MINT_TEST_POSTGRES_URL")
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'catalog.db'}"
+        return
+    if not PG_URL:
+        pytest.skip('MINT_TEST_POSTGRES_URL is not set (eval "$(.ci/postgres.sh)")')
+    # A schema per test, selected through search_path, is a fresh database for the catalog.
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
+    try:
+        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
+        yield url.render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.dispose()
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "data"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def catalog(db_url: str, data_dir: Path) -> Iterator[Catalog]:
+    with Catalog.open(db_url, data_dir=data_dir) as cat:
+        yield cat
+
+
+def owner_from_key(x_api_key: Annotated[str | None, Header()] = None) -> str:
+    """What the service does with real API keys, reduced to a header lookup."""
+    if not x_api_key:
+        raise HTTPException(status_code=401, detail="missing X-API-Key")
+    return f"owner-{x_api_key}"
+
+
+@pytest.fixture
+def app(catalog: Catalog) -> FastAPI:
+    """A service stand-in: the catalog router mounted where the service will mount it."""
+    app = FastAPI()
+    app.include_router(
+        make_catalog_router(lambda: catalog, owner_from_key, enable_seed=True), prefix=API_PREFIX
+    )
+    return app
+
+
+@pytest.fixture
+def server(app: FastAPI) -> Iterator[str]:
+    """The app served by real uvicorn on a loopback port, in a thread."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=20)
+    sock.close()
