@@ -25,7 +25,7 @@ from mint_server.api.paths import CheckpointRef, parse_checkpoint_path
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
 from mint_server.api.sessions import SessionRegistry
 from mint_server.api.settings import Settings
-from mint_server.api.validate import DEFAULT_LOSS_FNS, InvalidInput
+from mint_server.api.validate import InvalidInput
 from mint_server.engine.interface import Engine, EngineError
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,6 @@ class Core:
         self.samplers: dict[str, Sampler] = {}
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
-        self.loss_fns: frozenset[str] = frozenset(getattr(engine, "loss_fns", DEFAULT_LOSS_FNS))
         self.sampling_inflight = 0
         self.accepting = True
         # Snapshots behind save_weights_and_get_sampling_client live only as long as their session.

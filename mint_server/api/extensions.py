@@ -26,7 +26,7 @@ from mint_server.api.mint_types import (
 )
 from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path
 from mint_server.api.training import TrainingService
-from mint_server.api.validate import InvalidInput, check_datums, check_tokens
+from mint_server.api.validate import InvalidInput, check_tokens
 
 # How a reverse-KL datum reaches the engine: the student's tokens are the model input; the
 # reference's tokens travel as an int64 loss input under this key.
@@ -41,8 +41,9 @@ def _tensor(t: WireTensor, field: str) -> types.TensorData:
         raise InvalidInput(f"{field}: {e}") from None
 
 
-def _reverse_kl_datums(req: ForwardBackwardReverseKLRequest, vocab_size: int, max_context: int) -> list[types.Datum]:
-    student = [
+def _student_datums(req: ForwardBackwardReverseKLRequest) -> list[types.Datum]:
+    """The student side of each item as a cross-entropy datum: it obeys the same rules as one."""
+    return [
         types.Datum(
             model_input=d.student_input,
             loss_fn_inputs={
@@ -52,8 +53,11 @@ def _reverse_kl_datums(req: ForwardBackwardReverseKLRequest, vocab_size: int, ma
         )
         for i, d in enumerate(req.data)
     ]
-    # The student side must pass the same checks as a cross-entropy datum.
-    check_datums(student, "cross_entropy", frozenset({"cross_entropy"}), vocab_size, max_context)
+
+
+def _with_reference(
+    req: ForwardBackwardReverseKLRequest, student: list[types.Datum], vocab_size: int, max_context: int
+) -> list[types.Datum]:
     data = []
     for i, (d, s) in enumerate(zip(req.data, student, strict=True)):
         where = f"data[{i}].reference_input"
@@ -88,7 +92,9 @@ class MintService:
                 self.core.check_base_model(req.reference_model_path, "reference_model_path")
             if not req.data:
                 raise InvalidInput("data: at least one datum is required")
-            data = _reverse_kl_datums(req, self.engine.vocab_size, self.engine.max_context)
+            student = _student_datums(req)
+            self.training.validate_train(model, student, "cross_entropy", None, backward=True)
+            data = _with_reference(req, student, self.engine.vocab_size, self.engine.max_context)
 
             async def run() -> ForwardBackwardReverseKLResponse:
                 async with contextlib.AsyncExitStack() as stack:

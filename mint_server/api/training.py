@@ -23,7 +23,7 @@ from mint_server.api.ordering import SeqError, Sequencer
 from mint_server.api.paths import CheckpointRef, Kind, check_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
-from mint_server.api.validate import InvalidInput, check_adam, check_config, check_datums, check_lora
+from mint_server.api.validate import InvalidInput, check_adam, check_lora
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 Op = Callable[[], Awaitable[Any]]
@@ -151,7 +151,7 @@ class TrainingService:
         return types.GetInfoResponse(
             model_id=model.model_id,
             model_data=types.ModelData(
-                arch=getattr(self.engine, "arch", None),
+                arch=self.engine.arch,
                 model_name=self.engine.base_model,
                 # A local dir loads offline with AutoTokenizer.from_pretrained; a hub name would not.
                 tokenizer_id=str(self.engine.model_dir),
@@ -191,14 +191,26 @@ class TrainingService:
 
     def forward_backward(self, p: Principal, call: FwdBwdCall) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
-            check_config(call.loss_fn_config)
-            check_datums(call.data, call.loss_fn, self.core.loss_fns, self.engine.vocab_size, self.engine.max_context)
-            if (engine_check := getattr(self.engine, "validate_train", None)) is not None:
-                engine_check(call.data, call.loss_fn, call.loss_fn_config)  # the engine's full rules, now
+            # The engine owns the rules (losses, their inputs and config, vocab, context): checking
+            # here, before the request takes its place in the sequence, turns bad input into a 400.
+            self.validate_train(model, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
             fn = self.engine.forward if call.forward_only else self.engine.forward_backward
             return lambda: self.core.call(fn(model.adapter(), call.data, call.loss_fn, call.loss_fn_config))
 
         return self.sequenced(p, call.model_id, call.seq_id, "forward" if call.forward_only else "forward_backward", check)
+
+    def validate_train(
+        self, model: TrainingModel, data: list[types.Datum], loss_fn: str,
+        loss_fn_config: dict[str, Any] | None, backward: bool,
+    ) -> None:
+        """The engine's checks for a forward(_backward) on `model`, at submission time."""
+        if model.adapter_id is None:
+            # Creation (the model's op 0) has not run yet, so there is no adapter to check against;
+            # the inputs alone are checked as a forward on the base. The adapter itself is checked
+            # again when the op runs.
+            self.engine.validate_train(None, data, loss_fn, loss_fn_config, backward=False)
+        else:
+            self.engine.validate_train(model.adapter_id, data, loss_fn, loss_fn_config, backward=backward)
 
     def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:

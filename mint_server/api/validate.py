@@ -1,24 +1,20 @@
 """Input checks done before anything reaches the engine, so that a bad request is refused with a
 message naming the field and leaves no trace (no seq slot held, no adapter touched). The engine
 checks again; these catch what a client can get wrong without knowing the model's internals.
+Training data (losses, their inputs and config) is checked by the engine's own
+`validate_train` at submission time instead, so those rules live in one place.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import numpy as np
 from tinker import types
 
 from mint_server.engine.interface import EngineError
 
-# Used when the engine does not list its losses (`Engine.loss_fns`): every loss the SDK can name
-# except "custom", which needs server-side custom losses we do not offer. Which inputs each loss
-# needs is the engine's business; only target_tokens is common to all.
-DEFAULT_LOSS_FNS = frozenset(
-    {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
-)
 MAX_LORA_RANK = 1024
 MAX_SAMPLES = 128
 
@@ -39,46 +35,6 @@ def check_tokens(tokens: Iterable[int], vocab_size: int, where: str) -> None:
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
         raise InvalidInput(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-
-
-def _leading(t: types.TensorData) -> int:
-    return t.shape[0] if t.shape else len(t.data)
-
-
-def check_datums(
-    data: list[types.Datum], loss_fn: str, loss_fns: frozenset[str], vocab_size: int, max_context: int
-) -> None:
-    if loss_fn not in loss_fns:
-        raise InvalidInput(f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(loss_fns))}")
-    if not data:
-        raise InvalidInput("data: at least one datum is required")
-    for i, datum in enumerate(data):
-        where = f"data[{i}]"
-        tokens = _tokens(datum.model_input, f"{where}.model_input")
-        if not tokens:
-            raise InvalidInput(f"{where}.model_input is empty")
-        if len(tokens) > max_context:
-            raise InvalidInput(f"{where}.model_input has {len(tokens)} tokens; the model's context is {max_context}")
-        check_tokens(tokens, vocab_size, f"{where}.model_input")
-        inputs = datum.loss_fn_inputs
-        if "target_tokens" not in inputs:
-            raise InvalidInput(f"{where}.loss_fn_inputs: missing 'target_tokens'")
-        for key, tensor in inputs.items():
-            if _leading(tensor) != len(tokens):
-                raise InvalidInput(
-                    f"{where}.loss_fn_inputs[{key!r}] has length {_leading(tensor)}, "
-                    f"but model_input has {len(tokens)} tokens"
-                )
-            values = np.asarray(tensor.data)
-            if tensor.dtype == "float32" and not np.isfinite(values).all():
-                raise InvalidInput(f"{where}.loss_fn_inputs[{key!r}] contains NaN or infinity")
-        check_tokens(inputs["target_tokens"].data, vocab_size, f"{where}.loss_fn_inputs['target_tokens']")
-
-
-def check_config(config: Mapping[str, float | str] | None, where: str = "loss_fn_config") -> None:
-    for k, v in (config or {}).items():
-        if isinstance(v, float | int) and not math.isfinite(v):
-            raise InvalidInput(f"{where}[{k!r}] must be finite")
 
 
 def check_adam(params: types.AdamParams) -> None:

@@ -7,9 +7,12 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:  # the engine (torch) is imported only when `serve` runs, not for every CLI call
+    from mint_server.engine.local import EngineSettings
 
 log = logging.getLogger("mint_server.serve")
 
@@ -41,13 +44,27 @@ def base_model_name(arg: str | None, model_dir: Path) -> str:
         return model_dir.name
 
 
-def make_engine(model_dir: Path, name: str) -> Any:
-    from mint_server.engine.local import LocalEngine
+# Engine sizes `mint serve` uses unless told otherwise. They fit the embedded SmolLM2-135M on a
+# 24 GiB CPU box. The KV cache is the big fixed cost: layers × kv_slots × kv_heads × max_seq_len ×
+# head_dim × 2 (K, V) × 4 bytes (float32), i.e. 30 × 32 × 3 × 2048 × 64 × 8 ≈ 2.8 GiB; the LoRA
+# bank (adapter slots × max rank) and the model itself (0.5 GiB) are small beside it. Bigger
+# models need smaller values.
+DEFAULT_ADAPTER_SLOTS = 16
+DEFAULT_MAX_RANK = 32
+DEFAULT_KV_SLOTS = 32
+DEFAULT_MAX_SEQ_LEN = 2048
 
-    factory = getattr(LocalEngine, "from_model_dir", None)
-    if factory is not None:
-        return factory(model_dir, base_model_name=name)
-    return LocalEngine(model_dir, base_model=name)
+
+def engine_settings(adapter_slots: int, max_rank: int, kv_slots: int, max_seq_len: int) -> EngineSettings:
+    """The engine's sizes from the flags; a bad value is a usage error, not a traceback from the engine."""
+    from mint_server.engine.local import EngineSettings
+
+    for flag, value in (("--adapter-slots", adapter_slots), ("--max-rank", max_rank), ("--kv-slots", kv_slots)):
+        if value < 1:
+            raise typer.BadParameter(f"must be at least 1, got {value}", param_hint=flag)
+    if max_seq_len < 2:
+        raise typer.BadParameter(f"must be at least 2, got {max_seq_len}", param_hint="--max-seq-len")
+    return EngineSettings(adapter_slots=adapter_slots, max_rank=max_rank, kv_slots=kv_slots, max_seq_len=max_seq_len)
 
 
 def register(app: typer.Typer) -> None:
@@ -62,6 +79,17 @@ def register(app: typer.Typer) -> None:
         ),
         no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a key (loopback hosts only)."),
         max_body_mb: int = typer.Option(256, help="Largest request body accepted, in MiB."),
+        adapter_slots: int = typer.Option(
+            DEFAULT_ADAPTER_SLOTS, "--adapter-slots", help="LoRA adapters resident at once (training + sampling)."
+        ),
+        max_rank: int = typer.Option(DEFAULT_MAX_RANK, "--max-rank", help="Largest LoRA rank a client may ask for."),
+        kv_slots: int = typer.Option(
+            DEFAULT_KV_SLOTS, "--kv-slots", help="KV cache budget, in sequences of --max-seq-len tokens."
+        ),
+        max_seq_len: int = typer.Option(
+            DEFAULT_MAX_SEQ_LEN, "--max-seq-len",
+            help="Longest sequence sampled (prompt + max_tokens); capped at the model's context.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -70,6 +98,7 @@ def register(app: typer.Typer) -> None:
         from mint_server.api.app import create_app
         from mint_server.api.auth import check_key_form
         from mint_server.api.settings import Settings
+        from mint_server.engine.local import LocalEngine
         from mint_server.model.config import ModelError
         from mint_server.model.prepare import resolve_base_model
         from mint_server.paths import data_dir as resolve_data_dir
@@ -86,12 +115,13 @@ def register(app: typer.Typer) -> None:
             except ValueError as e:  # never echo the key itself
                 raise typer.BadParameter(f"API key #{i + 1}: {e}", param_hint="--api-key") from None
 
+        engine_cfg = engine_settings(adapter_slots, max_rank, kv_slots, max_seq_len)
         root = resolve_data_dir(data_dir)
         try:
             model_dir = resolve_base_model(base_model, root)
             name = base_model_name(base_model, model_dir)
             typer.echo(f"loading {name} from {model_dir}")
-            engine = make_engine(model_dir, name)
+            engine = LocalEngine(model_dir, base_model=name, settings=engine_cfg)
         except ModelError as e:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
         settings = Settings(data_dir=root, api_keys=keys, no_auth=no_auth, max_body_bytes=max_body_mb * 1024 * 1024)

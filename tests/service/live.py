@@ -1,4 +1,5 @@
-"""Run the real app under uvicorn on a loopback port, in a background thread of the test process."""
+"""Run the real app under uvicorn on a loopback port, in a background thread of the test process,
+on the real LocalEngine over a tiny random checkpoint (see conftest.py's `tiny_dir`)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,49 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 import uvicorn
+from tinker import types
 
 from mint_server.api.app import create_app
 from mint_server.api.settings import Settings
+from mint_server.engine.local import EngineSettings, LocalEngine
 
 KEY_A = "tml-test-key-alpha-0001"
 KEY_B = "tml-test-key-bravo-0002"
 KEY_SK = "sk-test-key-charlie-0003"
+
+BASE = "tiny/llama"  # the name clients use for the tiny checkpoint
+LR = 2e-2  # big enough that a few Adam steps visibly lower the tiny model's loss
+# Small, so that an engine starts in well under a second and holds little memory.
+ENGINE_SETTINGS = EngineSettings(adapter_slots=8, max_rank=16, kv_slots=16, max_seq_len=256)
+
+
+def tiny_engine(model_dir: Path) -> LocalEngine:
+    return LocalEngine(model_dir, base_model=BASE, device="cpu", dtype=torch.float32, settings=ENGINE_SETTINGS)
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    """Next-token cross-entropy over `tokens`."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights or [1.0] * (len(tokens) - 1)},
+    )
+
+
+def batch() -> list[types.Datum]:
+    return [datum([5, 17, 33, 60, 61, 62, 63, 9]), datum([100, 101, 102, 103, 104, 105])]
+
+
+def train(tc: Any, steps: int, data: list[types.Datum] | None = None) -> list[float]:
+    """`steps` forward_backward + optim_step rounds on a tinker TrainingClient; the losses before each step."""
+    losses = []
+    for _ in range(steps):
+        fb = tc.forward_backward(data or batch(), "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=LR))
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
 
 
 class LiveServer:

@@ -50,20 +50,27 @@ def main() -> dict:
     assert snap.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result().sequences
 
     # Reverse KL against the teacher checkpoint, then an optimizer step on the student.
-    rkl = mintx.forward_backward_reverse_kl(
-        tc,
-        reference_model_path=teacher,
-        data=[
-            mintx.ReverseKLDatum(
-                student_input=types.ModelInput.from_ints([1, 2, 3]),
-                reference_input=types.ModelInput.from_ints([9, 1, 2, 3]),
-                target_tokens=types.TensorData(data=[2, 3, 4], dtype="int64", shape=[3]),
-                weights=types.TensorData(data=[1.0, 1.0, 1.0], dtype="float32", shape=[3]),
-            )
-        ],
-    )
+    def reverse_kl(reference: list[int]) -> mintx.ForwardBackwardReverseKLResponse:
+        return mintx.forward_backward_reverse_kl(
+            tc,
+            reference_model_path=teacher,
+            data=[
+                mintx.ReverseKLDatum(
+                    student_input=types.ModelInput.from_ints([1, 2, 3]),
+                    reference_input=types.ModelInput.from_ints(reference),
+                    target_tokens=types.TensorData(data=[2, 3, 4], dtype="int64", shape=[3]),
+                    weights=types.TensorData(data=[1.0, 1.0, 1.0], dtype="float32", shape=[3]),
+                )
+            ],
+        )
+
+    # The teacher was saved from the student's current weights, so on the same input the two are
+    # one model: a KL of 0 shows the reference really is that checkpoint (not, say, the base).
+    self_kl = reverse_kl([1, 2, 3])
+    assert abs(self_kl.metrics["loss:sum"]) < 1e-5, self_kl
+    rkl = reverse_kl([9, 1, 2, 3])
     assert len(rkl.outputs) == 1 and len(rkl.outputs[0].loss.data) == 3, rkl
-    assert "loss:sum" in rkl.metrics
+    assert rkl.metrics["loss:sum"] > 0 and min(rkl.outputs[0].loss.data) >= 0, rkl
     tc.optim_step(types.AdamParams(learning_rate=LR)).result()
 
     # Interpolate the teacher with a later sampler checkpoint, and sample from the result.
@@ -74,6 +81,12 @@ def main() -> dict:
     assert merged.path.endswith("/sampler_weights/merged") and merged.checkpoint_type == "sampler", merged
     merged_sampler = service.create_sampling_client(model_path=merged.path)
     assert merged_sampler.sample(types.ModelInput.from_ints([4]), 1, types.SamplingParams(max_tokens=2)).result()
+    # Interpolating one checkpoint with coefficient 1 reproduces it: same scores as the teacher.
+    copy = mintx.interpolate_checkpoints(service, source_paths=[teacher], coefficients=[1.0], output_path="copy")
+    probe = types.ModelInput.from_ints([1, 2, 3, 4, 5])
+    copied = service.create_sampling_client(model_path=copy.path).compute_logprobs(probe).result()
+    original = sampler.compute_logprobs(probe).result()
+    assert max(abs(a - b) for a, b in zip(copied[1:], original[1:], strict=True)) < 1e-4, (copied, original)
 
     # REST, including the 0.22-only archive download.
     rest = service.create_rest_client()
@@ -88,7 +101,10 @@ def main() -> dict:
     resumed = service.create_training_client_from_state(state)
     assert resumed.get_info().lora_rank == 4
     resumed.forward_backward(batch, "cross_entropy").result()
-    return {"losses": losses, "rkl_metrics": rkl.metrics, "archive": names, "state": state, "merged": merged.path}
+    return {
+        "losses": losses, "rkl_metrics": rkl.metrics, "rkl_loss": list(rkl.outputs[0].loss.data),
+        "self_kl": self_kl.metrics["loss:sum"], "archive": names, "state": state, "merged": merged.path,
+    }
 
 
 if __name__ == "__main__":

@@ -2,47 +2,50 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
+import pytest
 import tinker
 from tinker import types
 
-from tests.service.fake_engine import FakeEngine
-from tests.service.live import KEY_A, LiveServer
-from tests.service.test_protocol import datum
+from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine, train
 
 
-def _step(tc: tinker.TrainingClient) -> float:
-    fb = tc.forward_backward([datum([1, 2, 3, 4])], "cross_entropy")
-    tc.optim_step(types.AdamParams(learning_rate=0.1)).result()
-    return fb.result().metrics["loss:sum"]
-
-
-def test_state_survives_restart(tmp_path: Path) -> None:
+def test_state_survives_restart(tiny_dir: Path, tmp_path: Path) -> None:
     data = tmp_path / "data"
-    with LiveServer(FakeEngine(tmp_path / "m"), data) as server:
+    with LiveServer(tiny_engine(tiny_dir), data) as server:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-        tc = client.create_lora_training_client(base_model="fake/tiny", rank=4).result()
-        losses = [_step(tc) for _ in range(3)]
+        tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+        losses = train(tc, 5)
         path = tc.save_state("resume").result().path
         sampler_path = tc.save_weights_for_sampler("sampler").result().path
+        # Where training goes on from the saved state: the loss there, and after one more step (which
+        # depends on Adam's moments as well as the weights).
+        continued = train(tc, 2)
         client.close("success")
+    assert continued[0] < losses[0], (losses, continued)
 
-    with LiveServer(FakeEngine(tmp_path / "m"), data) as server:
+    with LiveServer(tiny_engine(tiny_dir), data) as server:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
         rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
         assert [r.training_run_id for r in rest.list_training_runs().result().training_runs] == [tc.model_id]
+
+        # Resumed from the saved weights and optimizer state, not from scratch: it follows the
+        # original run's path exactly.
         resumed = client.create_training_client_from_state_with_optimizer(path).result()
         assert resumed.model_id != tc.model_id
-        assert _step(resumed) < losses[-1]  # continues from the saved weights, not from scratch
+        assert train(resumed, 2) == pytest.approx(continued, rel=1e-4)
 
-        fresh = client.create_lora_training_client(base_model="fake/tiny", rank=4).result()
+        fresh = client.create_lora_training_client(base_model=BASE, rank=8).result()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             fresh.load_state_with_optimizer(path).result()
-        assert _step(fresh) < losses[-1]
+        assert train(fresh, 2) == pytest.approx(continued, rel=1e-4)
 
         sc = client.create_sampling_client(model_path=sampler_path).result()
-        assert sc.sample(types.ModelInput.from_ints([1]), 1, types.SamplingParams(max_tokens=2)).result().sequences
+        seq = sc.sample(types.ModelInput.from_ints([1]), 1, types.SamplingParams(max_tokens=2, stop=[])).result()
+        tokens, logprobs = seq.sequences[0].tokens, seq.sequences[0].logprobs
+        assert len(tokens) == 2 and logprobs is not None and all(math.isfinite(x) and x <= 0 for x in logprobs)
         client.close("success")

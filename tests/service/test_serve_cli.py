@@ -13,9 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.fake_engine import FakeEngine
-from tests.service.live import KEY_A, LiveServer
-from tests.tiny import make_tiny_checkpoint
+from mint_server.api.auth import owner_id
+from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
 
 
 def _free_port() -> int:
@@ -24,13 +23,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_mint_serve_process(tmp_path: Path) -> None:
-    model_dir = make_tiny_checkpoint(tmp_path / "tiny-llama")
+def test_mint_serve_process(tiny_dir: Path, tmp_path: Path) -> None:
     port = _free_port()
     env = {**os.environ, "MINT_API_KEYS": f"{KEY_A}, tml-second-key-0000"}
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(model_dir), "--port", str(port),
-         "--data-dir", str(tmp_path / "data")],
+        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(tiny_dir),
+         "--port", str(port), "--data-dir", str(tmp_path / "data"),
+         "--adapter-slots", "4", "--max-rank", "8", "--kv-slots", "4", "--max-seq-len", "128"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -45,7 +44,8 @@ def test_mint_serve_process(tmp_path: Path) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
             time.sleep(0.3)
         caps = httpx.get(f"{url}/get_server_capabilities", headers={"X-API-Key": "tml-second-key-0000"}).json()
-        assert caps["supported_models"][0]["model_name"] == "tiny-llama"
+        assert caps["supported_models"][0]["model_name"] == tiny_dir.name  # a plain dir is named after itself
+        assert caps["supported_models"][0]["max_context_length"] == 128  # --max-seq-len reached the engine
         assert httpx.get(f"{url}/get_server_capabilities").status_code == 401
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -57,31 +57,62 @@ def test_mint_serve_process(tmp_path: Path) -> None:
             proc.kill()
 
 
-def test_no_auth_and_loopback_rule(tmp_path: Path) -> None:
+def test_no_auth_and_loopback_rule(tiny_dir: Path, tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from mint_server.cli import app
 
     result = CliRunner().invoke(app, ["serve", "--no-auth", "--host", "0.0.0.0"])
     assert result.exit_code != 0 and "loopback" in result.output
-    with LiveServer(FakeEngine(tmp_path / "m"), tmp_path / "d", no_auth=True) as server:
+    # (A missing model dir: were the flag not checked first, this would fail on --base-model instead.)
+    result = CliRunner().invoke(app, ["serve", "--no-auth", "--kv-slots", "0", "--base-model", str(tmp_path / "none")])
+    assert result.exit_code != 0 and "--kv-slots" in result.output
+    with LiveServer(tiny_engine(tiny_dir), tmp_path / "d", no_auth=True) as server:
         assert httpx.get(f"{server.url}/api/v1/training_runs").status_code == 200
 
 
-def test_shutdown_drains_in_flight_work(tmp_path: Path) -> None:
-    engine = FakeEngine(tmp_path / "m")
+def test_shutdown_drains_in_flight_work(tiny_dir: Path, tmp_path: Path) -> None:
+    engine = tiny_engine(tiny_dir)
     server = LiveServer(engine, tmp_path / "d").start()
-    api = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": KEY_A})
+    api = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": KEY_A}, timeout=30)
+
+    def submit(path: str, body: dict) -> str:
+        r = api.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["request_id"]
+
+    def result(request_id: str) -> dict:
+        while (out := api.post("retrieve_future", json={"request_id": request_id}).json()).get("type") == "try_again":
+            pass
+        return out
+
     session = api.post("create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}).json()
-    fut = api.post("create_model", json={"session_id": session["session_id"], "model_seq_id": 0,
-                                        "base_model": "fake/tiny", "lora_config": {"rank": 2}}).json()
-    while api.post("retrieve_future", json={"request_id": fut["request_id"]}).json().get("type") == "try_again":
-        pass
-    engine.delay_s = 1.0
-    r = api.post("optim_step", json={"model_id": f"{session['session_id']}:train:0", "seq_id": 1, "adam_params": {}})
-    assert r.status_code == 200
+    session_id = session["session_id"]
+    model_id = result(submit("create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": BASE,
+                                              "lora_config": {"rank": 2}}))["model_id"]
+    sampler = api.post("create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
+                                                        "base_model": BASE}).json()["sampling_session_id"]
+    # Real work that keeps the engine busy for a good while: long samples (which never stop early)
+    # and a queue of full-length training steps, the optimizer step last.
+    tokens = [(7 * i) % 300 + 10 for i in range(201)]
+    fb_input = {"loss_fn": "cross_entropy", "data": [{
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64"}}}] * 8}
+    sample = submit("asample", {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 8,
+                                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                                "sampling_params": {"max_tokens": 250, "stop": []}})
+    for seq in range(1, 5):
+        submit("forward_backward", {"model_id": model_id, "seq_id": seq, "forward_backward_input": fb_input})
+    step = submit("optim_step", {"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 0.01}})
+    futures = server.service.core.futures
+    pending = [futures.get(rid, owner_id(KEY_A)).future for rid in (sample, step)]
+    assert not any(f.done() for f in pending)  # still running when the server is told to stop
     api.close()
     server.stop()
-    assert engine.calls[-1] == "optim_step"  # accepted work finished before the engine stopped
+    # Accepted work finished (not cancelled) before the engine stopped: 8 full samples, and the
+    # optimizer step, which ran last, applied the queued steps' gradient.
+    done_sample, done_step = (f.result() for f in pending)
+    assert [len(s.tokens) for s in done_sample.sequences] == [250] * 8
+    assert done_step.metrics["grad_norm:mean"] > 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/api/v1/healthz")
