@@ -30,6 +30,19 @@ class Engine(Protocol):
     model_dir: Path  # HF checkpoint dir: config.json, tokenizer files
     vocab_size: int
     max_context: int
+    arch: str  # HF architecture of the base, e.g. "LlamaForCausalLM"
+    loss_fns: frozenset[str]
+
+    def validate_train(
+        self,
+        adapter_id: str | None,
+        datums: list[types.Datum],
+        loss_fn: str,
+        loss_fn_config: dict[str, Any] | None,
+        backward: bool = True,
+    ) -> None:
+        """Raise EngineError naming the field if this call cannot run; no side effects, thread-safe."""
+        ...
 
     # --- adapters -------------------------------------------------------------------------------
     def create_adapter(self, lora: types.LoraConfig) -> Future[str]: ...
