@@ -25,6 +25,7 @@ from tinker import types
 
 from mint_server.engine.adapters import AdapterRegistry
 from mint_server.engine.interface import EngineError
+from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.sampling import Sampler
 from mint_server.engine.training import Trainer, TrainRequest
@@ -194,6 +195,21 @@ class LocalEngine:
             return self.registry.install(weights, trainable=False, source=source).id
 
         return self._op(install)
+
+    @property
+    def loss_fns(self) -> frozenset[str]:
+        return frozenset(LOSSES)
+
+    @property
+    def arch(self) -> str:
+        return self.model.config.architecture
+
+    def validate_train(
+        self, adapter_id: str | None, datums: list[types.Datum], loss_fn: str,
+        loss_fn_config: dict[str, Any] | None, backward: bool = True,
+    ) -> None:
+        """Raise EngineError naming the field if this forward(_backward) cannot run; no side effects."""
+        self.trainer.validate(TrainRequest(adapter_id, list(datums), loss_fn, loss_fn_config, backward))
 
     def _train(self, adapter_id: str | None, datums, loss_fn, loss_fn_config, backward: bool) -> Future:
         req = TrainRequest(adapter_id, list(datums), loss_fn, loss_fn_config, backward)

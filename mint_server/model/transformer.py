@@ -210,8 +210,13 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         lora: LoraBatch | None = None,
         cache: CacheView | None = None,
+        checkpoint: bool = False,
     ) -> Tensor:
-        """tokens [B, T] → final-norm hidden states [B, T, hidden]. positions default to 0..T-1."""
+        """tokens [B, T] → final-norm hidden states [B, T, hidden]. positions default to 0..T-1.
+
+        checkpoint: keep only each block's input for backward and recompute the block then (long
+        training sequences fit in memory for about one extra forward). Ignored without autograd.
+        """
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
@@ -219,8 +224,12 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         x = self.embed_tokens(tokens)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        recompute = checkpoint and cache is None and torch.is_grad_enabled()
         for block in self.layers:
-            x = block(x, cos, sin, lora, cache)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lora, cache, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, lora, cache)
         return self.norm(x)
 
     def logits(self, h: Tensor, lora: LoraBatch | None = None) -> Tensor:

@@ -1,0 +1,75 @@
+"""Decoupled AdamW for one adapter, in float32, with Tinker's AdamParams.
+
+Per element, at step t (after optional global-norm clipping of the gradient g):
+
+    m ← β1·m + (1 − β1)·g            v ← β2·v + (1 − β2)·g²
+    p ← p · (1 − lr·weight_decay)                      (decoupled decay, as torch.optim.AdamW)
+    p ← p − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + eps)
+
+This is torch.optim.AdamW's arithmetic in the same order, so it matches it to the last bit on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tinker import types
+from torch import Tensor
+
+from mint_server.engine.adapters import AdamState
+from mint_server.engine.interface import EngineError
+
+Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A, B)
+
+
+def check_adam_params(p: types.AdamParams) -> None:
+    """EngineError naming the first AdamParams field outside its range."""
+    checks = (
+        ("learning_rate", p.learning_rate >= 0),
+        ("beta1", 0 <= p.beta1 < 1),
+        ("beta2", 0 <= p.beta2 < 1),
+        ("eps", p.eps >= 0),
+        ("weight_decay", p.weight_decay >= 0),
+        ("grad_clip_norm", p.grad_clip_norm >= 0),
+    )
+    for name, ok in checks:
+        value = getattr(p, name)
+        if not (math.isfinite(value) and ok):
+            raise EngineError(f"adam_params.{name}: {value!r} is out of range")
+
+
+def grad_norm(grads: Pairs) -> float:
+    """Global L2 norm over all of the adapter's gradients (what grad_clip_norm bounds)."""
+    sq = [g.float().pow(2).sum() for pair in grads.values() for g in pair]
+    return math.sqrt(float(torch.stack(sq).sum())) if sq else 0.0
+
+
+@torch.no_grad()
+def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamParams) -> dict[str, float]:
+    """Update float32 `params` in place from `grads`; advances `state`. Returns optimizer metrics.
+
+    Targets without a gradient are left alone (like torch optimizers skip params whose .grad is None).
+    """
+    norm = grad_norm(grads)
+    # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is < 1.
+    clip = hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 else 1.0
+    clip = min(clip, 1.0)
+    state.step += 1
+    bc1 = 1 - hp.beta1**state.step
+    bc2_sqrt = (1 - hp.beta2**state.step) ** 0.5  # `** 0.5`, not math.sqrt: torch's exact arithmetic
+    step_size = hp.learning_rate / bc1
+    for t, (gA, gB) in grads.items():
+        pA, pB = params[t]
+        if t not in state.moments:
+            state.moments[t] = (torch.zeros_like(pA), torch.zeros_like(pA), torch.zeros_like(pB), torch.zeros_like(pB))
+        mA, vA, mB, vB = state.moments[t]
+        for p, g, m, v in ((pA, gA, mA, vA), (pB, gB, mB, vB)):
+            g = g.float() * clip if clip != 1.0 else g.float()
+            if hp.weight_decay:
+                p.mul_(1 - hp.learning_rate * hp.weight_decay)
+            m.lerp_(g, 1 - hp.beta1)
+            v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
+            denom = (v.sqrt() / bc2_sqrt).add_(hp.eps)
+            p.addcdiv_(m, denom, value=-step_size)
+    return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}

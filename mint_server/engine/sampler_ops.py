@@ -1,0 +1,158 @@
+"""The per-token math of sampling: picking tokens, their logprobs, prompt logprobs, stop conditions.
+
+Reported logprobs are always log_softmax of the raw model logits (temperature 1, no top-k/top-p) at
+the chosen token: exactly what the training forward computes for the same adapter and sequence, so
+importance ratios and StableReinforce compare like with like. Temperature, top-k and top-p only
+shape which token is drawn.
+
+Draws are inverse-CDF with one uniform number per row taken from that row's own generator, and
+every tensor op here is row-wise, so a row's token depends on its own logits and generator only —
+never on which other rows share the batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
+from torch import Tensor
+
+Decode = Callable[[list[int]], str]
+
+
+def choose_tokens(
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Pick one token per row; return (tokens [B] long, their raw logprobs [B] float32).
+
+    logits [B, V]; temperature [B] (0 = greedy); top_k [B] long (≤ 0 = no limit); top_p [B] in (0, 1];
+    uniform [B] float64 in [0, 1), ignored for greedy rows.
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    drawn = (temperature > 0).nonzero().flatten()
+    if drawn.numel():
+        scaled = logits[drawn] / temperature[drawn, None].float()
+        tokens[drawn] = draw(scaled, top_k[drawn], top_p[drawn], uniform[drawn])
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+
+
+def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor) -> Tensor:
+    """Inverse-CDF draw from softmax(scaled) restricted to the top-k, then to the top-p nucleus."""
+    out = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
+    filtered = (top_k > 0) | (top_p < 1)
+    plain = (~filtered).nonzero().flatten()
+    if plain.numel():  # no filter: no sort needed, the CDF in vocabulary order serves as well
+        out[plain] = inverse_cdf(torch.softmax(scaled[plain], dim=-1), uniform[plain])
+    rows = filtered.nonzero().flatten()
+    if rows.numel():
+        vocab = scaled.shape[-1]
+        ranked, order = scaled[rows].sort(dim=-1, descending=True, stable=True)
+        probs = torch.softmax(ranked, dim=-1)
+        k = torch.where(top_k[rows] > 0, top_k[rows], vocab)
+        rank = torch.arange(vocab, device=scaled.device)
+        probs = probs.masked_fill(rank[None, :] >= k[:, None], 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        # The nucleus: the fewest top tokens whose mass reaches top_p (the token crossing it stays in).
+        mass_above = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(mass_above >= top_p[rows, None].float(), 0.0)
+        out[rows] = order.gather(1, inverse_cdf(probs, uniform[rows])[:, None]).squeeze(1)
+    return out
+
+
+def inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
+    """Index i with cdf[i-1] ≤ u·total < cdf[i] per row; zero-probability entries are never chosen."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (uniform.double() * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # Rounding can put u·total at the very end; fall back to the last token that has mass.
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+    return torch.minimum(idx, last)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """A 63-bit generator seed for sample `index` of a request seeded `seed`.
+
+    Hashed, not seed + index, so request (seed=5, sample 1) and request (seed=6, sample 0) do not
+    share a stream.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def uniforms(generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One U[0, 1) draw per row from its own (CPU) generator; 0 for greedy rows, which draw nothing."""
+    return torch.tensor(
+        [0.0 if g is None else torch.rand((), generator=g, dtype=torch.float64).item() for g in generators],
+        dtype=torch.float64,
+    )
+
+
+@dataclass(frozen=True)
+class StopCondition:
+    """When a sequence ends early: a stop token was sampled, or the text now contains a stop string.
+
+    Stop strings are matched on decoded text, so one split across tokens (or inside a token) is
+    found at the token that completes it. The sampled tokens then end with that token.
+    """
+
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+    decode: Decode | None = None
+
+    @property
+    def window(self) -> int:
+        # Tokens to decode so any newly completed stop string lies inside the text: a character
+        # rarely spans more than 4 byte-level tokens; one extra token guards the window's start.
+        return 4 * max(len(s) for s in self.strings) + 1
+
+    def hit(self, tokens: list[int]) -> bool:
+        if tokens[-1] in self.token_ids:
+            return True
+        if self.strings and self.decode is not None:
+            # A string that was complete before this token would already have stopped the sequence,
+            # so finding one in the window means this token completed it.
+            text = self.decode(tokens[-self.window :])
+            return any(s in text for s in self.strings)
+        return False
+
+
+@dataclass
+class PromptScores:
+    """Logprobs of a prompt's tokens: logprobs[i] scores prompt[i] given prompt[:i] (NaN at i = 0)."""
+
+    logprobs: np.ndarray  # [P] float32
+    topk_ids: np.ndarray  # [P, k] int32; row 0 is the SDK's "nothing here" sentinel
+    topk_logprobs: np.ndarray  # [P, k] float32
+
+    def topk(self, k: int) -> TopkLogprobs:
+        return TopkLogprobs(token_ids=self.topk_ids[:, :k].copy(), logprobs=self.topk_logprobs[:, :k].copy())
+
+
+def score_prompt(
+    logits_of: Callable[[Tensor], Tensor], hidden: Tensor, prompt: Sequence[int], k: int, chunk: int = 512
+) -> PromptScores:
+    """Prompt logprobs (and the top-k at each position) from the prompt's hidden states [P, hidden].
+
+    `logits_of` maps hidden [1, n, hidden] to logits [1, n, V]. Chunked so a long prompt never holds
+    a [P, V] float32 logits matrix at once.
+    """
+    n = len(prompt)
+    lps = np.full(n, np.nan, dtype=np.float32)
+    ids = np.zeros((n, k), dtype=np.int32)
+    tops = np.full((n, k), MASK_LOGPROB, dtype=np.float32)
+    targets = torch.tensor(list(prompt[1:]), device=hidden.device)
+    for start in range(0, n - 1, chunk):
+        stop = min(start + chunk, n - 1)
+        logp = torch.log_softmax(logits_of(hidden[None, start:stop])[0].float(), dim=-1)
+        lps[start + 1 : stop + 1] = logp.gather(1, targets[start:stop, None]).squeeze(1).cpu().numpy()
+        if k:
+            v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
+            tops[start + 1 : stop + 1, : v.shape[1]] = v.cpu().numpy()
+            ids[start + 1 : stop + 1, : i.shape[1]] = i.cpu().numpy()
+    return PromptScores(lps, ids, tops)

@@ -1,0 +1,106 @@
+"""Training state on disk: adapter weights + AdamW state + step, so a resumed run is bit-identical.
+
+Layout of a state dir (written atomically, so readers see all of it or nothing):
+
+    state.json               format, version, base_model, rank, alpha, targets, step, has_optimizer
+    weights.safetensors      "<target>.A" [layers, r, in], "<target>.B" [layers, out, r]; float32
+    optimizer.safetensors    "<target>.m_A|v_A|m_B|v_B", float32 (only when saved with the optimizer)
+
+Weights are the float32 master values: exactly the bank's on an fp32 bank, the fp32 masters of a
+bf16 bank. Gradients accumulated since the last optim_step are not saved (Tinker neither).
+`check_shapes` vets any weights read from disk (state or PEFT) against the running base model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from mint_server.engine.adapters import AdamState
+from mint_server.engine.interface import EngineError
+from mint_server.fsutil import atomic_write_dir
+from mint_server.model.lora import LoraBank
+from mint_server.model.peft_io import LoraWeights
+
+FORMAT, VERSION = "mint-train-state", 1
+_MOMENTS = ("m_A", "v_A", "m_B", "v_B")
+
+
+@dataclass
+class TrainState:
+    weights: LoraWeights
+    optim: AdamState | None  # None: saved without optimizer state
+    base_model: str
+
+
+def save_state(dest: str | Path, state: TrainState) -> None:
+    w = state.weights
+    tensors = {f"{t}.{x}": v.detach().to("cpu", torch.float32).contiguous()
+               for t, (a, b) in w.weights.items() for x, v in (("A", a), ("B", b))}
+    moments: dict[str, Tensor] = {}
+    if state.optim is not None:
+        moments = {f"{t}.{name}": v.detach().to("cpu", torch.float32).contiguous()
+                   for t, ms in state.optim.moments.items() for name, v in zip(_MOMENTS, ms, strict=True)}
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base_model": state.base_model,
+        "rank": w.rank,
+        "alpha": w.alpha,
+        "targets": sorted(w.weights),
+        "step": state.optim.step if state.optim is not None else 0,
+        "has_optimizer": state.optim is not None,
+    }
+
+    def fill(tmp: Path) -> None:
+        save_file(tensors, str(tmp / "weights.safetensors"))
+        if state.optim is not None:
+            save_file(moments, str(tmp / "optimizer.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(meta, indent=2))  # last: marks a complete dir
+
+    atomic_write_dir(dest, fill)
+
+
+def load_state(src: str | Path, include_optimizer: bool) -> TrainState:
+    """Read a state dir; EngineError naming what is missing or inconsistent."""
+    src = Path(src)
+    try:
+        meta = json.loads((src / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise EngineError(f"path: {str(src)!r} is not a training-state dir ({e})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise EngineError(f"path: {str(src)!r} has state format {meta.get('format')!r} "
+                          f"v{meta.get('version')}, expected {FORMAT!r} v{VERSION}")
+    if include_optimizer and not meta["has_optimizer"]:
+        raise EngineError(f"path: {str(src)!r} was saved without optimizer state")
+    targets = list(meta["targets"])
+    try:
+        flat = load_file(str(src / "weights.safetensors"))
+        weights = {t: (flat[f"{t}.A"], flat[f"{t}.B"]) for t in targets}
+        optim = None
+        if include_optimizer:
+            mflat = load_file(str(src / "optimizer.safetensors"))
+            moments = {t: tuple(mflat[f"{t}.{n}"] for n in _MOMENTS) for t in targets if f"{t}.m_A" in mflat}
+            optim = AdamState(step=int(meta["step"]), moments=moments)  # type: ignore[arg-type]
+    except (OSError, KeyError, SafetensorError) as e:
+        raise EngineError(f"path: {str(src)!r} has missing or corrupt tensors ({e})") from None
+    return TrainState(LoraWeights(weights, int(meta["rank"]), float(meta["alpha"])), optim, str(meta["base_model"]))
+
+
+def check_shapes(w: LoraWeights, bank: LoraBank, where: str) -> None:
+    """EngineError unless `w` fits the bank's base model and max rank."""
+    for t, (A, B) in w.weights.items():
+        if t not in bank.shapes:
+            raise EngineError(f"{where}: unknown LoRA target {t!r}")
+        L, fi, fo = bank.shapes[t]
+        if tuple(A.shape) != (L, w.rank, fi) or tuple(B.shape) != (L, fo, w.rank):
+            raise EngineError(f"{where}: {t} LoRA shapes {list(A.shape)}/{list(B.shape)} do not fit this "
+                              f"base model (expected {[L, w.rank, fi]}/{[L, fo, w.rank]})")
+    if not 1 <= w.rank <= bank.max_rank:
+        raise EngineError(f"{where}: rank {w.rank} is outside 1..{bank.max_rank} (the engine's max LoRA rank)")

@@ -1,0 +1,596 @@
+"""The training half of the engine: fused forward/backward over many adapters, AdamW, state and PEFT I/O.
+
+The engine's single worker thread drives a `Trainer` synchronously. `run()` takes the pending
+forward / forward_backward requests of any number of adapters and does one batched pass for the
+backward ones (each row carries its adapter index, so gradients land only in their own adapter)
+and one no-grad pass for the forward-only ones. Datums are right-padded to the longest row: the
+attention is causal, so padding after a row's last token cannot change its logits, and the loss
+masks it. A token budget splits very large fused batches into micro-batches whose gradients are
+summed, which is exact because every Tinker loss is a sum over positions.
+
+Gradients accumulate in `Adapter.grads` (float32) until `optim_step`, which runs AdamW in float32
+and writes the bank slot in place, so the sampler sees the new weights at once. On a bf16 bank the
+trainer keeps float32 master weights (see `_params`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tinker import types
+from torch import Tensor
+
+from mint_server.engine import state_io
+from mint_server.engine.adapters import AdamState, Adapter, AdapterRegistry
+from mint_server.engine.interface import EngineError
+from mint_server.engine.losses import (
+    KLRow,
+    LossSpec,
+    ParsedDatum,
+    SamplingRecordsLike,
+    TargetLogprobs,
+    loss_spec,
+    pad_inputs,
+    parse_datum,
+    parse_kl_datum,
+    resolve_config,
+)
+from mint_server.engine.optim import Pairs, adamw_step, check_adam_params
+from mint_server.engine.state_io import check_shapes
+from mint_server.model.config import ModelError
+from mint_server.model.lora import LoraBatch
+from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
+from mint_server.model.transformer import Transformer
+
+Output = types.ForwardBackwardOutput
+Leaves = dict[str, dict[str, tuple[list[Tensor], list[Tensor]]]]  # adapter id → target → per-layer (A, B)
+OUTPUT_TYPE = "ArrayRecord"
+
+
+@dataclass
+class TrainRequest:
+    """One client call: forward (backward=False) or forward_backward."""
+
+    adapter_id: str | None  # None = bare base (forward only)
+    datums: list[types.Datum]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+    backward: bool = True
+
+
+@dataclass(frozen=True)
+class ReverseKLDatum:
+    """One row of MinT's forward_backward_reverse_kl (mindlab-toolkit's `ReverseKLDatum`).
+
+    The student sees `student_input`, the reference `reference_input` (it may carry a different,
+    e.g. privileged, prefix); the two are right-aligned, so their last tokens coincide.
+    target_tokens/weights are per student position, like a Datum's loss_fn_inputs. A tinker
+    Datum works too: model_input is the student's, and loss_fn_inputs["reference_tokens"] (int64)
+    the reference's (default: the student's input).
+    """
+
+    student_input: types.ModelInput
+    reference_input: types.ModelInput
+    target_tokens: Any  # TensorData | list[int]
+    weights: Any  # TensorData | list[float]
+
+
+@dataclass
+class _Prepared:
+    req: TrainRequest
+    spec: LossSpec
+    config: dict[str, float]
+    datums: list[ParsedDatum]
+    adapter: Adapter | None
+
+
+@dataclass
+class _Row:
+    req: int  # index into the pass's requests
+    datum: int
+    length: int
+
+
+class Trainer:
+    """Training ops over the adapters of one AdapterRegistry; not thread-safe (one worker drives it).
+
+    max_len: longest datum accepted (default: the model's max_position_embeddings).
+    max_tokens_per_pass: padded tokens (rows × longest row) per forward/backward; a bigger fused
+        batch is split into micro-batches, longest rows first. None = never split.
+    checkpoint_from_len: recompute transformer blocks in backward when a micro-batch's longest row
+        has at least this many tokens (activation checkpointing). None = never.
+    logits_chunk: most logits elements materialised at once; above it the lm_head + log-softmax
+        run in position chunks that are recomputed in backward.
+    """
+
+    def __init__(
+        self,
+        model: Transformer,
+        registry: AdapterRegistry,
+        base_model: str,
+        records: SamplingRecordsLike | None = None,
+        *,
+        max_len: int | None = None,
+        max_tokens_per_pass: int | None = 16384,
+        checkpoint_from_len: int | None = 4096,
+        logits_chunk: int = 2**28,
+    ) -> None:
+        self.model, self.registry, self.base_model, self.records = model, registry, base_model, records
+        self.max_tokens_per_pass = max_tokens_per_pass
+        self.checkpoint_from_len = checkpoint_from_len
+        self.logits_chunk = logits_chunk
+        cfg = model.config
+        self.vocab, self.max_len = cfg.vocab_size, max_len or cfg.max_position_embeddings
+        self.device = registry.device
+        model.requires_grad_(False)  # only adapters train; the base never gets a gradient
+        # adapter id → (adapter, float32 master weights), only when the bank is not float32
+        self._master: dict[str, tuple[Adapter, Pairs]] = {}
+
+    # --- adapters -------------------------------------------------------------------------------
+    def create_adapter(self, lora: types.LoraConfig) -> str:
+        """A trainable adapter; the same seed gives bit-identical initial weights."""
+        return self.registry.create(
+            lora.rank, lora.seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
+            train_unembed=lora.train_unembed,
+        ).id
+
+    def forget(self, adapter_id: str) -> None:
+        """Drop trainer-side state (fp32 masters) of a released adapter; also done lazily."""
+        self._master.pop(adapter_id, None)
+
+    # --- forward / forward_backward -------------------------------------------------------------
+    def validate(self, req: TrainRequest) -> None:
+        """Raise EngineError (naming the field) if `req` cannot run; touches no state."""
+        self._prepare(req)
+
+    def run(self, reqs: Sequence[TrainRequest]) -> list[Output | Exception]:
+        """Run requests of any adapters fused: one pass for the backward ones, one for forward-only.
+
+        Each request gets its own result or exception. A request that fails validation fails
+        alone; adapter gradients are committed only after the whole pass succeeded.
+        """
+        results: list[Output | Exception | None] = [None] * len(reqs)
+        groups: dict[bool, list[tuple[int, _Prepared]]] = {True: [], False: []}
+        for i, req in enumerate(reqs):
+            try:
+                groups[bool(req.backward)].append((i, self._prepare(req)))
+            except EngineError as e:
+                results[i] = e
+        for backward, items in groups.items():
+            if not items:
+                continue
+            try:
+                outs = self._pass([p for _, p in items], backward)
+            except Exception as e:  # e.g. out of memory: those requests fail, no adapter changed
+                outs = [e] * len(items)
+            for (i, _), out in zip(items, outs, strict=True):
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, req: TrainRequest) -> _Prepared:
+        if not req.datums:
+            raise EngineError("datums: empty batch")
+        spec = loss_spec(req.loss_fn)
+        config = resolve_config(spec, req.loss_fn_config)
+        adapter = None
+        if req.adapter_id is None:
+            if req.backward:
+                raise EngineError("adapter_id: forward_backward needs an adapter; the base model is never trained")
+        else:
+            adapter = self.registry.get(req.adapter_id)
+            if req.backward and not adapter.trainable:
+                raise EngineError(f"adapter_id: adapter {req.adapter_id!r} is sampler-only, not trainable")
+        datums = [parse_datum(d, i, spec, self.vocab, self.max_len, self.records) for i, d in enumerate(req.datums)]
+        return _Prepared(req, spec, config, datums, adapter)
+
+    def _pass(self, preps: list[_Prepared], backward: bool) -> list[Output | Exception]:
+        rows = [_Row(r, d, len(dat.tokens)) for r, p in enumerate(preps) for d, dat in enumerate(p.datums)]
+        logprobs: dict[tuple[int, int], np.ndarray] = {}
+        losses: dict[tuple[int, int], np.ndarray] = {}
+        loss_sum = [0.0] * len(preps)
+        pending: dict[str, Pairs] = {}
+        for mb in self._plan(rows):
+            grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
+            _accumulate(pending, grads)
+        failed = self._commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
+        outs: list[Output | Exception] = []
+        for r, p in enumerate(preps):
+            if p.adapter is not None and p.adapter.id in failed:
+                outs.append(failed[p.adapter.id])
+                continue
+            per_datum = [
+                {"logprobs": types.TensorData.from_numpy(logprobs[r, d]),
+                 "elementwise_loss": types.TensorData.from_numpy(losses[r, d])}
+                for d in range(len(p.datums))
+            ]
+            outs.append(Output(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=per_datum,
+                               metrics={"loss:sum": loss_sum[r]}))
+        return outs
+
+    def _plan(self, rows: list[_Row]) -> list[list[_Row]]:
+        """Micro-batches within the token budget; longest rows first so rows of like length pad together."""
+        budget = self.max_tokens_per_pass
+        if budget is None or len(rows) * max(r.length for r in rows) <= budget:
+            return [rows]
+        batches: list[list[_Row]] = [[]]
+        for row in sorted(rows, key=lambda r: -r.length):
+            cur = batches[-1]
+            if cur and (len(cur) + 1) * cur[0].length > budget:
+                batches.append(cur := [])
+            cur.append(row)
+        return batches
+
+    def _micro_batch(
+        self,
+        mb: list[_Row],
+        preps: list[_Prepared],
+        backward: bool,
+        logprobs: dict[tuple[int, int], np.ndarray],
+        losses: dict[tuple[int, int], np.ndarray],
+        loss_sum: list[float],
+    ) -> dict[str, Pairs]:
+        """One padded forward (+ backward) over `mb`; returns the adapters' gradients of this batch."""
+        datums = [preps[r.req].datums[r.datum] for r in mb]
+        T, K = max(r.length for r in mb), max(d.width for d in datums)
+        tokens = np.zeros((len(mb), T), dtype=np.int64)
+        targets = np.zeros((len(mb), T, K), dtype=np.int64)
+        for i, d in enumerate(datums):
+            tokens[i, : len(d.tokens)] = d.tokens
+            t = d.inputs["target_tokens"]
+            targets[i, : len(d.tokens), : d.width] = t if t.ndim == 2 else t[:, None]
+        adapters = _unique([a for r in mb if (a := preps[r.req].adapter) is not None])
+        leaves: Leaves = {}
+        lora: LoraBatch | None = None
+        if backward:
+            index = {a.id: k for k, a in enumerate(adapters)}
+            row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
+            lora, leaves = self._training_lora(adapters, row_adapter)
+        elif adapters:
+            lora = self.registry.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
+
+        with torch.set_grad_enabled(backward):
+            h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
+                                         checkpoint=self._checkpoint(T))
+            lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
+            total: Tensor | None = None
+            els: list[tuple[list[int], int, Tensor]] = []
+            for q in dict.fromkeys(r.req for r in mb):
+                p = preps[q]
+                idx = [i for i, r in enumerate(mb) if r.req == q]
+                k_req = max(datums[i].width for i in idx)
+                x, mask = pad_inputs([datums[i] for i in idx], T, self.device,
+                                     fill={"weights": 1.0, **p.config})
+                lp_q = lp if len(idx) == len(mb) else lp[torch.tensor(idx, device=self.device)]
+                el = p.spec.fn(lp_q[..., :k_req], x, mask, p.config)
+                total = el.sum() if total is None else total + el.sum()
+                els.append((idx, q, el.detach()))
+            if backward and total is not None:
+                total.backward()
+
+        lp_cpu = lp.detach().float().cpu().numpy()
+        for idx, q, el in els:
+            el_cpu = el.float().cpu().numpy()
+            loss_sum[q] += float(el_cpu.sum(dtype=np.float64))
+            for j, i in enumerate(idx):
+                d, n = datums[i], len(datums[i].tokens)
+                key = (q, mb[i].datum)
+                one_d = d.inputs["target_tokens"].ndim == 1
+                logprobs[key] = lp_cpu[i, :n, 0].copy() if one_d else lp_cpu[i, :n, : d.width].copy()
+                losses[key] = el_cpu[j, :n].copy()
+        return _leaf_grads(leaves)
+
+    def _training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
+        """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
+
+        Same contract as AdapterRegistry.training_batch, but the weights are per-layer lists
+        (`_PerLayer`) rather than [n, layers, …] stacks: with a stack, autograd's backward of each
+        `[:, layer]` slice zero-fills a gradient of the whole stack, so accumulating over L layers
+        costs O(L²) memory traffic (measurably slow at 30 layers). leaves[id][target] holds the
+        per-layer (A, B) leaves viewing the bank; their .grad is that adapter's gradient.
+        """
+        bank, dev, dtype = self.registry.bank, self.device, self.registry.dtype
+        rmax = max(a.rank for a in adapters)
+        leaves: Leaves = {a.id: {} for a in adapters}
+        weights: dict[str, tuple[Any, Any]] = {}
+        for t in sorted({t for a in adapters for t in a.targets}):
+            L, fi, fo = bank.shapes[t]
+            per_adapter = []
+            for a in adapters:
+                if t in a.targets:
+                    As = [bank.A[t][a.slot, i, : a.rank].detach().requires_grad_(True) for i in range(L)]
+                    Bs = [bank.B[t][a.slot, i, :, : a.rank].detach().requires_grad_(True) for i in range(L)]
+                    leaves[a.id][t] = (As, Bs)
+                else:  # no LoRA on t for this adapter: zeros, no gradient wanted
+                    As = [torch.zeros(a.rank, fi, device=dev, dtype=dtype)] * L
+                    Bs = [torch.zeros(fo, a.rank, device=dev, dtype=dtype)] * L
+                pad = rmax - a.rank  # zero rank-padding keeps the product exact
+                per_adapter.append(([F.pad(x, (0, 0, 0, pad)) for x in As] if pad else As,
+                                    [F.pad(x, (0, pad)) for x in Bs] if pad else Bs))
+            weights[t] = (_PerLayer([torch.stack([As[i] for As, _ in per_adapter]) for i in range(L)]),
+                          _PerLayer([torch.stack([Bs[i] for _, Bs in per_adapter]) for i in range(L)]))
+        scale = torch.tensor([a.scale for a in adapters], device=dev, dtype=torch.float32)
+        rows = torch.tensor(row_adapter, dtype=torch.long, device=dev)
+        return LoraBatch(weights=weights, rows=rows, scale=scale), leaves  # type: ignore[arg-type]
+
+    def _checkpoint(self, longest: int) -> bool:
+        return self.checkpoint_from_len is not None and longest >= self.checkpoint_from_len
+
+    def _target_logprobs(self, h: Tensor, lora: LoraBatch | None, targets: Tensor) -> Tensor:
+        """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time."""
+        rows, T, _ = h.shape
+        step = max(1, self.logits_chunk // (rows * self.vocab))
+        if step >= T:
+            return self._logprobs_block(h, targets, lora)
+        parts = []
+        for s in range(0, T, step):
+            hs, ts = h[:, s : s + step], targets[:, s : s + step]
+            if torch.is_grad_enabled():  # keep no chunk's logits: recompute them in backward
+                parts.append(torch.utils.checkpoint.checkpoint(self._logprobs_block, hs, ts, lora,
+                                                               use_reentrant=False))
+            else:
+                parts.append(self._logprobs_block(hs, ts, lora))
+        return torch.cat(parts, dim=1)
+
+    def _logprobs_block(self, h: Tensor, targets: Tensor, lora: LoraBatch | None) -> Tensor:
+        return TargetLogprobs.apply(self.model.logits(h, lora), targets)
+
+    def _commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
+        """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""
+        failed: dict[str, Exception] = {}
+        for aid, grads in pending.items():
+            if not all(bool(torch.isfinite(g).all()) for pair in grads.values() for g in pair):
+                failed[aid] = EngineError(f"adapter {aid!r}: the loss produced non-finite gradients (check "
+                                          "advantages and logprobs); nothing was accumulated")
+                continue
+            _accumulate(adapters[aid].grads, grads)
+        return failed
+
+    # --- reverse KL (on-policy distillation) ----------------------------------------------------
+    def reverse_kl(
+        self,
+        adapter_id: str,
+        reference_adapter_id: str | None,
+        datums: Sequence[ReverseKLDatum | types.Datum | Mapping[str, Any]],
+        temperature: float = 1.0,
+    ) -> Output:
+        """forward_backward of Σ_t w_t · KL(p_student,t ‖ p_reference,t), accumulated into the student.
+
+        Per student position t: p = softmax(logits / temperature) over the whole vocabulary, for the
+        student adapter and for the reference (another adapter, or the bare base when None), the
+        exact reverse KL Σ_v p_s(v)·(log p_s(v) − log p_r(v)); gradient only into the student.
+        Returns loss_fn_outputs[i]["loss"] = w_t·KL_t per position and metrics["loss:sum"].
+        """
+        student = self.registry.get(adapter_id)
+        if not student.trainable:
+            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+        reference = self.registry.get(reference_adapter_id) if reference_adapter_id is not None else None
+        if isinstance(temperature, bool) or not (math.isfinite(temperature) and temperature > 0):
+            raise EngineError(f"temperature: must be a finite number > 0, got {temperature!r}")
+        if not datums:
+            raise EngineError("datums: empty batch")
+        rows = [parse_kl_datum(d, i, self.vocab, self.max_len) for i, d in enumerate(datums)]
+        plan = self._plan([_Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
+        out: dict[int, np.ndarray] = {}
+        pending: dict[str, Pairs] = {}
+        total = 0.0
+        for mb in plan:
+            batch = [rows[r.datum] for r in mb]
+            el, grads = self._kl_micro_batch(batch, student, reference, temperature)
+            _accumulate(pending, grads)
+            for r, row, e in zip(mb, batch, el, strict=True):
+                out[r.datum] = e[: len(row.student)].copy()
+                total += float(out[r.datum].sum(dtype=np.float64))
+        failed = self._commit(pending, {student.id: student})
+        if failed:
+            raise failed[student.id]
+        return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
+                      loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
+
+    def _kl_micro_batch(
+        self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
+    ) -> tuple[np.ndarray, dict[str, Pairs]]:
+        R = len(rows)
+        Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
+        s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
+        align = np.zeros((R, Ts), dtype=np.int64)  # reference position of each student position
+        valid, w = np.zeros((R, Ts), dtype=np.float32), np.zeros((R, Ts), dtype=np.float32)
+        for i, r in enumerate(rows):
+            n, m = len(r.student), len(r.reference)
+            s_tok[i, :n], r_tok[i, :m] = r.student, r.reference
+            pos = np.arange(Ts) + (m - n)
+            align[i] = np.clip(pos, 0, m - 1)
+            valid[i, :n] = pos[:n] >= 0
+            w[i, :n] = r.weights
+        dev = self.device
+        with torch.no_grad():
+            lora_r = self.registry.bank.batch([reference.slot] * R) if reference is not None else None
+            hr = self.model.hidden_states(torch.from_numpy(r_tok).to(dev), lora=lora_r)
+            idx = torch.from_numpy(align).to(dev)[..., None].expand(-1, -1, hr.shape[-1])
+            ref_lp = torch.log_softmax(self.model.logits(hr.gather(1, idx), lora_r).float() / temperature, -1)
+            del hr
+        lora_s, leaves = self._training_lora([student], [0] * R)
+        with torch.enable_grad():
+            hs = self.model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s,
+                                          checkpoint=self._checkpoint(Ts))
+            s_lp = torch.log_softmax(self.model.logits(hs, lora_s).float() / temperature, -1)
+            kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
+            el = kl * torch.from_numpy(w * valid).to(dev)
+            el.sum().backward()
+        return el.detach().float().cpu().numpy(), _leaf_grads(leaves)
+
+    # --- optimizer ------------------------------------------------------------------------------
+    def optim_step(self, adapter_id: str, params: types.AdamParams) -> types.OptimStepResponse:
+        """AdamW on the gradients accumulated since the last step, then clear them.
+
+        No accumulated gradient → no update (and the step count does not advance).
+        """
+        check_adam_params(params)
+        a = self.registry.get(adapter_id)
+        if not a.trainable:
+            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+        if not a.grads:
+            return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
+        weights = self._params(a)
+        metrics = adamw_step(weights, a.grads, a.optim, params)
+        if self.registry.dtype != torch.float32:  # publish the fp32 masters into the bank slot
+            with torch.no_grad():
+                for t, (A, B) in self._bank_views(a).items():
+                    A.copy_(weights[t][0])
+                    B.copy_(weights[t][1])
+        a.grads.clear()
+        return types.OptimStepResponse(metrics=metrics)
+
+    def _bank_views(self, a: Adapter) -> Pairs:
+        bank = self.registry.bank
+        return {t: (bank.A[t][a.slot, :, : a.rank], bank.B[t][a.slot, :, :, : a.rank]) for t in a.targets}
+
+    def _params(self, a: Adapter) -> Pairs:
+        """The float32 tensors AdamW updates: the bank slot itself when the bank is float32.
+
+        On a lower-precision bank, rounding every step to bf16 would lose small updates, so the
+        trainer keeps float32 masters. They are re-read from the bank whenever the slot no longer
+        equals their rounding (someone wrote new weights: load_state, set_weights).
+        """
+        views = self._bank_views(a)
+        if self.registry.dtype == torch.float32:
+            return views
+        for aid in [k for k, (ad, _) in self._master.items() if ad.released]:
+            del self._master[aid]
+        entry = self._master.get(a.id)
+        if entry is not None and entry[0] is a and all(
+            torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(entry[1][t], pair, strict=True)
+        ):
+            return entry[1]
+        master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
+        self._master[a.id] = (a, master)
+        return master
+
+    def _weights_fp32(self, a: Adapter) -> LoraWeights:
+        params = self._params(a) if a.trainable else self._bank_views(a)
+        return LoraWeights({t: (A.detach().float().clone(), B.detach().float().clone()) for t, (A, B) in params.items()},
+                           a.rank, a.alpha)
+
+    # --- state and weights on disk --------------------------------------------------------------
+    def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:
+        """Weights (+ AdamW moments and step) into a state dir, atomically."""
+        a = self.registry.get(adapter_id)
+        optim = a.optim if include_optimizer else None
+        state_io.save_state(dest, state_io.TrainState(self._weights_fp32(a), optim, self.base_model))
+
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True) -> str:
+        """Load a state dir into `adapter_id` (same rank and targets), or into a new trainable adapter
+        when None; returns the adapter id. Pending gradients are dropped; without the optimizer the
+        AdamW state restarts from step 0.
+        """
+        st = state_io.load_state(src, include_optimizer)
+        if st.base_model != self.base_model:
+            raise EngineError(f"path: state was trained on base model {st.base_model!r}, "
+                              f"this engine serves {self.base_model!r}")
+        check_shapes(st.weights, self.registry.bank, "path")
+        if adapter_id is None:
+            a = self.registry.install(st.weights, trainable=True)
+        else:
+            a = self.registry.get(adapter_id)
+            if not a.trainable:
+                raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+            self.registry.set_weights(adapter_id, st.weights)
+            a.alpha = st.weights.alpha  # set_weights writes the bank's scale; keep the adapter's in step
+        a.grads.clear()
+        dev = self.device
+        a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)  # type: ignore[misc]
+                                            for t, ms in st.optim.moments.items()}) if st.optim else AdamState()
+        self._master.pop(a.id, None)
+        if self.registry.dtype != torch.float32:  # resume from the exact fp32 masters, not their rounding
+            self._master[a.id] = (a, {t: (A.to(dev).clone(), B.to(dev).clone()) for t, (A, B) in st.weights.weights.items()})
+        return a.id
+
+    def export_peft(self, adapter_id: str, dest: Path) -> None:
+        """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
+        save_peft(self._weights_fp32(self.registry.get(adapter_id)), dest, self.base_model)
+
+    def import_peft(self, src: Path) -> str:
+        """A new trainable adapter from a PEFT LoRA dir; returns its id."""
+        try:
+            weights = load_peft(src, self.model.config.num_layers)
+        except ModelError as e:
+            raise EngineError(f"path: {e}") from None
+        check_shapes(weights, self.registry.bank, "path")
+        return self.registry.install(weights, trainable=True).id
+
+    # --- interpolation --------------------------------------------------------------------------
+    def interpolate(self, adapter_ids: list[str], coefficients: list[float], trainable: bool = False) -> str:
+        """A new adapter whose weight delta is exactly Σ cᵢ·ΔWᵢ (ΔWᵢ = sᵢ·Bᵢ·Aᵢ); returns its id.
+
+        Ranks concatenate: A = [A₁; A₂; …], B = [c₁s₁/s·B₁, c₂s₂/s·B₂, …] with s the first source's
+        scale, so the result's rank is the sum of the sources' (zero-coefficient sources are
+        dropped). Sampler-only by default, like MinT's interpolate_checkpoints output.
+        """
+        if not adapter_ids:
+            raise EngineError("adapter_ids: at least one adapter is required")
+        if len(coefficients) != len(adapter_ids):
+            raise EngineError(f"coefficients: {len(coefficients)} given for {len(adapter_ids)} adapters")
+        for c in coefficients:
+            if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c):
+                raise EngineError(f"coefficients: {c!r} is not a finite number")
+        pairs = [(self.registry.get(i), float(c)) for i, c in zip(adapter_ids, coefficients, strict=True)]
+        pairs = [(a, c) for a, c in pairs if c != 0.0] or pairs[:1]  # all zero: a zero delta of rank r₁
+        rank = sum(a.rank for a, _ in pairs)
+        if rank > self.registry.bank.max_rank:
+            raise EngineError(f"adapter_ids: the interpolated adapter would have rank {rank} (the sum of the "
+                              f"sources' ranks), above the engine's max LoRA rank {self.registry.bank.max_rank}")
+        scale = pairs[0][0].scale
+        sources = [(self._weights_fp32(a), a, c) for a, c in pairs]
+        shapes = self.registry.bank.shapes
+        weights = {}
+        for t in sorted({t for a, _ in pairs for t in a.targets}):
+            L, fi, fo = shapes[t]
+            As, Bs = [], []
+            for w, a, c in sources:
+                zeros = (torch.zeros(L, a.rank, fi, device=self.device), torch.zeros(L, fo, a.rank, device=self.device))
+                A, B = w.weights.get(t, zeros)
+                As.append(A)
+                Bs.append(B * (c * a.scale / scale))
+            weights[t] = (torch.cat(As, dim=1), torch.cat(Bs, dim=2))
+        return self.registry.install(LoraWeights(weights, rank, scale * rank), trainable=trainable).id
+
+
+def _unique(adapters: list[Adapter]) -> list[Adapter]:
+    return list({a.id: a for a in adapters}.values())
+
+
+class _PerLayer:
+    """Stands in for a [n, layers, …] weight stack in a LoraBatch: LoraBatch.delta only ever takes
+    `[:, layer]`, which here returns that layer's own [n, …] tensor."""
+
+    def __init__(self, per_layer: list[Tensor]) -> None:
+        self.per_layer = per_layer
+
+    def __getitem__(self, key: tuple[slice, int]) -> Tensor:
+        return self.per_layer[key[1]]
+
+
+def _leaf_grads(leaves: Leaves) -> dict[str, Pairs]:
+    """Per-layer leaf gradients → adapter id → target → (grad A [L, r, in], grad B [L, out, r]), float32."""
+
+    def stack(ts: list[Tensor]) -> Tensor:
+        return torch.stack([t.grad.float() if t.grad is not None else torch.zeros_like(t, dtype=torch.float32)
+                            for t in ts])
+
+    return {aid: {t: (stack(As), stack(Bs)) for t, (As, Bs) in ts.items()} for aid, ts in leaves.items()}
+
+
+def _accumulate(into: dict, grads: Mapping[str, Any]) -> None:
+    """into[adapter][target] += grads (or into[target] for one adapter's dict), in float32."""
+    for key, value in grads.items():
+        if isinstance(value, tuple):
+            old = into.get(key)
+            into[key] = value if old is None else (old[0] + value[0], old[1] + value[1])
+        else:
+            _accumulate(into.setdefault(key, {}), value)

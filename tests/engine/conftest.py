@@ -1,0 +1,34 @@
+"""Fixtures for the engine tests."""
+
+import pytest
+
+from tests.tiny import make_tiny_checkpoint
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def sampling_llama_dir(tmp_path_factory):
+    """A tiny untied Llama checkpoint + tokenizer for the sampler tests."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sampling-llama"), "llama", tie=False)
+
+
+@pytest.fixture(scope="session")
+def sampling_qwen3_dir(tmp_path_factory):
+    """A tiny tied Qwen3 checkpoint + tokenizer for the sampler tests."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("sampling-qwen3"), "qwen3", tie=True)
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def train_llama_dir(tmp_path_factory):
+    """A tiny untied Llama checkpoint (llama3 rope scaling) for the trainer tests."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("train-llama"), "llama", tie=False)
+
+
+@pytest.fixture(scope="session")
+def train_qwen3_dir(tmp_path_factory):
+    """A tiny tied Qwen3 checkpoint (qk-norm) for the trainer tests."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("train-qwen3"), "qwen3", tie=True)

@@ -1,0 +1,403 @@
+"""The continuous-batching sampler end to end, on tiny random checkpoints (fp32, CPU)."""
+
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+
+from mint_server.engine.adapters import AdapterRegistry
+from mint_server.engine.interface import EngineError
+from mint_server.engine.records import SamplingRecords
+from mint_server.engine.sampling import Sampler
+from mint_server.model.loader import load_model
+from mint_server.model.peft_io import load_peft, save_peft
+from tests.model.test_parity import random_adapter
+
+
+@pytest.fixture(scope="module")
+def model(sampling_llama_dir):
+    return load_model(sampling_llama_dir, device="cpu")
+
+
+@pytest.fixture
+def registry(model):
+    return AdapterRegistry(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(sampling_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(sampling_llama_dir)
+
+
+def make_sampler(model, registry, **kw) -> Sampler:
+    kw = {"kv_slots": 8, "max_seq_len": 96, "block_size": 8, "records": SamplingRecords(), **kw}
+    return Sampler(model, registry, **kw)
+
+
+def install(registry, rank: int, seed: int) -> str:
+    return registry.install(random_adapter(registry.cfg, rank, seed), trainable=False).id
+
+
+def params(**kw) -> types.SamplingParams:
+    return types.SamplingParams(**{"stop": [], "max_tokens": 12, "temperature": 0.0, **kw})
+
+
+def drain(sampler: Sampler, max_steps: int = 10_000) -> None:
+    for _ in range(max_steps):
+        if not sampler.has_work():
+            break
+        sampler.step()
+    assert not sampler.has_work()
+    assert sampler.kv_blocks_in_use == 0  # every block came back
+
+
+def prompt_of(seed: int, n: int, vocab: int = 320) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def full_logprobs(model, registry, adapter_id, tokens: list[int]) -> torch.Tensor:
+    """The training view: log_softmax of one plain forward over the whole sequence (no cache)."""
+    slot = -1 if adapter_id is None else registry.get(adapter_id).slot
+    lora = None if slot < 0 else registry.bank.batch([slot])
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([tokens]), lora=lora)[0].float(), -1)
+
+
+def solo(model, registry, adapter_id, prompt, p, n=1, **kw):
+    """The same request on a fresh sampler with nothing else running."""
+    s = make_sampler(model, registry, **kw)
+    f = s.submit(adapter_id, prompt, n, p)
+    drain(s)
+    return [q.tokens for q in f.result().sequences]
+
+
+# --- correctness against transformers / PEFT ----------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["sampling_llama_dir", "sampling_qwen3_dir"])
+def test_greedy_matches_transformers_peft_in_one_mixed_batch(fixture, request, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    ours = load_model(model_dir, device="cpu")
+    reg = AdapterRegistry(ours.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    names = []
+    for i, (rank, seed) in enumerate([(4, 11), (8, 12)]):
+        save_peft(random_adapter(ours.config, rank, seed), tmp_path / f"a{i}", base_model=str(model_dir))
+        names.append(reg.install(load_peft(tmp_path / f"a{i}", ours.config.num_layers), trainable=False).id)
+    prompts = [prompt_of(s, 9) for s in (1, 2, 3)]
+    adapters = [None, names[0], names[1]]
+    sampler = make_sampler(ours, reg)
+    futures = [sampler.submit(a, p, 1, params(max_tokens=16)) for a, p in zip(adapters, prompts, strict=True)]
+    drain(sampler)
+    assert sampler.stats.prefill_forwards == 1 and sampler.stats.decode_forwards == 15  # all three together
+    got = [f.result().sequences[0].tokens for f in futures]
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = PeftModel.from_pretrained(hf, tmp_path / "a0", adapter_name="a0")
+    hf.load_adapter(tmp_path / "a1", adapter_name="a1")
+    hf.eval()
+    # Never stop at EOS, like stop=[] (min_new_tokens would instead forbid EOS, changing the argmax).
+    hf.get_base_model().generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(
+            input_ids=torch.tensor(prompts), attention_mask=torch.ones(3, 9, dtype=torch.long),
+            adapter_names=["__base__", "a0", "a1"], do_sample=False, max_new_tokens=16, pad_token_id=0,
+        )
+    assert got == out[:, 9:].tolist()
+    assert got[1] != got[0] and got[2] != got[1]  # the adapters really steer generation
+
+
+def test_sampled_and_prompt_logprobs_equal_the_training_forward(model, registry):
+    aid = install(registry, 4, seed=5)
+    records = SamplingRecords()
+    sampler = make_sampler(model, registry, records=records)
+    prompt = prompt_of(7, 13)  # 13 = one full block of 8 and a partial one: forks copy the partial block
+    f = sampler.submit(aid, prompt, 3, params(temperature=1.0, top_p=0.9, top_k=40, seed=3, max_tokens=20),
+                       prompt_logprobs=True, topk_prompt_logprobs=3, record_stability_info=True)
+    base = sampler.submit(None, prompt, 1, params(temperature=0.8, seed=4, max_tokens=20))
+    scored = sampler.compute_logprobs(aid, prompt)
+    drain(sampler)
+    res = f.result()
+    assert [s.sequence_id for s in res.sequences] == f.sequence_ids
+    assert len({tuple(s.tokens) for s in res.sequences}) == 3  # three distinct samples
+    for seq in res.sequences:
+        ref = full_logprobs(model, registry, aid, prompt + seq.tokens)
+        want = [ref[len(prompt) + i - 1, t].item() for i, t in enumerate(seq.tokens)]
+        assert np.abs(np.array(seq.logprobs) - want).max() <= 1e-5
+        assert records.get(seq.sequence_id) == seq.logprobs
+        rec = records.get_record(seq.sequence_id)
+        assert rec.tokens.tolist() == seq.tokens and rec.prompt_tokens.tolist() == prompt and rec.adapter_id == aid
+    seq = base.result().sequences[0]
+    ref = full_logprobs(model, registry, None, prompt + seq.tokens)
+    assert np.abs(np.array(seq.logprobs) - [ref[len(prompt) + i - 1, t].item() for i, t in enumerate(seq.tokens)]).max() <= 1e-5
+    assert records.get(seq.sequence_id) is None  # not asked to record
+
+    ref = full_logprobs(model, registry, aid, prompt)
+    want = [None] + [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    for got in (res.prompt_logprobs, scored.result()):
+        assert got[0] is None
+        assert np.abs(np.array(got[1:]) - want[1:]).max() <= 1e-5
+    top = res.topk_prompt_logprobs
+    assert top[0] is None and all(len(t) == 3 for t in top[1:])
+    v, i = ref[:-1].topk(3, dim=-1)
+    assert [[tok for tok, _ in t] for t in top[1:]] == i.tolist()
+    assert np.abs(np.array([[lp for _, lp in t] for t in top[1:]]) - v.numpy()).max() <= 1e-5
+    assert base.result().prompt_logprobs is None and base.result().topk_prompt_logprobs is None
+
+
+def test_first_token_frequencies_match_the_models_filtered_softmax(model, registry):
+    """End to end: 6000 seeded samples of one token each, forked off one prefill."""
+    draws, temperature, top_k, top_p = 6000, 0.5, 6, 0.8
+    prompt = prompt_of(21, 10)
+    sampler = make_sampler(model, registry, kv_slots=draws // 2 + 10, max_seq_len=16, max_num_samples=draws,
+                           max_batch_rows=draws)
+    f = sampler.submit(None, prompt, draws, params(temperature=temperature, top_k=top_k, top_p=top_p, seed=9,
+                                                  max_tokens=1))
+    drain(sampler)
+    assert sampler.stats.prefill_rows == 1
+    freq = np.bincount([s.tokens[0] for s in f.result().sequences], minlength=model.config.vocab_size) / draws
+
+    from tests.engine.test_sampling_ops import filtered_softmax
+
+    logits = full_logprobs(model, registry, None, prompt)[-1].double().numpy()
+    expected = filtered_softmax(logits, temperature, top_k, top_p)
+    # σ ≤ √(0.25 / 6000) ≈ 0.0065; 0.03 is > 4.5σ.
+    assert np.abs(freq - expected).max() <= 0.03, (freq[expected > 0], expected[expected > 0])
+    assert freq[expected == 0].sum() == 0
+
+
+# --- stopping -----------------------------------------------------------------------------------
+
+
+def test_stop_strings_spanning_token_boundaries(model, registry, tokenizer):
+    prompt = prompt_of(31, 6)
+    (gen,) = solo(model, registry, None, prompt, params(max_tokens=60))
+    text = [tokenizer.decode(gen[:i]) for i in range(len(gen) + 1)]
+    # A 3-character stop string made of the last two characters before token i and the first one of
+    # token i: it spans a token boundary, and its first occurrence completes at token i.
+    cases = []
+    for i in range(2, len(gen)):
+        a, b = text[i], text[i + 1]
+        if not (b.startswith(a) and len(a) >= 2 and len(b) > len(a)):
+            continue
+        stop = a[-2:] + b[len(a)]
+        if not stop.isprintable() or "\ufffd" in stop or stop in tokenizer.decode([gen[i]]):
+            continue
+        first = next(j for j in range(len(gen) + 1) if stop in text[j])
+        if first == i + 1:
+            cases.append((stop, i + 1))
+    assert len(cases) >= 2, "the tiny model's greedy text should offer boundary-spanning stop strings"
+    sampler = make_sampler(model, registry, tokenizer=tokenizer)
+    (stop1, n1), (stop2, n2) = cases[0], cases[-1]
+    f1 = sampler.submit(None, prompt, 1, params(max_tokens=60, stop=stop1))  # a bare string
+    f2 = sampler.submit(None, prompt, 1, params(max_tokens=60, stop=["\x00never", stop2]))
+    f3 = sampler.submit(None, prompt, 1, params(max_tokens=60, stop=[gen[4]]))  # token ids
+    drain(sampler)
+    s1, s2, s3 = (f.result().sequences[0] for f in (f1, f2, f3))
+    assert (s1.tokens, s1.stop_reason) == (gen[:n1], "stop")
+    assert (s2.tokens, s2.stop_reason) == (gen[:n2], "stop")
+    assert (s3.tokens, s3.stop_reason) == (gen[: gen.index(gen[4]) + 1], "stop")
+
+
+def test_default_stop_is_eos_and_empty_list_never_stops(model, registry):
+    prompt = prompt_of(32, 6)
+    (gen,) = solo(model, registry, None, prompt, params(max_tokens=30))
+    eos = gen[7]
+    sampler = make_sampler(model, registry, eos_token_ids=[eos])
+    f_default = sampler.submit(None, prompt, 1, params(max_tokens=30, stop=None))
+    f_never = sampler.submit(None, prompt, 1, params(max_tokens=30))
+    drain(sampler)
+    d, n = f_default.result().sequences[0], f_never.result().sequences[0]
+    assert (d.tokens, d.stop_reason) == (gen[: gen.index(eos) + 1], "stop")
+    assert (n.tokens, n.stop_reason) == (gen, "length")
+
+
+# --- batching, determinism, memory --------------------------------------------------------------
+
+
+def test_request_admitted_mid_decode_returns_what_it_returns_alone(model, registry):
+    adapters = [install(registry, r, seed=40 + r) for r in (2, 4, 8)]
+    target = dict(adapter_id=adapters[1], prompt=prompt_of(50, 11),
+                  p=params(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=25))
+    alone = solo(model, registry, target["adapter_id"], target["prompt"], target["p"], n=2)
+
+    sampler = make_sampler(model, registry, kv_slots=24)
+    others = [
+        sampler.submit([None, *adapters][i % 4], prompt_of(100 + i, 5 + i % 7), 1,
+                       params(temperature=[0.0, 1.0, 0.7][i % 3], seed=i, max_tokens=40))
+        for i in range(16)
+    ]
+    for _ in range(6):
+        sampler.step()
+    assert len(sampler._rows) == 16  # all sixteen are mid-decode
+    f = sampler.submit(target["adapter_id"], target["prompt"], 2, target["p"])
+    drain(sampler)
+    assert [s.tokens for s in f.result().sequences] == alone
+    assert all(len(o.result().sequences[0].tokens) == 40 for o in others)
+    # and the same seed reproduces, a different one does not
+    again = solo(model, registry, target["adapter_id"], target["prompt"], target["p"], n=2)
+    other = solo(model, registry, target["adapter_id"], target["prompt"], target["p"].model_copy(update={"seed": 99}), n=2)
+    assert again == alone and other != alone
+
+
+def test_more_work_than_the_kv_budget_is_queued_and_completes(model, registry):
+    # Budget: 2 × 48 = 96 positions = 12 blocks of 8. Each sample needs ⌈(6 + 20) / 8⌉ = 4 blocks,
+    # so three run at a time; the 5-sample request alone cannot fit at once and goes in waves.
+    kw = dict(kv_slots=2, max_seq_len=48)
+    prompts = [prompt_of(200 + i, 6) for i in range(10)]
+    p = params(max_tokens=20)
+    sampler = make_sampler(model, registry, **kw)
+    assert sampler.cache.nbytes == 2 * sampler.cache.k.numel() * 4
+    assert sampler.cache.k.shape[1] == 12 + 1  # + the scratch block
+    futures = [sampler.submit(None, pr, 1, p) for pr in prompts]
+    big = sampler.submit(None, prompts[0], 5, params(max_tokens=20, temperature=1.0, seed=5))
+    sampler.step()
+    assert sampler.has_work() and len(sampler._queue) == 8  # admitted what fits, queued the rest
+    drain(sampler)
+    assert sampler.pool.peak_used <= 12
+    assert sampler.stats.peak_rows == 3
+    for pr, f in zip(prompts, futures, strict=True):
+        assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
+    assert [s.tokens for s in big.result().sequences] == solo(
+        model, registry, None, prompts[0], params(max_tokens=20, temperature=1.0, seed=5), n=5, kv_slots=8
+    )
+
+
+def test_shared_prefill_for_samples_and_identical_prompts(model, registry):
+    aid = install(registry, 4, seed=60)
+    prompt = prompt_of(61, 13)
+    sampler = make_sampler(model, registry)
+    n4 = sampler.submit(aid, prompt, 4, params(max_tokens=10))
+    twin = sampler.submit(aid, prompt, 1, params(max_tokens=10))
+    base = sampler.submit(None, prompt, 1, params(max_tokens=10))  # same prompt, other adapter: own prefill
+    drain(sampler)
+    assert sampler.stats.prefill_rows == 2 and sampler.stats.prefill_tokens == 26
+    (one,) = solo(model, registry, aid, prompt, params(max_tokens=10))
+    assert [s.tokens for s in n4.result().sequences] == [one] * 4
+    assert twin.result().sequences[0].tokens == one
+    assert n4.result().prompt_cache_hit_tokens == 0 and twin.result().prompt_cache_hit_tokens == 13
+    assert base.result().sequences[0].tokens != one
+
+
+def test_admitted_requests_finish_on_their_revision(model, registry):
+    old = install(registry, 4, seed=70)
+    prompt, p = prompt_of(71, 8), params(max_tokens=24)
+    (reference,) = solo(model, registry, old, prompt, p)
+    old_slot = registry.get(old).slot
+    sampler = make_sampler(model, registry)
+    f = sampler.submit(old, prompt, 1, p)
+    for _ in range(5):
+        sampler.step()
+    new = install(registry, 4, seed=72)  # the next revision, installed while `old` is mid-decode
+    registry.release(old)  # and the old one released: its slot must survive until the request ends
+    assert registry.get(new).slot != old_slot
+    with pytest.raises(EngineError, match="adapter"):
+        sampler.submit(old, prompt, 1, p)
+    g = sampler.submit(new, prompt, 1, p)
+    drain(sampler)
+    assert f.result().sequences[0].tokens == reference
+    assert g.result().sequences[0].tokens != reference
+    assert old_slot in registry._free  # freed once the last request on it finished
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("prompt", dict(prompt=[5, 320])),
+        ("prompt", dict(prompt=[5, -1])),
+        ("prompt", dict(prompt=[])),
+        ("prompt", dict(prompt=list(range(3, 99)))),
+        ("max_tokens", dict(p=params(max_tokens=90))),
+        ("max_tokens", dict(p=params(max_tokens=0))),
+        ("num_samples", dict(n=0)),
+        ("num_samples", dict(n=-3)),
+        ("temperature", dict(p=params(temperature=-0.5))),
+        ("top_p", dict(p=params(top_p=0.0))),
+        ("top_p", dict(p=params(top_p=1.5))),
+        ("top_k", dict(p=params(top_k=-2))),
+        ("stop", dict(p=params(stop=[320]))),
+        ("stop", dict(p=params(stop=["ok", ""]))),
+        ("topk_prompt_logprobs", dict(topk=-1)),
+        ("adapter", dict(adapter="no-such-adapter")),
+    ],
+)
+def test_bad_input_names_the_field_and_leaves_the_batch_alone(model, registry, field, kwargs):
+    aid = install(registry, 2, seed=80)
+    prompt, p = prompt_of(81, 7), params(max_tokens=15, temperature=1.0, seed=2)
+    (reference,) = solo(model, registry, aid, prompt, p)
+    sampler = make_sampler(model, registry)
+    f = sampler.submit(aid, prompt, 1, p)
+    sampler.step()
+    bad = dict(adapter=aid, prompt=prompt_of(82, 10), n=1, p=params(), topk=0) | kwargs
+    with pytest.raises(EngineError, match=field):
+        sampler.submit(bad["adapter"], bad["prompt"], bad["n"], bad["p"], topk_prompt_logprobs=bad["topk"])
+    assert registry.get(aid).refcount == 1  # a refused request holds no pin
+    drain(sampler)
+    assert f.result().sequences[0].tokens == reference
+    assert registry.get(aid).refcount == 0
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(model, registry):
+    with pytest.raises(EngineError, match="stop"):
+        make_sampler(model, registry).submit(None, [5, 6], 1, params(stop=["\n"]))
+
+
+def test_a_request_cancelled_while_queued_is_dropped(model, registry):
+    aid = install(registry, 2, seed=90)
+    sampler = make_sampler(model, registry)
+    f: Future = sampler.submit(aid, [5, 6, 7], 1, params())
+    assert registry.get(aid).refcount == 1 and f.cancel()
+    drain(sampler)
+    assert registry.get(aid).refcount == 0 and sampler.stats.prefill_forwards == 0
+
+
+def test_submit_from_many_threads_while_the_worker_steps(model, registry):
+    import threading
+
+    aid = install(registry, 4, seed=95)
+    sampler = make_sampler(model, registry, kv_slots=6)
+    futures: list[Future] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        for i in range(8):
+            f = sampler.submit([None, aid][i % 2], prompt_of(300 + 8 * k + i, 4 + i), 1,
+                               params(temperature=1.0, seed=k * 8 + i, max_tokens=6 + i))
+            with lock:
+                futures.append(f)
+
+    clients = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+    for t in clients:
+        t.start()
+    while any(t.is_alive() for t in clients) or sampler.has_work():
+        if sampler.has_work():
+            sampler.step()
+    for t in clients:
+        t.join()
+    drain(sampler)
+    assert len(futures) == 32 and all(len(f.result().sequences[0].tokens) >= 6 for f in futures)
+    assert registry.get(aid).refcount == 0
+
+
+def test_prefill_budget_splits_a_burst_and_tiny_temperatures_are_greedy(model, registry):
+    prompts = [prompt_of(400 + i, 8) for i in range(3)] + [prompt_of(404, 30)]
+    p = params(max_tokens=5)
+    sampler = make_sampler(model, registry, max_prefill_tokens=20)
+    futures = [sampler.submit(None, pr, 1, p) for pr in prompts]
+    futures.append(sampler.submit(None, prompts[0], 1, params(max_tokens=5, temperature=1e-9, seed=1)))
+    drain(sampler)
+    # 2 × 8 fit in 20 padded tokens; the third 8 waits a step; the 30-token prompt runs alone (over
+    # budget), and the greedy repeat of the first prompt after it.
+    assert sampler.stats.prefill_forwards == 4 and sampler.stats.prefill_rows == 5
+    for pr, f in zip(prompts, futures, strict=False):
+        assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
+    assert futures[-1].result().sequences[0].tokens == futures[0].result().sequences[0].tokens

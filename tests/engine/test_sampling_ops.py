@@ -1,0 +1,130 @@
+"""Sampler building blocks: token choice statistics, stop conditions, recorded sampling info."""
+
+import numpy as np
+import pytest
+import torch
+
+from mint_server.engine.kv import BlockPool
+from mint_server.engine.records import SamplingRecord, SamplingRecords
+from mint_server.engine.sampler_ops import StopCondition, choose_tokens, inverse_cdf, sample_seed, uniforms
+
+
+def filtered_softmax(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Reference: softmax(logits / T), keep the top k, renormalise, keep the smallest top set with mass ≥ p."""
+    z = logits / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    kept = order[: top_k if top_k > 0 else len(p)]
+    q = p[kept] / p[kept].sum()
+    n = int(np.searchsorted(np.cumsum(q), top_p - 1e-12) + 1)  # first prefix whose mass reaches top_p
+    keep[kept[:n]] = True
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+# Draws per case and the tolerance on each token's frequency: σ ≤ √(0.25 / 40000) = 0.0025, so 0.012
+# is ~5σ for the worst token (a flaky failure is ~1e-6 per token).
+DRAWS, TOL = 40_000, 0.012
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [(1.0, -1, 1.0), (0.6, -1, 1.0), (1.0, 4, 1.0), (1.5, -1, 0.7), (0.8, 6, 0.75), (2.0, 1, 1.0)],
+)
+def test_draw_frequencies_match_filtered_softmax(temperature, top_k, top_p):
+    logits = torch.randn(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 1.5
+    gen = torch.Generator().manual_seed(1)
+    u = torch.rand(DRAWS, generator=gen, dtype=torch.float64)
+    tokens, logprobs = choose_tokens(
+        logits.expand(DRAWS, -1),
+        torch.full((DRAWS,), temperature),
+        torch.full((DRAWS,), max(top_k, 0)),
+        torch.full((DRAWS,), top_p),
+        u,
+    )
+    freq = np.bincount(tokens.numpy(), minlength=12) / DRAWS
+    expected = filtered_softmax(logits.double().numpy(), temperature, top_k, top_p)
+    assert np.abs(freq - expected).max() <= TOL, (freq.round(3), expected.round(3))
+    assert (freq[expected == 0] == 0).all()  # filtered tokens are never drawn
+    # Reported logprobs are the raw model's (T = 1, unfiltered), whatever shaped the draw.
+    raw = torch.log_softmax(logits, -1)
+    assert torch.equal(logprobs, raw[tokens])
+
+
+def test_greedy_rows_ignore_uniform_and_mixed_rows_are_independent():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(3))
+    temp = torch.tensor([0.0, 1.0, 0.0, 0.7, 1.2])
+    top_k, top_p = torch.tensor([0, 0, 3, 10, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 0.5])
+    u = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.77], dtype=torch.float64)
+    tokens, _ = choose_tokens(logits, temp, top_k, top_p, u)
+    assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
+    for i in range(5):  # each row alone picks what it picked in the batch
+        alone, _ = choose_tokens(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], u[i : i + 1])
+        assert alone.item() == tokens[i].item()
+
+
+def test_inverse_cdf_never_picks_zero_mass():
+    probs = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.2, 0.0, 0.8, 0.0]])
+    for u in (0.0, 0.4999, 0.5, 1.0 - 1e-16):
+        idx = inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64))
+        assert all(probs[i, j] > 0 for i, j in enumerate(idx.tolist()))
+
+
+def test_sample_seeds_and_uniforms_are_per_stream():
+    assert sample_seed(5, 1) != sample_seed(6, 0) and sample_seed(5, 1) == sample_seed(5, 1)
+    g1, g2 = torch.Generator().manual_seed(sample_seed(9, 0)), torch.Generator().manual_seed(sample_seed(9, 0))
+    a = uniforms([g1, None, g2])
+    assert a[0] == a[2] and a[1] == 0.0 and 0 <= a[0] < 1
+
+
+def test_stop_condition_tokens_and_strings():
+    text = {1: "ab", 2: "c", 3: "d\n", 4: "\nUs", 5: "er:"}
+
+    def decode(ids: list[int]) -> str:
+        return "".join(text[i] for i in ids)
+
+    cond = StopCondition(token_ids=frozenset({2}), strings=("\n\nUser:",), decode=decode)
+    assert cond.hit([1, 2])
+    seq = [1, 3, 4, 5]  # "ab" "d\n" "\nUs" "er:" — the stop string spans three tokens
+    assert [cond.hit(seq[: i + 1]) for i in range(4)] == [False, False, False, True]
+    assert not StopCondition().hit([1, 2, 3])
+
+
+def test_block_pool_refcounts():
+    pool = BlockPool(6)  # block 0 is scratch: 5 usable
+    a = pool.alloc(3)
+    assert 0 not in a and pool.available == 2
+    pool.share(a[:2])
+    pool.release(a)
+    assert pool.available == 3  # the shared two are still held
+    pool.release(a[:2])
+    assert pool.available == 5 and pool.peak_used == 3
+    with pytest.raises(RuntimeError):
+        pool.alloc(6)
+
+
+def _record(n: int) -> SamplingRecord:
+    return SamplingRecord(np.arange(3, dtype=np.int32), np.arange(n, dtype=np.int32),
+                          np.linspace(-1, -0.1, n).astype(np.float32), None)
+
+
+def test_records_expire_after_inactivity_and_stay_bounded():
+    now = [0.0]
+    rec = SamplingRecords(ttl_s=10, max_records=3, clock=lambda: now[0])
+    rec.put("a", _record(4))
+    rec.put("b", _record(4))
+    assert rec.get("a") == pytest.approx(np.linspace(-1, -0.1, 4).tolist())
+    now[0] = 8.0
+    assert rec.get("a") is not None  # reading refreshes: "a" now lives until 18
+    now[0] = 12.0
+    assert rec.get("b") is None and rec.get("a") is not None
+    assert rec.get("missing") is None
+    for sid in "cdef":
+        rec.put(sid, _record(2))
+    assert len(rec) == 3 and rec.get("a") is None  # least recently used go first
+    small = SamplingRecords(ttl_s=10, max_tokens=12)
+    small.put("x", _record(4))  # 3 prompt + 4 sampled = 7 tokens
+    small.put("y", _record(4))
+    assert small.get("x") is None and small.get_record("y") is not None

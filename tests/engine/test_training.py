@@ -1,0 +1,419 @@
+"""The Trainer on tiny random checkpoints (fp32, CPU): gradient parity with transformers + PEFT,
+fused multi-adapter isolation, micro-batching, reverse KL, learning, and refusal of bad input."""
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from tinker import types
+from transformers import AutoModelForCausalLM
+
+from mint_server.engine.adapters import AdapterRegistry
+from mint_server.engine.interface import EngineError
+from mint_server.engine.training import ReverseKLDatum, Trainer, TrainRequest
+from mint_server.model.loader import load_model
+from mint_server.model.lora import ATTN_TARGETS, UNEMBED_TARGET
+from mint_server.model.peft_io import save_peft
+from tests.model.test_parity import random_adapter
+
+ADAM = types.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
+
+
+@pytest.fixture(scope="module")
+def model(train_llama_dir):
+    return load_model(train_llama_dir, device="cpu")
+
+
+def new_trainer(model, **kw) -> Trainer:
+    registry = AdapterRegistry(model.config, num_slots=6, max_rank=16, device="cpu", dtype=torch.float32)
+    return Trainer(model, registry, base_model="tiny", **kw)
+
+
+@pytest.fixture
+def trainer(model):
+    return new_trainer(model)
+
+
+def sft_datums(lengths, seed, vocab=320, weights="random"):
+    """Next-token datums of the given model-input lengths: input seq[:-1], targets seq[1:]."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        seq = torch.randint(3, vocab, (n + 1,), generator=g)
+        w = torch.rand(n, generator=g) if weights == "random" else torch.ones(n)
+        out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+                               loss_fn_inputs={"target_tokens": seq[1:], "weights": w}))
+    return out
+
+
+def install_random(trainer, rank=4, seed=3, alpha=16.0, trainable=True):
+    """An adapter with random nonzero A and B (PEFT's zero-B init would make A's gradient zero)."""
+    w = random_adapter(trainer.model.config, rank, seed)
+    w.alpha = alpha
+    return trainer.registry.install(w, trainable=trainable), w
+
+
+def peft_reference(model_dir, adapter_dir, datums):
+    """Loss, per-datum logprobs and LoRA grads from transformers + PEFT, one datum at a time."""
+    from peft import PeftModel
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pm = PeftModel.from_pretrained(hf, adapter_dir, is_trainable=True)
+    total, logprobs = 0.0, []
+    for d in datums:
+        tokens = torch.tensor([d.model_input.to_ints()])
+        lp = torch.log_softmax(pm(input_ids=tokens).logits[0].float(), -1)
+        lp = lp.gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
+        loss = -(d.loss_fn_inputs["weights"].to_torch() * lp).sum()
+        loss.backward()
+        total += loss.item()
+        logprobs.append(lp.detach())
+    params = dict(pm.named_parameters())
+    return total, logprobs, params
+
+
+def peft_grad(params, target, layer, which):
+    if target == UNEMBED_TARGET:
+        name = f"base_model.model.lm_head.lora_{which}.default.weight"
+    else:
+        block = "self_attn" if target in ATTN_TARGETS else "mlp"
+        name = f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{which}.default.weight"
+    return params[name].grad
+
+
+def rel_err(a, b):
+    """‖a − b‖ / ‖b‖; 0 when both are zero (A's gradient while B is still PEFT's zero init)."""
+    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+
+
+@pytest.mark.parametrize("fixture", ["train_llama_dir", "train_qwen3_dir"])
+def test_cross_entropy_grads_match_peft(fixture, request, tmp_path):
+    model_dir = request.getfixturevalue(fixture)
+    trainer = new_trainer(load_model(model_dir, device="cpu"))
+    adapter, weights = install_random(trainer)
+    save_peft(weights, tmp_path / "peft", base_model=str(model_dir))
+    datums = sft_datums([17, 9, 23], seed=1)  # unequal lengths: exercises right-padding
+
+    (out,) = trainer.run([TrainRequest(adapter.id, datums, "cross_entropy")])
+    ref_loss, ref_lp, params = peft_reference(model_dir, tmp_path / "peft", datums)
+
+    assert out.loss_fn_output_type == "ArrayRecord"
+    assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5)
+    for o, lp in zip(out.loss_fn_outputs, ref_lp, strict=True):
+        torch.testing.assert_close(o["logprobs"].to_torch(), lp, rtol=1e-5, atol=1e-5)
+        assert o["elementwise_loss"].shape == o["logprobs"].shape
+    assert set(adapter.grads) == set(weights.weights)
+    for t, (gA, gB) in adapter.grads.items():
+        for layer in range(gA.shape[0]):
+            assert rel_err(gA[layer], peft_grad(params, t, layer, "A")) <= 1e-5, (t, layer, "A")
+            assert rel_err(gB[layer], peft_grad(params, t, layer, "B")) <= 1e-5, (t, layer, "B")
+
+
+def test_gradients_accumulate_and_optim_step_clears_them(trainer):
+    adapter, _ = install_random(trainer)
+    d1, d2 = sft_datums([11], seed=1), sft_datums([7], seed=2)
+    trainer.run([TrainRequest(adapter.id, d1, "cross_entropy")])
+    g1 = {t: (a.clone(), b.clone()) for t, (a, b) in adapter.grads.items()}
+    trainer.run([TrainRequest(adapter.id, d2, "cross_entropy")])
+    fresh, _ = install_random(trainer)
+    trainer.run([TrainRequest(fresh.id, d2, "cross_entropy")])
+    for t, (a, b) in adapter.grads.items():
+        torch.testing.assert_close(a, g1[t][0] + fresh.grads[t][0])
+        torch.testing.assert_close(b, g1[t][1] + fresh.grads[t][1])
+    before = trainer.registry.weights(adapter.id).weights["q_proj"][1].clone()
+    resp = trainer.optim_step(adapter.id, ADAM)
+    assert resp.metrics["grad_norm:mean"] > 0 and adapter.grads == {} and adapter.optim.step == 1
+    assert not torch.equal(trainer.registry.weights(adapter.id).weights["q_proj"][1], before)
+
+
+def test_forward_gives_logprobs_without_touching_gradients(trainer, model):
+    adapter, _ = install_random(trainer)
+    datums = sft_datums([13, 5], seed=4)
+    fb, fwd, base = trainer.run([
+        TrainRequest(adapter.id, datums, "cross_entropy"),
+        TrainRequest(adapter.id, datums, "cross_entropy", backward=False),
+        TrainRequest(None, datums, "cross_entropy", backward=False),
+    ])
+    grads = {t: (a.clone(), b.clone()) for t, (a, b) in adapter.grads.items()}
+    for a, b in zip(fb.loss_fn_outputs, fwd.loss_fn_outputs, strict=True):
+        torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
+    assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-5)
+    for d, o in zip(datums, base.loss_fn_outputs, strict=True):  # bare base = model with no LoRA
+        with torch.no_grad():
+            logits = model(torch.tensor([d.model_input.to_ints()]))[0]
+        lp = torch.log_softmax(logits, -1).gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
+        torch.testing.assert_close(o["logprobs"].to_torch(), lp, rtol=1e-5, atol=1e-5)
+    for t, (a, b) in adapter.grads.items():
+        assert torch.equal(a, grads[t][0]) and torch.equal(b, grads[t][1])
+
+
+def test_two_dimensional_targets_give_per_column_logprobs(trainer):
+    adapter, _ = install_random(trainer)
+    (d,) = sft_datums([8], seed=6, weights="ones")
+    tokens = d.loss_fn_inputs["target_tokens"].to_torch()
+    other = (tokens * 7 + 1) % 320
+    two = types.Datum(model_input=d.model_input, loss_fn_inputs={
+        "target_tokens": torch.stack([tokens, other], 1), "weights": torch.ones(8, 2)})
+    alt = types.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": other, "weights": torch.ones(8)})
+    out2, out1 = trainer.run([TrainRequest(adapter.id, [two], "cross_entropy", backward=False),
+                              TrainRequest(adapter.id, [d, alt], "cross_entropy", backward=False)])
+    lp2 = out2.loss_fn_outputs[0]["logprobs"].to_torch()
+    assert list(lp2.shape) == [8, 2]
+    torch.testing.assert_close(lp2[:, 0], out1.loss_fn_outputs[0]["logprobs"].to_torch())
+    torch.testing.assert_close(lp2[:, 1], out1.loss_fn_outputs[1]["logprobs"].to_torch())
+    assert out2.metrics["loss:sum"] == pytest.approx(out1.metrics["loss:sum"], rel=1e-5)
+
+
+def test_fused_step_isolates_adapters(model):
+    """A fused pass over A and B updates A exactly as training A alone; C, not in the batch, is untouched."""
+    fused, alone = new_trainer(model), new_trainer(model)
+    a = fused.create_adapter(types.LoraConfig(rank=4, seed=1))
+    b = fused.create_adapter(types.LoraConfig(rank=8, seed=2, train_unembed=False))
+    c = fused.create_adapter(types.LoraConfig(rank=4, seed=3))
+    a_alone = alone.create_adapter(types.LoraConfig(rank=4, seed=1))
+    c_before = fused.registry.weights(c)
+    da, db = sft_datums([15, 6], seed=7), sft_datums([19, 12, 4], seed=8)
+    for _ in range(3):
+        ra, rb = fused.run([TrainRequest(a, da, "cross_entropy"), TrainRequest(b, db, "cross_entropy")])
+        (ra_alone,) = alone.run([TrainRequest(a_alone, da, "cross_entropy")])
+        assert ra.metrics["loss:sum"] == pytest.approx(ra_alone.metrics["loss:sum"], rel=1e-6)
+        for t, (gA, gB) in fused.registry.get(a).grads.items():
+            ref = alone.registry.get(a_alone).grads[t]
+            assert rel_err(gA, ref[0]) <= 1e-5 and rel_err(gB, ref[1]) <= 1e-5
+        for tr, aid in ((fused, a), (fused, b), (alone, a_alone)):
+            tr.optim_step(aid, ADAM)
+    wa, wa_alone = fused.registry.weights(a).weights, alone.registry.weights(a_alone).weights
+    for t in wa:
+        assert (wa[t][0] - wa_alone[t][0]).abs().max() <= 1e-6
+        assert (wa[t][1] - wa_alone[t][1]).abs().max() <= 1e-6
+    for t, (A, B) in fused.registry.weights(c).weights.items():
+        assert torch.equal(A, c_before.weights[t][0]) and torch.equal(B, c_before.weights[t][1])
+    assert fused.registry.get(c).grads == {} and fused.registry.get(c).optim.step == 0
+
+
+def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
+    plain = new_trainer(model)
+    split = new_trainer(model, max_tokens_per_pass=40, checkpoint_from_len=1, logits_chunk=320 * 8)
+    datums = sft_datums([21, 14, 9, 3, 17], seed=9)
+    calls = []
+    split_once = split._micro_batch
+    split._micro_batch = lambda mb, *a: calls.append(len(mb)) or split_once(mb, *a)
+    outs, ids = [], []
+    for tr in (plain, split):
+        aid = tr.create_adapter(types.LoraConfig(rank=4, seed=5))
+        tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        tr.optim_step(aid, ADAM)  # B is nonzero now, so A gets a gradient too
+        outs.append(tr.run([TrainRequest(aid, datums, "cross_entropy")])[0])
+        ids.append(aid)
+    assert calls == [1, 2, 2] * 2  # [21], [17, 14], [9, 3] under a budget of 40 padded tokens
+    for x, y in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs, strict=True):
+        torch.testing.assert_close(x["logprobs"].to_torch(), y["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
+    ga, gb = plain.registry.get(ids[0]).grads, split.registry.get(ids[1]).grads
+    for t in ga:
+        assert rel_err(gb[t][0], ga[t][0]) <= 1e-5 and rel_err(gb[t][1], ga[t][1]) <= 1e-5
+
+
+def test_sft_learns_a_small_task(trainer):
+    aid = trainer.create_adapter(types.LoraConfig(rank=8, seed=0))
+    datums = sft_datums([16, 16, 12, 20], seed=10, weights="ones")
+    losses = []
+    for _ in range(20):
+        (out,) = trainer.run([TrainRequest(aid, datums, "cross_entropy")])
+        losses.append(out.metrics["loss:sum"])
+        trainer.optim_step(aid, types.AdamParams(learning_rate=1e-2))
+    assert losses[-1] <= 0.5 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_sft_learns_on_smollm2(smollm2_dir):
+    model = load_model(smollm2_dir, device="cpu")
+    tr = new_trainer(model)
+    aid = tr.create_adapter(types.LoraConfig(rank=16, seed=0))
+    datums = sft_datums([32] * 4, seed=11, vocab=model.config.vocab_size, weights="ones")
+    losses = []
+    for _ in range(12):
+        (out,) = tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        losses.append(out.metrics["loss:sum"])
+        tr.optim_step(aid, types.AdamParams(learning_rate=2e-3))
+    assert losses[-1] <= 0.5 * losses[0], losses
+
+
+def _reverse_kl_reference(trainer, student, reference, rows, temperature):
+    """Per datum, no padding: Σ_t w_t Σ_v p_s (log p_s − log p_r) with right-aligned inputs."""
+    model, bank = trainer.model, trainer.registry.bank
+    total, per_datum = 0.0, []
+    for s_tok, r_tok, w in rows:
+        with torch.no_grad():
+            lora_r = bank.batch([reference.slot]) if reference is not None else None
+            ref_logits = model(torch.tensor([r_tok]), lora=lora_r)[0][len(r_tok) - len(s_tok):]
+        lora, leaves = trainer.registry.training_batch([student], [0])
+        s_lp = torch.log_softmax(model(torch.tensor([s_tok]), lora=lora)[0] / temperature, -1)
+        r_lp = torch.log_softmax(ref_logits / temperature, -1)
+        kl = (s_lp.exp() * (s_lp - r_lp)).sum(-1) * torch.tensor(w)
+        kl.sum().backward()
+        for t, (A, B) in leaves[student.id].items():
+            per_datum.append((t, A.grad, B.grad))
+        total += kl.sum().item()
+    grads = {}
+    for t, gA, gB in per_datum:
+        old = grads.get(t)
+        grads[t] = (gA, gB) if old is None else (old[0] + gA, old[1] + gB)
+    return total, grads
+
+
+@pytest.mark.parametrize("with_reference_adapter", [False, True])
+def test_reverse_kl_matches_direct_computation(trainer, with_reference_adapter):
+    student, _ = install_random(trainer, seed=3)
+    reference = install_random(trainer, seed=4, trainable=False)[0] if with_reference_adapter else None
+    g = torch.Generator().manual_seed(12)
+    rows = []
+    for n, prefix in ((9, 4), (14, 0), (6, 2)):
+        s_tok = torch.randint(3, 320, (n,), generator=g).tolist()
+        r_tok = torch.randint(3, 320, (prefix,), generator=g).tolist() + s_tok  # privileged prefix
+        rows.append((s_tok, r_tok, torch.rand(n, generator=g).tolist()))
+    datums = [ReverseKLDatum(types.ModelInput.from_ints(s), types.ModelInput.from_ints(r),
+                             types.TensorData(data=s[1:] + [5], dtype="int64", shape=[len(s)]), w)
+              for s, r, w in rows]
+    out = trainer.reverse_kl(student.id, reference.id if reference else None, datums, temperature=0.7)
+    ref_total, ref_grads = _reverse_kl_reference(trainer, student, reference, rows, 0.7)
+    assert out.metrics["loss:sum"] == pytest.approx(ref_total, rel=1e-5)
+    assert [o["loss"].shape for o in out.loss_fn_outputs] == [[9], [14], [6]]
+    assert all(np.all(o["loss"].to_numpy() >= -1e-6) for o in out.loss_fn_outputs)
+    for t, (gA, gB) in student.grads.items():
+        assert rel_err(gA, ref_grads[t][0]) <= 1e-5 and rel_err(gB, ref_grads[t][1]) <= 1e-5
+
+
+def test_reverse_kl_against_itself_is_zero_and_checks_input(trainer):
+    student, _ = install_random(trainer, seed=3)
+    d = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+                    loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4})
+    clone = trainer.registry.install(trainer.registry.weights(student.id), trainable=False)
+    out = trainer.reverse_kl(student.id, clone.id, [d])
+    assert abs(out.metrics["loss:sum"]) < 1e-5
+    assert all(g.abs().max() < 1e-6 for pair in student.grads.values() for g in pair)
+    short = ReverseKLDatum(types.ModelInput.from_ints([5, 6, 7, 8]), types.ModelInput.from_ints([7, 8]),
+                           [6, 7, 8, 9], [1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(EngineError, match=r"datums\[0\]\.weights: nonzero on student positions 0\.\.1"):
+        trainer.reverse_kl(student.id, None, [short])
+    with pytest.raises(EngineError, match="temperature"):
+        trainer.reverse_kl(student.id, None, [d], temperature=0.0)
+    with pytest.raises(EngineError, match="datums: empty batch"):
+        trainer.reverse_kl(student.id, None, [])
+
+
+def snapshot(trainer, aid):
+    a = trainer.registry.get(aid)
+    return ({t: (x.clone(), y.clone()) for t, (x, y) in trainer.registry.weights(aid).weights.items()},
+            {t: (x.clone(), y.clone()) for t, (x, y) in a.grads.items()}, a.optim.step)
+
+
+def assert_same(s1, s2):
+    (w1, g1, step1), (w2, g2, step2) = s1, s2
+    assert step1 == step2 and w1.keys() == w2.keys() and g1.keys() == g2.keys()
+    for d1, d2 in ((w1, w2), (g1, g2)):
+        for t in d1:
+            assert torch.equal(d1[t][0], d2[t][0]) and torch.equal(d1[t][1], d2[t][1])
+
+
+def _req(aid, loss="cross_entropy", backward=True, **inputs):
+    base = {"target_tokens": [3, 4, 5], "weights": [1.0, 1.0, 1.0]}
+    inputs = {**base, **inputs} if loss == "cross_entropy" else inputs
+    datum = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]), loss_fn_inputs=inputs)
+    return TrainRequest(aid, [datum], loss, None, backward)
+
+
+def test_bad_requests_fail_alone_and_leave_state_unchanged(trainer):
+    aid, _ = install_random(trainer)
+    aid = aid.id
+    sampler, _ = install_random(trainer, trainable=False)
+    trainer.run([_req(aid)])
+    before = snapshot(trainer, aid)
+    rl = {"target_tokens": [3, 4, 5], "logprobs": [-1.0, -1.0, -1.0]}
+    bad = [
+        (_req(aid, loss="nope"), "loss_fn: unknown loss function 'nope'"),
+        (_req(aid, loss="ppo", **rl), r"loss_fn_inputs\.advantages is required"),
+        (_req(aid, loss="ppo", advantages=[1.0, float("nan"), 0.0], **rl), "advantages: contains NaN or inf"),
+        (_req(aid, weights=[1.0, float("inf"), 0.0]), "weights: contains NaN or inf"),
+        (_req(aid, target_tokens=[3, 4, 320]), "token id 320 is outside the vocabulary"),
+        (_req(aid, target_tokens=[3, 4]), "does not match the model_input length 3"),
+        (TrainRequest(aid, [], "cross_entropy"), "datums: empty batch"),
+        (_req(None), "adapter_id: forward_backward needs an adapter"),
+        (_req(sampler.id), "is sampler-only, not trainable"),
+        (_req("a999-nope"), "unknown adapter id"),
+        (TrainRequest(aid, [types.Datum(model_input=types.ModelInput.from_ints([1, 400]),
+                                        loss_fn_inputs={"target_tokens": [1, 2]})], "cross_entropy"),
+         r"model_input: token id 400"),
+        (_req(aid, loss="dro", advantages=[1.0, 1.0, 1.0], **rl), r"loss_fn_config\.beta is required"),
+        # the ratio overflows: exp(−1 + 1e4) = inf; caught after backward, before anything is committed
+        (_req(aid, loss="importance_sampling", target_tokens=[3, 4, 5], logprobs=[-1e4, -1.0, -1.0],
+              advantages=[1.0, 1.0, 1.0]), "non-finite gradients"),
+    ]
+    for req, match in bad:
+        if "non-finite" not in match:
+            with pytest.raises(EngineError, match=match):
+                trainer.validate(req)
+        (result,) = trainer.run([req])
+        assert isinstance(result, EngineError) and re.search(match, str(result)), (match, result)
+        assert_same(snapshot(trainer, aid), before)
+    # mixed with good requests, only the bad ones fail
+    good = _req(aid)
+    results = trainer.run([bad[0][0], good, bad[2][0], _req(aid, backward=False)])
+    assert isinstance(results[0], EngineError) and isinstance(results[2], EngineError)
+    assert isinstance(results[1], types.ForwardBackwardOutput) and isinstance(results[3], types.ForwardBackwardOutput)
+    with pytest.raises(EngineError, match=r"adam_params\.learning_rate"):
+        trainer.optim_step(aid, types.AdamParams(learning_rate=float("nan")))
+    with pytest.raises(EngineError, match=r"adam_params\.beta2"):
+        trainer.optim_step(aid, types.AdamParams(beta2=1.0))
+    with pytest.raises(EngineError, match="sampler-only"):
+        trainer.optim_step(sampler.id, ADAM)
+
+
+def test_bf16_bank_keeps_fp32_masters(train_llama_dir, tmp_path):
+    model = load_model(train_llama_dir, device="cpu", dtype=torch.bfloat16)
+    registry = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.bfloat16)
+    trainer = Trainer(model, registry, base_model="tiny")
+    aid = trainer.create_adapter(types.LoraConfig(rank=4, seed=0))
+    datums = sft_datums([10, 6], seed=13)
+    for _ in range(3):
+        trainer.run([TrainRequest(aid, datums, "cross_entropy")])
+        trainer.optim_step(aid, types.AdamParams(learning_rate=1e-4))
+    a = registry.get(aid)
+    master = trainer._params(a)
+    bank_B = registry.bank.B["q_proj"][a.slot, :, :, :4]
+    assert master["q_proj"][1].dtype == torch.float32
+    assert torch.equal(master["q_proj"][1].to(torch.bfloat16), bank_B)
+    assert not torch.equal(master["q_proj"][1], bank_B.float())  # updates below bf16 resolution are kept
+    trainer.save_state(aid, tmp_path / "state")
+    other = Trainer(model, AdapterRegistry(model.config, 2, 8, "cpu", torch.bfloat16), base_model="tiny")
+    bid = other.load_state(None, tmp_path / "state")
+    assert torch.equal(other._params(other.registry.get(bid))["q_proj"][1], master["q_proj"][1])
+
+
+def test_stable_reinforce_uses_the_samplers_records(model):
+    """Provenance-only datums train exactly like datums carrying the recorded logprobs themselves."""
+    from mint_server.engine.records import SamplingRecord, SamplingRecords
+
+    records = SamplingRecords()
+    prompt, sampled = [5, 6, 7, 8], [9, 10, 11]
+    recorded = np.array([-0.7, -1.9, -0.2], dtype=np.float32)
+    records.put("seq-1", SamplingRecord(np.array(prompt, np.int32), np.array(sampled, np.int32), recorded, None))
+    tokens = prompt + sampled[:-1]
+    adv = [0.0] * 3 + [1.5] * 3
+    by_id = types.Datum(model_input=types.ModelInput.from_ints(tokens),
+                        loss_fn_inputs={"target_tokens": prompt[1:] + sampled, "advantages": adv}).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id="seq-1", length=4),
+                     types.SampledProvenanceSpan(sequence_id="seq-1", length=2)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id="seq-1", offset=1, length=3),
+                        types.SampledProvenanceSpan(sequence_id="seq-1", length=3)])
+    explicit = types.Datum(model_input=by_id.model_input, loss_fn_inputs={
+        **by_id.loss_fn_inputs, "logprobs": [0.0] * 3 + recorded.tolist()})
+    grads = []
+    for datum, recs in ((by_id, records), (explicit, None)):
+        registry = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.float32)
+        tr = Trainer(model, registry, base_model="tiny", records=recs)
+        aid = tr.create_adapter(types.LoraConfig(rank=4, seed=0))
+        tr.run([TrainRequest(aid, [datum], "stable_reinforce")])
+        grads.append(registry.get(aid).grads)
+    for t in grads[0]:
+        assert torch.equal(grads[0][t][1], grads[1][t][1]) and grads[0][t][1].abs().max() > 0
