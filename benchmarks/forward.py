@@ -13,8 +13,8 @@ import json
 import torch
 
 from benchmarks.common import median_seconds, smollm2_dir
-from mint_server.model.lora import ALL_TARGETS, LoraBank, target_shapes
 from mint_server.model.loader import load_model
+from mint_server.model.lora import ALL_TARGETS, LoraBank, target_shapes
 
 
 def main() -> None:
