@@ -1,4 +1,4 @@
-"""The FastAPI app: `create_app(engine, settings)` wires auth, service, routes and lifecycle."""
+"""The FastAPI app: `create_app(engine, settings)` wires auth, service, catalog, routes and lifecycle."""
 
 from __future__ import annotations
 
@@ -6,23 +6,32 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from mint_server.api import routes_rest, routes_service, routes_training
-from mint_server.api.auth import Authenticator, Signer
-from mint_server.api.http import BodyLimit, install_error_handlers
+from mint_server.api.auth import Authenticator, Principal, Signer
+from mint_server.api.http import BodyLimit, install_error_handlers, principal
 from mint_server.api.metrics import Metrics
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
+from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.client import API_PREFIX as CATALOG_PREFIX
+from mint_server.catalog.rest import make_catalog_router
 from mint_server.engine.interface import Engine
 
 log = logging.getLogger(__name__)
 
 
+def catalog_owner(p: Principal = Depends(principal)) -> str:
+    """Catalog rows are keyed by the same owner id as runs and checkpoints (401 without a valid key)."""
+    return p.owner
+
+
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     authenticator = Authenticator(settings.api_keys, Signer.for_data_dir(settings.data_dir), settings.no_auth)
-    svc = Service(engine, settings, Metrics())
+    catalog = Catalog.open(settings.db_url, data_dir=settings.data_dir)
+    svc = Service(engine, settings, Metrics(), catalog)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -30,6 +39,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         yield
         log.info("draining in-flight work before exit")
         await svc.shutdown()
+        catalog.close()  # after the drain: accepted saves still publish their revisions
 
     app = FastAPI(title="MinT", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.service = svc
@@ -39,5 +49,9 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(routes_service.metrics_router)
     app.include_router(routes_training.router)
     app.include_router(routes_rest.router)
+    app.include_router(
+        make_catalog_router(lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes),
+        prefix=CATALOG_PREFIX,
+    )
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     return app

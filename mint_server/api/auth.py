@@ -18,12 +18,13 @@ import hmac
 import json
 import os
 import secrets
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mint_server.api.storage import atomic_write_bytes
+from mint_server.api.storage import atomic_write_bytes, fsync_dir
 
 KEY_PREFIXES = ("tml-", "sk-")
 JWT_LIFETIME_S = 3600
@@ -139,3 +140,34 @@ class Authenticator:
 
 def random_id() -> str:
     return os.urandom(16).hex()
+
+
+def load_or_create_key_file(path: Path) -> str:
+    """The API key kept in `path`, created there (mode 0600) on first use.
+
+    The key is written to a temp file and hard-linked into place, which fails if `path` exists:
+    two servers starting at once on one data dir agree on the first key instead of each keeping
+    its own. The file never exists half-written.
+    """
+    if not path.exists():
+        key = "tml-" + secrets.token_hex(24)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(key + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process created it first; use theirs
+            else:
+                fsync_dir(path.parent)
+        finally:
+            os.unlink(tmp)
+    key = path.read_text().strip()
+    try:
+        check_key_form(key)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return key

@@ -14,7 +14,14 @@ from tinker import types
 
 from mint_server.api.auth import Principal
 from mint_server.api.core import Core
-from mint_server.api.paths import CHECKPOINT_TYPE, CheckpointRef, check_name, check_run_id, parse_kind
+from mint_server.api.paths import (
+    CHECKPOINT_TYPE,
+    CheckpointRef,
+    check_name,
+    check_run_id,
+    parse_kind,
+    parse_policy_ref,
+)
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord
 from mint_server.api.training import check_ttl
 
@@ -99,14 +106,20 @@ class CheckpointService:
         self.runs.update_checkpoint(rec)
 
     def weights_info(self, p: Principal, tinker_path: str) -> types.WeightsInfoResponse:
-        _rec, run = self.core.resolve(tinker_path, p.owner)
+        if (policy_ref := parse_policy_ref(tinker_path)) is not None:
+            revision, policy = self.core.policies.resolve(policy_ref, p.owner)
+            # The rank is the revision's own; the switches are the policy's (revisions do not record them).
+            base_model, lora = policy.base_model, {**policy.lora_config, "rank": revision.rank}
+        else:
+            _rec, run = self.core.resolve(tinker_path, p.owner)
+            base_model, lora = run.base_model, run.lora
         return types.WeightsInfoResponse(
-            base_model=run.base_model,
+            base_model=base_model,
             is_lora=True,
-            lora_rank=run.lora.get("rank"),
-            train_mlp=run.lora.get("train_mlp"),
-            train_attn=run.lora.get("train_attn"),
-            train_unembed=run.lora.get("train_unembed"),
+            lora_rank=lora.get("rank"),
+            train_mlp=lora.get("train_mlp"),
+            train_attn=lora.get("train_attn"),
+            train_unembed=lora.get("train_unembed"),
         )
 
     def readable(self, p: Principal, ref: CheckpointRef) -> CheckpointRecord:

@@ -21,11 +21,14 @@ from mint_server.api.adapters import AdapterCache, Loader
 from mint_server.api.futures import FutureStore
 from mint_server.api.metrics import Metrics
 from mint_server.api.ordering import Sequencer
-from mint_server.api.paths import CheckpointRef, parse_checkpoint_path
+from mint_server.api.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
+from mint_server.api.policies import Policies
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
 from mint_server.api.sessions import SessionRegistry
 from mint_server.api.settings import Settings
 from mint_server.api.validate import InvalidInput
+from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.records import Revision
 from mint_server.engine.interface import Engine, EngineError
 
 log = logging.getLogger(__name__)
@@ -47,8 +50,11 @@ class TrainingModel:
     session_id: str
     lora: types.LoraConfig
     sequencer: Sequencer
+    policy: str  # where its save_weights_for_sampler calls publish revisions
     adapter_id: str | None = None
     failed: str | None = None
+    steps: int = 0  # optim_steps applied so far: the `step` recorded on its revisions
+    last_revision: Revision | None = None  # the parent of its next revision
 
     def adapter(self) -> str:
         if self.failed is not None:
@@ -60,12 +66,14 @@ class TrainingModel:
 
 @dataclass(frozen=True)
 class Source:
-    """Where a read-only adapter is loaded from: a PEFT dir, or a training state plus its LoRA config."""
+    """Where a read-only adapter is loaded from: a PEFT dir, a training state plus its LoRA config,
+    or a catalog revision (checked out, and so verified, when first loaded)."""
 
     key: str
     peft_dir: Path | None = None
     state_dir: Path | None = None
     lora: types.LoraConfig | None = None
+    revision: Revision | None = None
 
 
 @dataclass
@@ -80,11 +88,12 @@ class Sampler:
 
 
 class Core:
-    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, catalog: Catalog) -> None:
         self.engine = engine
         self.settings = settings
         self.metrics = metrics
         self.runs = RunStore(settings.data_dir / "runs")
+        self.policies = Policies(catalog, engine.base_model)
         self.futures = FutureStore(settings.result_ttl_s)
         self.sessions = SessionRegistry(settings.session_ttl_s)
         self.adapters = AdapterCache(
@@ -162,6 +171,9 @@ class Core:
 
     def loader(self, source: Source) -> Loader:
         async def load() -> str:
+            if source.revision is not None:
+                peft_dir = await self.policies.checkout(source.revision)  # verified: never garbage weights
+                return await self.call(self.engine.load_peft(peft_dir))
             if source.peft_dir is not None:
                 return await self.call(self.engine.load_peft(source.peft_dir))
             assert source.state_dir is not None and source.lora is not None
@@ -183,6 +195,15 @@ class Core:
         if run is None:
             raise NotFound(f"checkpoint {path!r} not found")
         return rec, run
+
+    def read_source(self, path: str, owner: str) -> Source:
+        """What a path read for sampling names: a checkpoint, or a policy revision pinned now."""
+        if (ref := parse_policy_ref(path)) is None:
+            return self.source_of(*self.resolve(path, owner))
+        revision, policy = self.policies.resolve(ref, owner)
+        self.policies.check_servable(ref, policy)
+        # Keyed by content: revisions with equal bytes share one loaded adapter, which never goes stale.
+        return Source(f"rev:{revision.sha256}", revision=revision)
 
     def source_of(self, rec: CheckpointRecord, run: RunRecord) -> Source:
         data = self.runs.data_dir(rec.ref)

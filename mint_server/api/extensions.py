@@ -24,7 +24,7 @@ from mint_server.api.mint_types import (
     ReverseKLItemOutput,
     WireTensor,
 )
-from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path
+from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path, parse_policy_ref
 from mint_server.api.training import TrainingService
 from mint_server.api.validate import InvalidInput, check_tokens
 
@@ -86,8 +86,7 @@ class MintService:
                 raise InvalidInput("temperature must be finite and > 0")
             reference: Source | None = None
             if is_checkpoint_path(req.reference_model_path):
-                rec, run_rec = self.core.resolve(req.reference_model_path, p.owner)
-                reference = self.core.source_of(rec, run_rec)
+                reference = self.core.read_source(req.reference_model_path, p.owner)
             else:
                 self.core.check_base_model(req.reference_model_path, "reference_model_path")
             if not req.data:
@@ -125,15 +124,18 @@ class MintService:
             )
         if not all(math.isfinite(c) for c in req.coefficients):
             raise InvalidInput("coefficients must be finite")
-        sources = [self.core.resolve(path, p.owner) for path in req.source_paths]
-        _first_rec, first_run = sources[0]
+        if parse_policy_ref(req.source_paths[0]) is not None:
+            raise InvalidInput("the first source path must be a checkpoint of one of your runs: the result is saved in its run")
+        first_rec, first_run = self.core.resolve(req.source_paths[0], p.owner)
         if first_run.owner != p.owner:
             raise InvalidInput("the first source path must be one of your own checkpoints: the result is saved in its run")
         name = check_name(req.output_path or f"interpolated-{int(time.time() * 1000)}", "output_path")
         out_ref = CheckpointRef(first_run.run_id, "sampler_weights", name)
         if self.core.runs.exists(out_ref):
             raise InvalidInput(f"checkpoint {out_ref.tinker_path!r} already exists")
-        specs = [self.core.source_of(rec, run) for rec, run in sources]
+        # Later sources may be policy revisions too (tinker://NAME@prod).
+        specs = [self.core.source_of(first_rec, first_run)]
+        specs += [self.core.read_source(path, p.owner) for path in req.source_paths[1:]]
 
         async def run() -> InterpolateCheckpointsResponse:
             async with contextlib.AsyncExitStack() as stack:

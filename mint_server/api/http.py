@@ -29,6 +29,8 @@ from mint_server.api.paths import PathError
 from mint_server.api.runs import NotFound
 from mint_server.api.service import Service
 from mint_server.api.sessions import SessionGone
+from mint_server.catalog.errors import CatalogError
+from mint_server.catalog.rest import status_for
 from mint_server.engine.interface import EngineError
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,11 @@ def install_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}")
 
+    async def catalog_error(_request: Request, exc: CatalogError) -> JSONResponse:
+        # The catalog routes answer their own errors; this catches any that reach the service's.
+        return error_response(status_for(exc), str(exc))
+
+    app.add_exception_handler(CatalogError, catalog_error)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

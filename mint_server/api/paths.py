@@ -1,8 +1,9 @@
-"""Checkpoint paths as clients write them: `tinker://<run>/<kind>/<name>` (`mint://` is a synonym).
+"""Checkpoint paths as clients write them: `tinker://<run>/<kind>/<name>` (`mint://` is a synonym),
+and policy references `tinker://NAME@ALIAS|N|<sha prefix>` where a path is read for sampling.
 
 Parsing only checks shape; whether the checkpoint exists and who may read it is the registry's
-business. A parsed path never becomes a filesystem path by itself: the registry maps it to a
-directory it created.
+(or the catalog's) business. A parsed path never becomes a filesystem path by itself: the registry
+maps it to a directory it created.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Literal
+
+from mint_server.catalog.errors import InvalidReference
+from mint_server.catalog.refs import parse_ref
 
 Kind = Literal["weights", "sampler_weights"]
 KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
@@ -77,3 +81,23 @@ def parse_checkpoint_path(path: str) -> CheckpointRef:
 
 def is_checkpoint_path(text: str) -> bool:
     return text.startswith(SCHEMES)
+
+
+def parse_policy_ref(path: str) -> str | None:
+    """The catalog reference in `tinker://NAME@SELECTOR` (or `mint://…`), or None for any other path.
+
+    Run paths always hold a '/' (`tinker://<run>/<kind>/<name>`; run ids and checkpoint names
+    cannot contain '@') and policy references never do, so a path is a policy reference exactly
+    when it has an '@' and no '/' after the scheme. A malformed reference is a PathError naming it.
+    """
+    scheme = next((s for s in SCHEMES if path.startswith(s)), None)
+    if scheme is None:
+        return None
+    ref = path[len(scheme) :]
+    if "/" in ref or "@" not in ref:
+        return None
+    try:
+        parse_ref(ref, field="policy reference")
+    except InvalidReference as e:
+        raise PathError(f"invalid path {path!r}: {e}") from None
+    return ref

@@ -1,7 +1,8 @@
 """Sampling sessions and sample requests.
 
-A sampling session names what to sample from: the base model, a checkpoint, or an unnamed
-snapshot made by save_weights_and_get_sampling_client. Its adapter is loaded on first use and may
+A sampling session names what to sample from: the base model, a checkpoint, a policy revision
+(pinned when the session is created), or an unnamed snapshot made by
+save_weights_and_get_sampling_client. Its adapter is loaded on first use and may
 be released and reloaded later (see AdapterCache). Samples are not ordered: they run concurrently
 and the engine batches them.
 """
@@ -45,9 +46,10 @@ class SamplingService:
             return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
         source: Source | None = None
         if req.model_path is not None:
-            rec, run = self.core.resolve(req.model_path, p.owner)
+            # A policy reference (tinker://NAME@prod) is resolved here, once: the session keeps that
+            # revision even if the alias moves later.
+            source = self.core.read_source(req.model_path, p.owner)
             self.core.check_base_model(req.base_model)
-            source = self.core.source_of(rec, run)
         elif req.base_model is None:
             raise InvalidInput("either model_path or base_model is required")
         else:

@@ -18,14 +18,15 @@ from mint_server.api.sampling import SamplingService
 from mint_server.api.sessions import Session
 from mint_server.api.settings import Settings
 from mint_server.api.training import TrainingService
+from mint_server.catalog.catalog import Catalog
 from mint_server.engine.interface import Engine
 
 log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics) -> None:
-        self.core = Core(engine, settings, metrics)
+    def __init__(self, engine: Engine, settings: Settings, metrics: Metrics, catalog: Catalog) -> None:
+        self.core = Core(engine, settings, metrics, catalog)
         self.sampling = SamplingService(self.core)
         self.training = TrainingService(self.core, self.sampling.add_snapshot)
         self.checkpoints = CheckpointService(self.core)

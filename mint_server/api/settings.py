@@ -10,6 +10,8 @@ from pathlib import Path
 class Settings:
     data_dir: Path
     api_keys: tuple[str, ...] = ()
+    # The policy catalog's database; None: SQLite in the data dir. Its blobs always live in the data dir.
+    db_url: str | None = None
     no_auth: bool = False
     max_body_bytes: int = 256 * 1024 * 1024
     # The SDK heartbeats every 10 s and warns after 2 min without one; past this we reclaim the session.

@@ -21,6 +21,7 @@ from mint_server.api.codec import FwdBwdCall
 from mint_server.api.core import Core, TrainingModel
 from mint_server.api.ordering import SeqError, Sequencer
 from mint_server.api.paths import CheckpointRef, Kind, check_name
+from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_adam, check_lora
@@ -122,7 +123,8 @@ class TrainingService:
             return hit
         if model_id in self.core.models or self.core.runs.find_run(model_id) is not None:
             raise InvalidInput(f"model_seq_id {model_seq_id} was already used in this session")
-        model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1))
+        policy = policy_name(model_id, user_metadata)
+        model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1), policy)
         self.core.models[model_id] = model
         session.model_ids.append(model_id)
 
@@ -218,7 +220,13 @@ class TrainingService:
             if not isinstance(params, types.AdamParams):
                 raise InvalidInput("optim_params: only AdamW (adam_params) is supported")
             check_adam(params)
-            return lambda: self.core.call(self.engine.optim_step(model.adapter(), params))
+
+            async def run() -> types.OptimStepResponse:
+                out = await self.core.call(self.engine.optim_step(model.adapter(), params))
+                model.steps += 1
+                return out
+
+            return run
 
         return self.sequenced(p, req.model_id, req.seq_id, "optim_step", check)
 
@@ -245,10 +253,17 @@ class TrainingService:
             ref = self._new_ref(model, "sampler_weights", req.path, overwrite=False)
             expires = check_ttl(req.ttl_seconds)
 
+            async def publish(peft_dir: Path) -> None:
+                model.last_revision = await self.core.policies.publish(
+                    model.owner, model.policy, peft_dir, lora_config=lora_shape(model.lora),
+                    parent=model.last_revision, training_run=model.model_id, step=model.steps,
+                )
+
             async def run() -> types.SaveWeightsForSamplerResponseInternal:
                 await self.save_checkpoint(
                     model.owner, ref, expires, req.user_metadata,
                     lambda dest: self.core.call(self.engine.export_peft(model.adapter(), dest)),
+                    before_commit=publish,
                 )
                 return types.SaveWeightsForSamplerResponseInternal(path=ref.tinker_path)
 
@@ -326,8 +341,16 @@ class TrainingService:
         expires_at: float | None,
         user_metadata: dict[str, str] | None,
         write: Callable[[Path], Awaitable[None]],
+        before_commit: Callable[[Path], Awaitable[None]] | None = None,
     ) -> None:
-        """Have `write` fill a staging dir, move it into place, then commit the record."""
+        """Have `write` fill a staging dir, move it into place, then commit the record.
+
+        `before_commit` (new checkpoints only) gets the data dir once it is durably in place, before
+        the record makes it a checkpoint. If it fails, the data is removed and the save fails as a
+        whole: a sampler checkpoint exists only once its catalog revision does. (A crash between
+        the two leaves a complete revision, and data without a record, which the run store removes
+        at startup.)
+        """
         staging = self.core.runs.staging_dir(ref.run_id, ref.kind)
         try:
             await write(staging)
@@ -335,6 +358,12 @@ class TrainingService:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        if before_commit is not None:
+            try:
+                await before_commit(self.core.runs.data_dir(ref))
+            except BaseException:
+                shutil.rmtree(self.core.runs.data_dir(ref), ignore_errors=True)
+                raise
         self.core.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
         self.core.runs.register_checkpoint(
             CheckpointRecord(

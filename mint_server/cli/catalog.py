@@ -1,13 +1,15 @@
 """`mint policy|revision|alias|eval|export|import|catalog …`: the policy catalog from the shell.
 
 Every command works on a local catalog (--data-dir / --db-url, as --owner) or on a running
-server (--server URL --api-key KEY, owner implied by the key). Output is rich tables, or JSON with
---json. Errors are one line on stderr and exit status 2.
+server (--server URL --api-key KEY, owner implied by the key; the key defaults to $MINT_API_KEY,
+$TINKER_API_KEY, else the api_key file `mint serve` keeps in the data dir). Output is rich tables,
+or JSON with --json. Errors are one line on stderr and exit status 2.
 """
 
 import getpass
 import inspect
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -50,14 +52,23 @@ class Target:
         from mint_server.catalog.client import HttpClient, LocalClient
 
         if self.server:
-            if self.data_dir or self.db_url:
-                raise InvalidArgument("--server cannot be combined with --data-dir or --db-url")
-            client: CatalogClient = HttpClient(self.server, self.api_key)
+            if self.db_url:
+                raise InvalidArgument("--server cannot be combined with --db-url")
+            client: CatalogClient = HttpClient(self.server, self.api_key or _served_key(self.data_dir))
         else:
             catalog = Catalog.open(self.db_url, data_dir=self.data_dir)
             client = LocalClient(catalog, self.owner, actor or _default_actor(self.owner))
         self.opened.append(client)
         return client
+
+
+def _served_key(data_dir: Path | None) -> str | None:
+    """The key `mint serve` created when started without one, if that data dir is on this machine."""
+    root = data_dir or Path(os.environ.get("MINT_HOME") or Path.home() / ".mint")
+    try:
+        return (root.expanduser() / "api_key").read_text().strip() or None
+    except OSError:
+        return None  # none there: the server answers 401 unless it runs with --no-auth
 
 
 def _default_actor(owner: str) -> str:
@@ -79,7 +90,11 @@ def _option(name: str, annotation: Any, default: Any, *decls: str, help: str, **
 # The options shared by every command, appended to each command's own parameters by `command`.
 _COMMON = [
     _option(
-        "data_dir", Path | None, None, "--data-dir", help="Local data dir (default $MINT_HOME or ~/.mint)."
+        "data_dir",
+        Path | None,
+        None,
+        "--data-dir",
+        help="Local data dir (default $MINT_HOME or ~/.mint); with --server, where to find its api_key file.",
     ),
     _option(
         "db_url",
@@ -97,7 +112,14 @@ _COMMON = [
         help="Use a running MinT server at this URL.",
         envvar="MINT_SERVER",
     ),
-    _option("api_key", str | None, None, "--api-key", help="API key for --server.", envvar="MINT_API_KEY"),
+    _option(
+        "api_key",
+        str | None,
+        None,
+        "--api-key",
+        help="API key for --server (default $MINT_API_KEY, $TINKER_API_KEY, else <data dir>/api_key).",
+        envvar=["MINT_API_KEY", "TINKER_API_KEY"],
+    ),
     _option("owner", str, "local", "--owner", help="Owner in local mode.", envvar="MINT_OWNER"),
     _option("json", bool, False, "--json", help="Print JSON instead of tables."),
 ]

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from mint_server.api.auth import load_or_create_key_file  # stdlib only: cheap for every `mint` command
+
 if TYPE_CHECKING:  # the engine (torch) is imported only when `serve` runs, not for every CLI call
     from mint_server.engine.local import EngineSettings
 
@@ -30,6 +32,19 @@ def collect_keys(cli_keys: list[str]) -> tuple[str, ...]:
     env = os.environ.get("MINT_API_KEYS", "")
     keys = [k.strip() for k in [*cli_keys, *env.split(",")] if k.strip()]
     return tuple(dict.fromkeys(keys))  # de-duplicated, order kept
+
+
+def server_key(path: Path) -> str:
+    """The key `mint serve` uses when none is given: created once in the data dir, then reused.
+    Only the file's path is ever shown; the key itself is never printed or logged."""
+    try:
+        key = load_or_create_key_file(path)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"cannot use the API key file: {e}", param_hint="--api-key") from None
+    if path.stat().st_mode & 0o077:
+        log.warning("%s is readable by other users; chmod 600 it", path)
+    typer.echo(f"API key: in {path} (clients send it as X-API-Key; TINKER_API_KEY=$(cat {path}))")
+    return key
 
 
 def base_model_name(arg: str | None, model_dir: Path) -> str:
@@ -74,8 +89,14 @@ def register(app: typer.Typer) -> None:
         host: str = typer.Option("127.0.0.1", help="Interface to listen on."),
         port: int = typer.Option(8000, help="TCP port."),
         data_dir: Path = typer.Option(None, "--data-dir", help="State dir (default $MINT_HOME or ~/.mint)."),
+        db_url: str = typer.Option(
+            None, "--db-url", envvar="MINT_DB_URL",
+            help="Policy catalog database, e.g. postgresql+psycopg://… (default SQLite in the data dir).",
+        ),
         api_key: list[str] = typer.Option(
-            [], "--api-key", help="Accepted API key (tml-… or sk-…); repeatable. Also read from $MINT_API_KEYS."
+            [], "--api-key",
+            help="Accepted API key (tml-… or sk-…); repeatable. Also read from $MINT_API_KEYS. "
+            "Without any, a key is created once and kept in <data dir>/api_key.",
         ),
         no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a key (loopback hosts only)."),
         max_body_mb: int = typer.Option(256, help="Largest request body accepted, in MiB."),
@@ -107,8 +128,6 @@ def register(app: typer.Typer) -> None:
         keys = collect_keys(api_key)
         if no_auth and not is_loopback(host):
             raise typer.BadParameter("--no-auth is only allowed when --host is a loopback address", param_hint="--no-auth")
-        if not keys and not no_auth:
-            raise typer.BadParameter("give at least one --api-key (or set MINT_API_KEYS), or use --no-auth on loopback")
         for i, key in enumerate(keys):
             try:
                 check_key_form(key)
@@ -117,6 +136,8 @@ def register(app: typer.Typer) -> None:
 
         engine_cfg = engine_settings(adapter_slots, max_rank, kv_slots, max_seq_len)
         root = resolve_data_dir(data_dir)
+        if not keys and not no_auth:
+            keys = (server_key(root / "api_key"),)
         try:
             model_dir = resolve_base_model(base_model, root)
             name = base_model_name(base_model, model_dir)
@@ -124,8 +145,18 @@ def register(app: typer.Typer) -> None:
             engine = LocalEngine(model_dir, base_model=name, settings=engine_cfg)
         except ModelError as e:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
-        settings = Settings(data_dir=root, api_keys=keys, no_auth=no_auth, max_body_bytes=max_body_mb * 1024 * 1024)
-        app = create_app(engine, settings)
+        settings = Settings(
+            data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, max_body_bytes=max_body_mb * 1024 * 1024
+        )
+        try:
+            app = create_app(engine, settings)
+        except Exception as e:
+            # A bad URL or an unreachable database: one line naming the flag, not a traceback.
+            if not type(e).__module__.startswith(("sqlalchemy", "mint_server.catalog")):
+                raise
+            engine.shutdown(False)
+            detail = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
+            raise typer.BadParameter(f"cannot open the policy catalog: {detail}", param_hint="--db-url") from None
         auth = "no auth" if no_auth else f"{len(keys)} API key(s)"
         typer.echo(f"MinT serving {name} on http://{host}:{port} (data dir {root}; {auth})")
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=settings.drain_timeout_s)

@@ -71,6 +71,19 @@ def test_no_auth_and_loopback_rule(tiny_dir: Path, tmp_path: Path) -> None:
         assert httpx.get(f"{server.url}/api/v1/training_runs").status_code == 200
 
 
+def test_unusable_db_url_is_a_one_line_error(tiny_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mint_server.cli import app
+
+    args = ["serve", "--base-model", str(tiny_dir), "--data-dir", str(tmp_path / "d"), "--kv-slots", "1",
+            "--max-seq-len", "16", "--api-key", KEY_A]  # fmt: skip
+    for url, needle in [("sqlite://", "file-backed"), ("postgresql+psycopg://nobody@127.0.0.1:1/none", "127.0.0.1")]:
+        result = CliRunner().invoke(app, [*args, "--db-url", url])
+        assert result.exit_code == 2 and "--db-url" in result.output and needle in result.output, result.output
+        assert "Traceback" not in result.output and KEY_A not in result.output
+
+
 def test_shutdown_drains_in_flight_work(tiny_dir: Path, tmp_path: Path) -> None:
     engine = tiny_engine(tiny_dir)
     server = LiveServer(engine, tmp_path / "d").start()

@@ -1,0 +1,108 @@
+"""The service's side of the policy catalog (MLflow-registry style, for LoRA policies).
+
+* Every `save_weights_for_sampler` with a path publishes the saved PEFT dir as the next revision of
+  its run's policy: the one named by `user_metadata["policy"]` at model creation, else one named
+  after the run.
+* A policy reference given where a checkpoint is read for sampling (`tinker://NAME@prod`,
+  `tinker://NAME@3`, `tinker://NAME@<sha prefix>`) resolves to one revision when it is given, so a
+  sampling session keeps its revision however the alias moves afterwards.
+
+Catalog calls block (SQL; blob copies with fsync). Publishing and checkouts run in a thread;
+resolving is a couple of indexed reads and runs inline, like the run registry's lookups. Catalog
+errors become the service's own here: NotFound → 404, bad names and references → 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from mint_server.api.runs import NotFound
+from mint_server.api.validate import InvalidInput
+from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.errors import IntegrityError, InvalidArgument
+from mint_server.catalog.errors import NotFound as CatalogNotFound
+from mint_server.catalog.records import Policy, Revision
+from mint_server.catalog.refs import check_policy_name
+
+POLICY_KEY = "policy"  # the user_metadata key naming the policy a run publishes to
+
+
+class IntegrityFailure(Exception):
+    """A revision's stored bytes do not hash to its sha256. It is refused, never loaded; the
+    request fails with category "server" (the data is at fault, not the caller)."""
+
+
+def policy_name(run_id: str, user_metadata: dict[str, Any] | None) -> str:
+    """The policy a run publishes to; a bad name is refused when the model is created, not at its first save."""
+    name = (user_metadata or {}).get(POLICY_KEY)
+    if name is None:
+        # Run ids are "<session hex>:train:<n>"; ':' is not allowed in policy names.
+        return run_id.replace(":", "-")
+    if not isinstance(name, str):
+        raise InvalidInput(f"user_metadata[{POLICY_KEY!r}] must be a string (a policy name)")
+    try:
+        return check_policy_name(name, f"user_metadata[{POLICY_KEY!r}]")
+    except InvalidArgument as e:
+        raise InvalidInput(str(e)) from None
+
+
+class Policies:
+    def __init__(self, catalog: Catalog, base_model: str) -> None:
+        self.catalog = catalog
+        self.base_model = base_model
+
+    async def publish(
+        self,
+        owner: str,
+        policy: str,
+        peft_dir: Path,
+        *,
+        lora_config: dict[str, Any],
+        parent: Revision | None,
+        training_run: str,
+        step: int,
+    ) -> Revision:
+        """Store `peft_dir` as the policy's next revision (the policy is created on first use)."""
+        try:
+            return await asyncio.to_thread(
+                self.catalog.publish_revision,
+                owner,
+                policy,
+                peft_dir,
+                base_model=self.base_model,
+                lora_config=lora_config,
+                parent=parent,
+                training_run=training_run,
+                step=step,
+            )
+        except InvalidArgument as e:  # e.g. a policy of that name exists for another base model
+            raise InvalidInput(f"cannot publish to policy {policy!r}: {e}") from None
+
+    def resolve(self, ref: str, owner: str) -> tuple[Revision, Policy]:
+        """The revision `ref` (NAME@…) names now, and its policy; another owner's look absent."""
+        try:
+            revision = self.catalog.resolve(owner, ref)
+            return revision, self.catalog.get_policy(owner, revision.policy)
+        except CatalogNotFound as e:
+            raise NotFound(str(e)) from None
+        except InvalidArgument as e:
+            raise InvalidInput(str(e)) from None
+
+    def check_servable(self, ref: str, policy: Policy) -> None:
+        if policy.base_model != self.base_model:
+            raise InvalidInput(
+                f"{ref!r}: policy {policy.name!r} is for base model {policy.base_model!r}; "
+                f"this server serves {self.base_model!r}"
+            )
+
+    async def checkout(self, revision: Revision) -> Path:
+        """A verified PEFT dir of the revision (materialized once, then reused)."""
+        try:
+            return await asyncio.to_thread(self.catalog.checkout, revision)
+        except IntegrityError as e:
+            raise IntegrityFailure(
+                f"revision {revision.ref} (sha256:{revision.sha256[:12]}) failed its integrity check "
+                f"and was not loaded: {e}"
+            ) from None
