@@ -1,12 +1,17 @@
-"""Atomic, durable writes: temp file or dir beside the target, fsync, rename, fsync the parent."""
+"""Crash-safe writes: temp file or dir beside the target, fsync, rename, fsync the parent.
+
+A reader sees the old file (or dir) or the new one, never half of one.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def fsync_dir(path: Path) -> None:
@@ -17,7 +22,7 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -26,6 +31,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -33,30 +39,49 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> None:
-    """Build a directory with `fill(tmp_dir)`, fsync its files, then swap it into place at `path`.
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
 
-    Readers see either no directory or a complete one. An existing `path` is replaced.
-    """
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def new_staging_dir(parent: Path, prefix: str = ".staging-") -> Path:
+    """An empty dir next to its final place, so moving it there is one rename on one filesystem."""
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+
+
+def publish_dir(staging: Path, final: Path) -> None:
+    """fsync a fully written dir and move it into place, replacing any old one."""
+    for root, _dirs, files in os.walk(staging):
+        for name in files:
+            with open(Path(root) / name, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(staging)
+    if final.exists():
+        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+        os.replace(staging, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    fsync_dir(final.parent)
+
+
+def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Build a directory with `fill(tmp_dir)`, then publish it at `path` (replacing any old one)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    staging = new_staging_dir(path.parent, prefix=f".{path.name}.")
     try:
-        fill(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        fill(staging)
+        publish_dir(staging, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
-    fsync_dir(path.parent)
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

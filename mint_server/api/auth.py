@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mint_server.api.storage import atomic_write_bytes, fsync_dir
+from mint_server.fsutil import atomic_write_bytes, fsync_dir
 
 KEY_PREFIXES = ("tml-", "sk-")
 JWT_LIFETIME_S = 3600

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mint_server.api.paths import KINDS, CheckpointRef, Kind, check_name, check_run_id
-from mint_server.api.storage import atomic_write_json, dir_size, new_staging_dir, publish_dir, read_json
+from mint_server.fsutil import atomic_write_json, dir_size, new_staging_dir, publish_dir, read_json
 
 log = logging.getLogger(__name__)
 
