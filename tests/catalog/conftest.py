@@ -3,11 +3,9 @@ when MINT_TEST_POSTGRES_URL is set (see .ci/postgres.sh); each test gets a fresh
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -15,14 +13,11 @@ from typing import Annotated
 import pytest
 import uvicorn
 from fastapi import FastAPI, Header, HTTPException
-from sqlalchemy import create_engine
-from sqlalchemy.engine import make_url
 
 from mint_server.catalog import Catalog
 from mint_server.catalog.client import API_PREFIX
 from mint_server.catalog.rest import make_catalog_router
-
-PG_URL = os.environ.get("MINT_TEST_POSTGRES_URL")
+from tests.pg import fresh_pg_schema
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -30,20 +25,8 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'catalog.db'}"
         return
-    if not PG_URL:
-        pytest.skip('MINT_TEST_POSTGRES_URL is not set (eval "$(.ci/postgres.sh)")')
-    # A schema per test, selected through search_path, is a fresh database for the catalog.
-    schema = f"t_{uuid.uuid4().hex[:16]}"
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.exec_driver_sql(f'CREATE SCHEMA "{schema}"')
-    try:
-        url = make_url(PG_URL).update_query_dict({"options": f"-csearch_path={schema}"})
-        yield url.render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.exec_driver_sql(f'DROP SCHEMA "{schema}" CASCADE')
-        admin.dispose()
+    with fresh_pg_schema() as url:
+        yield url
 
 
 @pytest.fixture
