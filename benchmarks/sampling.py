@@ -1,0 +1,213 @@
+"""Sampling throughput on SmolLM2: continuous batching over many LoRA adapters.
+
+    python -m benchmarks.sampling [--seqs 64] [--new-tokens 128] [--rank 32] [--profile]
+
+Workloads, each `seqs` concurrent sequences × `new-tokens` new tokens (temperature 1, no stop):
+  a  every sequence on one adapter          c  base model only
+  b  every sequence on its own adapter      d  (b) with transformers + PEFT generate(adapter_names=…)
+  e  `seqs / 8` prompts × 8 samples: one shared prefill per prompt vs 8 separate prefills
+Reports aggregate tokens/s (prefill included) and the ratios b/a (goal ≥ 0.85), b/d (goal ≥ 10),
+e = shared / separate prefill time (goal ≤ 0.2). a, b and c run interleaved, one step each in turn.
+Prints results as they come, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tinker import types
+
+from benchmarks.common import smollm2_dir
+from mint_server.engine.adapters import AdapterRegistry
+from mint_server.engine.sampling import Sampler
+from mint_server.model.loader import load_model
+from mint_server.model.lora import ALL_TARGETS, target_shapes
+from mint_server.model.peft_io import LoraWeights, save_peft
+
+
+def random_adapter(cfg, rank: int, seed: int) -> LoraWeights:
+    # Small weights: the adapters perturb the model without making it degenerate.
+    g = torch.Generator().manual_seed(seed)
+    weights = {
+        t: (torch.randn(L, rank, fi, generator=g) * 0.02, torch.randn(L, fo, rank, generator=g) * 0.02)
+        for t, (L, fi, fo) in target_shapes(cfg).items() if t in ALL_TARGETS
+    }
+    return LoraWeights(weights, rank, alpha=32.0)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
+
+
+def submit_all(sampler: Sampler, adapters: list[str | None], batch: list[list[int]], new_tokens: int,
+               num_samples: int = 1) -> list:
+    return [
+        sampler.submit(a, p, num_samples, types.SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, stop=[]))
+        for i, (a, p) in enumerate(zip(adapters, batch, strict=True))
+    ]
+
+
+def run_ours(sampler: Sampler, adapters: list[str | None], batch: list[list[int]], new_tokens: int,
+             num_samples: int = 1) -> tuple[float, int]:
+    """Submit everything at once, step until done; (seconds, tokens generated)."""
+    t0 = time.perf_counter()
+    futures = submit_all(sampler, adapters, batch, new_tokens, num_samples)
+    while sampler.has_work():
+        sampler.step()
+    seconds = time.perf_counter() - t0
+    return seconds, sum(len(s.tokens) for f in futures for s in f.result().sequences)
+
+
+def run_interleaved(samplers: dict[str, Sampler], workloads: dict[str, list[str | None]], batch: list[list[int]],
+                    new_tokens: int) -> dict[str, float]:
+    """Run several workloads side by side, one step of each in turn; tokens/s of each over its own steps.
+
+    On a shared machine, load from other processes then falls on every workload alike instead of
+    on whichever happened to run at the time, so their ratios stay meaningful.
+    """
+    futures = {k: submit_all(samplers[k], workloads[k], batch, new_tokens) for k in workloads}
+    busy = dict.fromkeys(workloads, 0.0)
+    while any(s.has_work() for s in samplers.values()):
+        for k, s in samplers.items():
+            if s.has_work():
+                t0 = time.perf_counter()
+                s.step()
+                busy[k] += time.perf_counter() - t0
+    return {k: sum(len(q.tokens) for f in futures[k] for q in f.result().sequences) / busy[k] for k in workloads}
+
+
+def run_peft(model_dir: Path, adapters: list[LoraWeights], batch: list[list[int]], new_tokens: int) -> float:
+    """transformers + PEFT mixed-adapter generate, one adapter per row; returns seconds."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        names = []
+        for i, w in enumerate(adapters):
+            save_peft(w, Path(tmp) / f"a{i}", base_model=str(model_dir))
+            if i == 0:
+                hf = PeftModel.from_pretrained(hf, Path(tmp) / "a0", adapter_name="a0")
+            else:
+                hf.load_adapter(Path(tmp) / f"a{i}", adapter_name=f"a{i}")
+            names.append(f"a{i}")
+    hf.eval()
+    hf.get_base_model().generation_config.eos_token_id = None  # like stop=[]: exactly new_tokens each
+    ids = torch.tensor(batch)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, do_sample=True,
+              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(**{**kw, "max_new_tokens": 2})  # warm-up
+        t0 = time.perf_counter()
+        out = hf.generate(**kw)
+        seconds = time.perf_counter() - t0
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return seconds
+
+
+def profile_decode(sampler: Sampler, adapters: list[str | None], batch: list[list[int]], steps: int = 5) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    futures = [
+        sampler.submit(a, p, 1, types.SamplingParams(max_tokens=steps + 10, temperature=1.0, seed=i, stop=[]))
+        for i, (a, p) in enumerate(zip(adapters, batch, strict=True))
+    ]
+    sampler.step()  # prefill
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            sampler.step()
+    while sampler.has_work():
+        sampler.step()
+    assert all(f.done() for f in futures)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--e-prompt-len", type=int, default=512)
+    ap.add_argument("--e-new-tokens", type=int, default=8)
+    ap.add_argument("--peft-new-tokens", type=int, default=None, help="shorter (d) run; tokens/s is still comparable")
+    ap.add_argument("--skip-peft", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args()
+
+    model_dir = smollm2_dir()
+    model = load_model(model_dir, device=args.device)
+    cfg, dev, dtype = model.config, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    n = args.seqs
+    registry = AdapterRegistry(cfg, num_slots=n + 1, max_rank=args.rank, device=dev, dtype=dtype)
+    weights = [random_adapter(cfg, args.rank, seed=i) for i in range(n)]
+    ids = [registry.install(w, trainable=False).id for w in weights]
+    batch = prompts(n, args.prompt_len, cfg.vocab_size)
+
+    def sampler(**kw) -> Sampler:
+        kw = {"kv_slots": n, "max_seq_len": args.prompt_len + args.new_tokens, **kw}
+        return Sampler(model, registry, **kw)
+
+    result: dict[str, object] = {}
+
+    def report(**kv: object) -> None:  # print as we go: the whole run takes a while on a CPU
+        result.update(kv)
+        for k, v in kv.items():
+            print(f"{k:34s} {v:,.3f}" if isinstance(v, float) else f"{k:34s} {v}", flush=True)
+
+    run_ours(sampler(), ids[:4], batch[:4], 4)  # warm-up
+    report(**{
+        "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "seqs": n, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "rank": args.rank,
+    })
+    # a, b, c step in turn (see run_interleaved), so load from other processes skews them alike.
+    workloads = {"a_one_adapter": [ids[0]] * n, "b_distinct_adapters": ids, "c_base": [None] * n}
+    samplers = {k: sampler() for k in workloads}
+    rates = run_interleaved(samplers, workloads, batch, args.new_tokens)
+    for k, rate in rates.items():
+        st = samplers[k].stats
+        report(**{f"tok_s_{k}": rate, f"decode_tok_s_{k}": st.decode_tokens / st.decode_s})
+    report(ratio_b_over_a=rates["b_distinct_adapters"] / rates["a_one_adapter"])
+
+    if not args.skip_peft:
+        peft_tokens = args.peft_new_tokens or args.new_tokens
+        seconds = run_peft(model_dir, weights, batch, peft_tokens)
+        peft_rate = n * peft_tokens / seconds
+        report(d_new_tokens=peft_tokens, tok_s_d_transformers_peft=peft_rate,
+               ratio_b_over_d=rates["b_distinct_adapters"] / peft_rate)
+
+    # (e): n/8 prompts × 8 samples on one adapter each; shared = one request with num_samples=8,
+    # separate = 8 requests of one sample with prompt sharing switched off.
+    groups = max(n // 8, 1)
+    long_prompts = prompts(groups, args.e_prompt_len, cfg.vocab_size, seed=1)
+    e_len = args.e_prompt_len + args.e_new_tokens
+    shared = sampler(max_seq_len=e_len)
+    run_ours(shared, ids[:groups], long_prompts, args.e_new_tokens, num_samples=8)
+    separate = sampler(max_seq_len=e_len, dedupe_prompts=False)
+    run_ours(separate, [a for a in ids[:groups] for _ in range(8)], [p for p in long_prompts for _ in range(8)],
+             args.e_new_tokens)
+    report(**{
+        "e_prompt_len": args.e_prompt_len,
+        "e_prefill_s_shared": shared.stats.prefill_s, "e_prefill_s_separate": separate.stats.prefill_s,
+        "e_prefill_tokens_shared": shared.stats.prefill_tokens,
+        "e_prefill_tokens_separate": separate.stats.prefill_tokens,
+        "e_kv_blocks_peak_shared": shared.pool.peak_used, "e_kv_blocks_peak_separate": separate.pool.peak_used,
+        "ratio_e_prefill": shared.stats.prefill_s / separate.stats.prefill_s,
+    })
+
+    if args.profile:
+        for name, adapters in [("a_one_adapter", [ids[0]] * n), ("b_distinct_adapters", ids)]:
+            print(f"\ndecode step profile, {name}:")
+            print(profile_decode(sampler(), adapters, batch))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
