@@ -1,20 +1,23 @@
 """Sampling throughput on SmolLM2: continuous batching over many LoRA adapters.
 
     python -m benchmarks.sampling [--seqs 64] [--new-tokens 128] [--rank 32] [--profile]
+    python -m benchmarks.sampling --step-rounds 10 --skip-full   # quick, load-robust step ratios
 
 Workloads, each `seqs` concurrent sequences × `new-tokens` new tokens (temperature 1, no stop):
   a  every sequence on one adapter          c  base model only
   b  every sequence on its own adapter      d  (b) with transformers + PEFT generate(adapter_names=…)
   e  `seqs / 8` prompts × 8 samples: one shared prefill per prompt vs 8 separate prefills
 Reports aggregate tokens/s (prefill included) and the ratios b/a (goal ≥ 0.85), b/d (goal ≥ 10),
-e = shared / separate prefill time (goal ≤ 0.2). a, b and c run interleaved, one step each in turn.
-Prints results as they come, then one JSON line.
+e = shared / separate prefill time (goal ≤ 0.2). a, b and c run interleaved, one step each in turn;
+--step-rounds also times single decode steps of a, b, c and d in turn (medians), which holds up best
+when other processes share the machine. Prints results as they come, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -82,26 +85,28 @@ def run_interleaved(samplers: dict[str, Sampler], workloads: dict[str, list[str 
     return {k: sum(len(q.tokens) for f in futures[k] for q in f.result().sequences) / busy[k] for k in workloads}
 
 
-def run_peft(model_dir: Path, adapters: list[LoraWeights], batch: list[list[int]], new_tokens: int) -> float:
-    """transformers + PEFT mixed-adapter generate, one adapter per row; returns seconds."""
+def load_peft_model(model_dir: Path, adapters: list[LoraWeights]):
+    """transformers model with every adapter loaded through PEFT (as a0, a1, …), eval mode."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        names = []
         for i, w in enumerate(adapters):
             save_peft(w, Path(tmp) / f"a{i}", base_model=str(model_dir))
             if i == 0:
                 hf = PeftModel.from_pretrained(hf, Path(tmp) / "a0", adapter_name="a0")
             else:
                 hf.load_adapter(Path(tmp) / f"a{i}", adapter_name=f"a{i}")
-            names.append(f"a{i}")
-    hf.eval()
     hf.get_base_model().generation_config.eos_token_id = None  # like stop=[]: exactly new_tokens each
+    return hf.eval()
+
+
+def run_peft(hf, batch: list[list[int]], new_tokens: int) -> float:
+    """PEFT mixed-adapter generate, row i on adapter a{i}; returns seconds."""
     ids = torch.tensor(batch)
-    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=names, do_sample=True,
-              temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), adapter_names=[f"a{i}" for i in range(len(batch))],
+              do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens, pad_token_id=0)
     with torch.inference_mode():
         hf.generate(**{**kw, "max_new_tokens": 2})  # warm-up
         t0 = time.perf_counter()
@@ -109,6 +114,41 @@ def run_peft(model_dir: Path, adapters: list[LoraWeights], batch: list[list[int]
         seconds = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + new_tokens
     return seconds
+
+
+def compare_steps(samplers: dict[str, Sampler], workloads: dict[str, list[str | None]], hf,
+                  batch: list[list[int]], rounds: int) -> dict[str, float]:
+    """Median seconds of one decode step of each workload (a, b, c; d = PEFT with a KV cache), one
+    step of each in turn for `rounds` rounds, all at the same context length."""
+    for k, s in samplers.items():
+        submit_all(s, workloads[k], batch, rounds + 2)
+        s.step()  # prefill
+    n = len(batch)
+    names = [f"a{i}" for i in range(n)]
+    with torch.inference_mode():
+        ids = torch.tensor(batch)
+        mask = torch.ones_like(ids)
+        out = hf(input_ids=ids, attention_mask=mask, adapter_names=names, use_cache=True)
+        state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1), "mask": mask}
+
+        def peft_step() -> None:  # what generate does per token, minus its bookkeeping
+            state["mask"] = torch.cat([state["mask"], torch.ones(n, 1, dtype=torch.long)], dim=1)
+            o = hf(input_ids=state["next"], attention_mask=state["mask"], past_key_values=state["cache"],
+                   adapter_names=names, use_cache=True)
+            probs = torch.softmax(o.logits[:, -1].float(), dim=-1)
+            state["cache"], state["next"] = o.past_key_values, torch.multinomial(probs, 1)
+
+        steps = {**{k: s.step for k, s in samplers.items()}, "d_transformers_peft": peft_step}
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(rounds):
+            for k, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
+    for s in samplers.values():
+        while s.has_work():
+            s.step()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def profile_decode(sampler: Sampler, adapters: list[str | None], batch: list[list[int]], steps: int = 5) -> str:
@@ -138,6 +178,8 @@ def main() -> None:
     ap.add_argument("--e-new-tokens", type=int, default=8)
     ap.add_argument("--peft-new-tokens", type=int, default=None, help="shorter (d) run; tokens/s is still comparable")
     ap.add_argument("--skip-peft", action="store_true")
+    ap.add_argument("--skip-full", action="store_true", help="skip the full a-d runs (e.g. with --step-rounds)")
+    ap.add_argument("--step-rounds", type=int, default=0, help="also compare single decode steps, N rounds")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
@@ -167,21 +209,30 @@ def main() -> None:
         "device": str(dev), "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
         "seqs": n, "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "rank": args.rank,
     })
-    # a, b, c step in turn (see run_interleaved), so load from other processes skews them alike.
     workloads = {"a_one_adapter": [ids[0]] * n, "b_distinct_adapters": ids, "c_base": [None] * n}
-    samplers = {k: sampler() for k in workloads}
-    rates = run_interleaved(samplers, workloads, batch, args.new_tokens)
-    for k, rate in rates.items():
-        st = samplers[k].stats
-        report(**{f"tok_s_{k}": rate, f"decode_tok_s_{k}": st.decode_tokens / st.decode_s})
-    report(ratio_b_over_a=rates["b_distinct_adapters"] / rates["a_one_adapter"])
-
-    if not args.skip_peft:
-        peft_tokens = args.peft_new_tokens or args.new_tokens
-        seconds = run_peft(model_dir, weights, batch, peft_tokens)
-        peft_rate = n * peft_tokens / seconds
-        report(d_new_tokens=peft_tokens, tok_s_d_transformers_peft=peft_rate,
-               ratio_b_over_d=rates["b_distinct_adapters"] / peft_rate)
+    hf = None if args.skip_peft else load_peft_model(model_dir, weights)
+    if args.step_rounds:
+        # Per-step medians, every workload stepping in turn at the same context length: the most
+        # load-robust comparison on a shared machine (the full runs below take minutes each).
+        if hf is None:
+            raise SystemExit("--step-rounds needs the PEFT model; drop --skip-peft")
+        med = compare_steps({k: sampler() for k in workloads}, workloads, hf, batch, args.step_rounds)
+        report(**{f"step_s_{k}": v for k, v in med.items()})
+        report(step_ratio_b_over_a=med["a_one_adapter"] / med["b_distinct_adapters"],
+               step_ratio_b_over_d=med["d_transformers_peft"] / med["b_distinct_adapters"])
+    if not args.skip_full:
+        # a, b, c step in turn (see run_interleaved), so load from other processes skews them alike.
+        samplers = {k: sampler() for k in workloads}
+        rates = run_interleaved(samplers, workloads, batch, args.new_tokens)
+        for k, rate in rates.items():
+            st = samplers[k].stats
+            report(**{f"tok_s_{k}": rate, f"decode_tok_s_{k}": st.decode_tokens / st.decode_s})
+        report(ratio_b_over_a=rates["b_distinct_adapters"] / rates["a_one_adapter"])
+        if hf is not None:
+            peft_tokens = args.peft_new_tokens or args.new_tokens
+            peft_rate = n * peft_tokens / run_peft(hf, batch, peft_tokens)
+            report(d_new_tokens=peft_tokens, tok_s_d_transformers_peft=peft_rate,
+                   ratio_b_over_d=rates["b_distinct_adapters"] / peft_rate)
 
     # (e): n/8 prompts × 8 samples on one adapter each; shared = one request with num_samples=8,
     # separate = 8 requests of one sample with prompt sharing switched off.

@@ -15,12 +15,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from mint_server.engine.interface import EngineError
 from mint_server.model.config import ModelConfig
-from mint_server.model.lora import LoraBank, LoraBatch, init_lora_weights, select_targets
+from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
 from mint_server.model.peft_io import DEFAULT_LORA_ALPHA, LoraWeights
 
 
@@ -175,32 +174,4 @@ class AdapterRegistry:
             )
         self.bank.write(a.slot, {t: (x.to(self.device), y.to(self.device)) for t, (x, y) in weights.weights.items()},
                         weights.rank, weights.alpha)
-
-    def training_batch(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, dict]:
-        """A LoraBatch whose A/B are fresh leaves viewing the bank, so backward yields per-adapter grads.
-
-        row_adapter[i] indexes `adapters` (or -1 for base). Returns the batch and
-        leaves[adapter_id][target] = (A_leaf, B_leaf) to read `.grad` from after backward.
-        """
-        rmax = max(a.rank for a in adapters)
-        targets = sorted({t for a in adapters for t in a.targets})
-        leaves: dict[str, dict[str, tuple[Tensor, Tensor]]] = {a.id: {} for a in adapters}
-        weights = {}
-        for t in targets:
-            As, Bs = [], []
-            for a in adapters:
-                if t in a.targets:
-                    A = self.bank.A[t][a.slot, :, : a.rank].detach().requires_grad_(True)
-                    B = self.bank.B[t][a.slot, :, :, : a.rank].detach().requires_grad_(True)
-                    leaves[a.id][t] = (A, B)
-                else:  # this adapter has no LoRA on t: zero weights, no grad wanted
-                    L, fi, fo = self.bank.shapes[t]
-                    A = torch.zeros(L, a.rank, fi, device=self.device, dtype=self.dtype)
-                    B = torch.zeros(L, fo, a.rank, device=self.device, dtype=self.dtype)
-                pad = rmax - a.rank
-                As.append(F.pad(A, (0, 0, 0, pad)) if pad else A)
-                Bs.append(F.pad(B, (0, pad)) if pad else B)
-            weights[t] = (torch.stack(As), torch.stack(Bs))
-        scale = torch.tensor([a.scale for a in adapters], device=self.device, dtype=torch.float32)
-        rows = torch.tensor(row_adapter, dtype=torch.long, device=self.device)
-        return LoraBatch(weights=weights, rows=rows, scale=scale), leaves
+        a.alpha = weights.alpha

@@ -289,7 +289,7 @@ class Trainer:
     def _training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
         """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
 
-        Same contract as AdapterRegistry.training_batch, but the weights are per-layer lists
+        The weights are per-layer lists
         (`_PerLayer`) rather than [n, layers, …] stacks: with a stack, autograd's backward of each
         `[:, layer]` slice zero-fills a gradient of the whole stack, so accumulating over L layers
         costs O(L²) memory traffic (measurably slow at 30 layers). leaves[id][target] holds the

@@ -6,6 +6,7 @@ import re
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tinker import types
 from transformers import AutoModelForCausalLM
 
@@ -13,7 +14,7 @@ from mint_server.engine.adapters import AdapterRegistry
 from mint_server.engine.interface import EngineError
 from mint_server.engine.training import ReverseKLDatum, Trainer, TrainRequest
 from mint_server.model.loader import load_model
-from mint_server.model.lora import ATTN_TARGETS, UNEMBED_TARGET
+from mint_server.model.lora import ATTN_TARGETS, UNEMBED_TARGET, LoraBatch
 from mint_server.model.peft_io import save_peft
 from tests.model.test_parity import random_adapter
 
@@ -247,7 +248,7 @@ def _reverse_kl_reference(trainer, student, reference, rows, temperature):
         with torch.no_grad():
             lora_r = bank.batch([reference.slot]) if reference is not None else None
             ref_logits = model(torch.tensor([r_tok]), lora=lora_r)[0][len(r_tok) - len(s_tok):]
-        lora, leaves = trainer.registry.training_batch([student], [0])
+        lora, leaves = stacked_training_batch(trainer.registry, [student], [0])
         s_lp = torch.log_softmax(model(torch.tensor([s_tok]), lora=lora)[0] / temperature, -1)
         r_lp = torch.log_softmax(ref_logits / temperature, -1)
         kl = (s_lp.exp() * (s_lp - r_lp)).sum(-1) * torch.tensor(w)
@@ -417,3 +418,33 @@ def test_stable_reinforce_uses_the_samplers_records(model):
         grads.append(registry.get(aid).grads)
     for t in grads[0]:
         assert torch.equal(grads[0][t][1], grads[1][t][1]) and grads[0][t][1].abs().max() > 0
+
+
+def stacked_training_batch(registry, adapters, row_adapter):  # the simple [n, layers, …] reference
+    """A LoraBatch whose A/B are fresh leaves viewing the bank, so backward yields per-adapter grads.
+
+    row_adapter[i] indexes `adapters` (or -1 for base). Returns the batch and
+    leaves[adapter_id][target] = (A_leaf, B_leaf) to read `.grad` from after backward.
+    """
+    rmax = max(a.rank for a in adapters)
+    targets = sorted({t for a in adapters for t in a.targets})
+    leaves: dict = {a.id: {} for a in adapters}
+    weights = {}
+    for t in targets:
+        As, Bs = [], []
+        for a in adapters:
+            if t in a.targets:
+                A = registry.bank.A[t][a.slot, :, : a.rank].detach().requires_grad_(True)
+                B = registry.bank.B[t][a.slot, :, :, : a.rank].detach().requires_grad_(True)
+                leaves[a.id][t] = (A, B)
+            else:  # this adapter has no LoRA on t: zero weights, no grad wanted
+                L, fi, fo = registry.bank.shapes[t]
+                A = torch.zeros(L, a.rank, fi, device=registry.device, dtype=registry.dtype)
+                B = torch.zeros(L, fo, a.rank, device=registry.device, dtype=registry.dtype)
+            pad = rmax - a.rank
+            As.append(F.pad(A, (0, 0, 0, pad)) if pad else A)
+            Bs.append(F.pad(B, (0, pad)) if pad else B)
+        weights[t] = (torch.stack(As), torch.stack(Bs))
+    scale = torch.tensor([a.scale for a in adapters], device=registry.device, dtype=torch.float32)
+    rows = torch.tensor(row_adapter, dtype=torch.long, device=registry.device)
+    return LoraBatch(weights=weights, rows=rows, scale=scale), leaves
