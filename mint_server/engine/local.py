@@ -84,7 +84,7 @@ class LocalEngine:
         )
         self._queue: deque[_Work] = deque()
         self._cv = threading.Condition()
-        self._accepting, self._running = True, True
+        self._accepting, self._running, self._abort = True, True, False
         self.stats = {"train_passes": 0, "fused_requests": 0, "ops": 0, "sample_steps": 0}
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
         self._worker.start()
@@ -130,6 +130,9 @@ class LocalEngine:
             with self._cv:
                 while self._running and not self._queue and not self.sampler.has_work():
                     self._cv.wait(timeout=0.5)
+                if self._abort:  # shutdown without draining: running samples fail, on this thread
+                    self.sampler.fail_all(EngineError("engine shut down"))
+                    return
                 if not self._running and not self._queue and not self.sampler.has_work():
                     return
                 fused, op = self._take()
@@ -262,8 +265,15 @@ class LocalEngine:
                                         prompt_logprobs, topk_prompt_logprobs)
             _chain(inner, outer)
 
-        started = self._op(submit, adapter_id)
-        started.add_done_callback(lambda f: f.exception() and not outer.done() and outer.set_exception(f.exception()))
+        def submitted(f: Future) -> None:
+            if outer.done():
+                return
+            if f.cancelled():  # shut down before the submit ran
+                outer.set_exception(EngineError("engine shut down before the request started"))
+            elif f.exception() is not None:
+                outer.set_exception(f.exception())
+
+        self._op(submit, adapter_id).add_done_callback(submitted)
         return outer
 
     def shutdown(self, drain: bool = True) -> None:
@@ -272,6 +282,7 @@ class LocalEngine:
             if not drain:
                 while self._queue:
                     self._queue.popleft().future.cancel()
+                self._abort = True
             self._running = False
             self._cv.notify_all()
         self._worker.join()

@@ -1,5 +1,6 @@
 """The continuous-batching sampler end to end, on tiny random checkpoints (fp32, CPU)."""
 
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -401,3 +402,19 @@ def test_prefill_budget_splits_a_burst_and_tiny_temperatures_are_greedy(model, r
     for pr, f in zip(prompts, futures, strict=False):
         assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
     assert futures[-1].result().sequences[0].tokens == futures[0].result().sequences[0].tokens
+
+
+def test_shutdown_without_drain_fails_running_samples(sampling_llama_dir):
+    from mint_server.engine.local import EngineSettings, LocalEngine
+
+    engine = LocalEngine(sampling_llama_dir, "tiny", settings=EngineSettings(adapter_slots=2, max_rank=8, kv_slots=4))
+    params = types.SamplingParams(max_tokens=400, temperature=1.0, seed=1, stop=[])
+    running = engine.sample(None, [5, 6, 7], 2, params)
+    deadline = time.monotonic() + 30
+    while engine.stats["sample_steps"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    queued = [engine.sample(None, [5, 6, 7], 1, params) for _ in range(3)]
+    engine.shutdown(drain=False)
+    for fut in [running, *queued]:  # none is left pending forever
+        with pytest.raises(EngineError, match="shut down"):
+            fut.result(timeout=30)
