@@ -141,8 +141,7 @@ class CheckpointService:
         tmp = Path(tempfile.mkdtemp(dir=self.core.ephemeral_root, prefix="export-"))
         (tmp / "peft").mkdir()
         try:
-            async with self.core.adapters.use(source.key, self.core.loader(source)) as adapter_id:
-                await self.core.call(self.core.engine.export_peft(adapter_id, tmp / "peft"))
+            await self.core.call(self.core.engine.export_peft(source, tmp / "peft"))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

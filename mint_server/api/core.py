@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 
 from tinker import types
 
-from mint_server.api.adapters import AdapterCache, Loader
 from mint_server.api.futures import FutureStore
 from mint_server.api.metrics import Metrics
 from mint_server.api.ordering import Sequencer
@@ -30,6 +29,7 @@ from mint_server.api.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.records import Revision
 from mint_server.engine.interface import Engine, EngineError
+from mint_server.engine.residency import AdapterSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -64,18 +64,6 @@ class TrainingModel:
         return self.adapter_id
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where a read-only adapter is loaded from: a PEFT dir, a training state plus its LoRA config,
-    or a catalog revision (checked out, and so verified, when first loaded)."""
-
-    key: str
-    peft_dir: Path | None = None
-    state_dir: Path | None = None
-    lora: types.LoraConfig | None = None
-    revision: Revision | None = None
-
-
 @dataclass
 class Sampler:
     sampler_id: str
@@ -83,7 +71,7 @@ class Sampler:
     session_id: str
     base_model: str
     model_path: str | None
-    source: Source | None  # None: the bare base model
+    source: AdapterSource | str | None  # a read-only source, a training adapter id (inflight), None: the base
     ephemeral_dir: Path | None = None
 
 
@@ -96,9 +84,6 @@ class Core:
         self.policies = Policies(catalog, engine.base_model)
         self.futures = FutureStore(settings.result_ttl_s)
         self.sessions = SessionRegistry(settings.session_ttl_s)
-        self.adapters = AdapterCache(
-            engine, settings.max_resident_samplers, lambda n: metrics.resident_adapters.labels("sampler").set(n)
-        )
         metrics.watch_engine(engine)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -169,24 +154,6 @@ class Core:
     async def call(future: Future[T]) -> T:
         return await asyncio.wrap_future(future)
 
-    def loader(self, source: Source) -> Loader:
-        async def load() -> str:
-            if source.revision is not None:
-                peft_dir = await self.policies.checkout(source.revision)  # verified: never garbage weights
-                return await self.call(self.engine.load_peft(peft_dir))
-            if source.peft_dir is not None:
-                return await self.call(self.engine.load_peft(source.peft_dir))
-            assert source.state_dir is not None and source.lora is not None
-            adapter_id = await self.call(self.engine.create_adapter(source.lora))
-            try:
-                await self.call(self.engine.load_state(adapter_id, source.state_dir, False))
-            except BaseException:
-                await self.call(self.engine.release_adapter(adapter_id))
-                raise
-            return adapter_id
-
-        return load
-
     # --- checkpoints ------------------------------------------------------------------------------
     def resolve(self, path: str, owner: str) -> tuple[CheckpointRecord, RunRecord]:
         """A checkpoint path `owner` may read (own or published), with its run."""
@@ -196,24 +163,36 @@ class Core:
             raise NotFound(f"checkpoint {path!r} not found")
         return rec, run
 
-    def read_source(self, path: str, owner: str) -> Source:
+    def read_source(self, path: str, owner: str) -> AdapterSource:
         """What a path read for sampling names: a checkpoint, or a policy revision pinned now."""
         if (ref := parse_policy_ref(path)) is None:
             return self.source_of(*self.resolve(path, owner))
         revision, policy = self.policies.resolve(ref, owner)
         self.policies.check_servable(ref, policy)
         # Keyed by content: revisions with equal bytes share one loaded adapter, which never goes stale.
-        return Source(f"rev:{revision.sha256}", revision=revision)
+        # The checkout (verify + materialize) runs on the engine's loader threads when first needed.
+        return AdapterSource(f"rev:{revision.sha256}", checkout=self.policies.checkout_fn(revision))
 
-    def source_of(self, rec: CheckpointRecord, run: RunRecord) -> Source:
+    def source_of(self, rec: CheckpointRecord, run: RunRecord) -> AdapterSource:
         data = self.runs.data_dir(rec.ref)
         key = f"ckpt:{rec.ref.tinker_path}:{rec.created_at}"  # created_at: an overwrite is a new source
         if rec.kind == "sampler_weights":
-            return Source(key, peft_dir=data)
-        return Source(key, state_dir=data, lora=types.LoraConfig(**run.lora))
+            return AdapterSource(key, peft_dir=data)
+        return AdapterSource(key, state_dir=data)
 
     def forget_checkpoint(self, ref: CheckpointRef) -> None:
-        self.adapters.forget_prefix(f"ckpt:{ref.tinker_path}:")
+        self.engine.forget_source(f"ckpt:{ref.tinker_path}:")
+
+    def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput,
+                   num_samples: int, params: types.SamplingParams, prompt_logprobs: bool = False,
+                   topk_prompt_logprobs: int = 0, record: bool = False) -> Any:
+        """Parse a sample request (EngineError naming the field); fair admission is keyed by owner."""
+        try:
+            tokens = prompt.to_ints()
+        except ValueError:
+            raise InvalidInput("prompt: only token chunks are supported") from None
+        return self.engine.prepare_sample(source, tokens, num_samples, params, prompt_logprobs,
+                                          topk_prompt_logprobs, record=record, key=owner)
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
         if name is not None and name != self.engine.base_model:

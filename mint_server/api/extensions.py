@@ -5,7 +5,6 @@ linear interpolation of checkpoints into a new sampler checkpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from typing import Any
@@ -15,7 +14,7 @@ from tinker import types
 
 from mint_server.api.auth import Principal
 from mint_server.api.codec import tensor_json
-from mint_server.api.core import Core, Source, TrainingModel
+from mint_server.api.core import Core, TrainingModel
 from mint_server.api.mint_types import (
     ForwardBackwardReverseKLRequest,
     ForwardBackwardReverseKLResponse,
@@ -26,11 +25,9 @@ from mint_server.api.mint_types import (
 )
 from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path, parse_policy_ref
 from mint_server.api.training import TrainingService
-from mint_server.api.validate import InvalidInput, check_tokens
-
-# How a reverse-KL datum reaches the engine: the student's tokens are the model input; the
-# reference's tokens travel as an int64 loss input under this key.
-REFERENCE_TOKENS = "reference_tokens"
+from mint_server.api.validate import InvalidInput
+from mint_server.engine.losses import ReverseKLDatum
+from mint_server.engine.residency import AdapterSource
 
 
 def _tensor(t: WireTensor, field: str) -> types.TensorData:
@@ -41,36 +38,15 @@ def _tensor(t: WireTensor, field: str) -> types.TensorData:
         raise InvalidInput(f"{field}: {e}") from None
 
 
-def _student_datums(req: ForwardBackwardReverseKLRequest) -> list[types.Datum]:
-    """The student side of each item as a cross-entropy datum: it obeys the same rules as one."""
+def _datums(req: ForwardBackwardReverseKLRequest) -> list[ReverseKLDatum]:
     return [
-        types.Datum(
-            model_input=d.student_input,
-            loss_fn_inputs={
-                "target_tokens": _tensor(d.target_tokens, f"data[{i}].target_tokens"),
-                "weights": _tensor(d.weights, f"data[{i}].weights"),
-            },
+        ReverseKLDatum(
+            student_input=d.student_input, reference_input=d.reference_input,
+            target_tokens=_tensor(d.target_tokens, f"data[{i}].target_tokens"),
+            weights=_tensor(d.weights, f"data[{i}].weights"),
         )
         for i, d in enumerate(req.data)
     ]
-
-
-def _with_reference(
-    req: ForwardBackwardReverseKLRequest, student: list[types.Datum], vocab_size: int, max_context: int
-) -> list[types.Datum]:
-    data = []
-    for i, (d, s) in enumerate(zip(req.data, student, strict=True)):
-        where = f"data[{i}].reference_input"
-        try:
-            reference = d.reference_input.to_ints()
-        except ValueError:
-            raise InvalidInput(f"{where}: only token chunks are supported") from None
-        if not reference or len(reference) > max_context:
-            raise InvalidInput(f"{where} must hold 1 to {max_context} tokens, got {len(reference)}")
-        check_tokens(reference, vocab_size, where)
-        inputs = {**s.loss_fn_inputs, REFERENCE_TOKENS: types.TensorData(data=reference, dtype="int64", shape=[len(reference)])}
-        data.append(types.Datum(model_input=s.model_input, loss_fn_inputs=inputs))
-    return data
 
 
 class MintService:
@@ -82,29 +58,15 @@ class MintService:
     def reverse_kl(self, p: Principal, req: ForwardBackwardReverseKLRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Any:
             # Every refusal happens in here, so that a refused request still gives up its seq_id.
-            if not math.isfinite(req.temperature) or req.temperature <= 0:
-                raise InvalidInput("temperature must be finite and > 0")
-            reference: Source | None = None
+            reference: AdapterSource | None = None
             if is_checkpoint_path(req.reference_model_path):
                 reference = self.core.read_source(req.reference_model_path, p.owner)
             else:
                 self.core.check_base_model(req.reference_model_path, "reference_model_path")
-            if not req.data:
-                raise InvalidInput("data: at least one datum is required")
-            student = _student_datums(req)
-            self.training.validate_train(model, student, "cross_entropy", None, backward=True)
-            data = _with_reference(req, student, self.engine.vocab_size, self.engine.max_context)
+            job = self.engine.prepare_reverse_kl(_datums(req), req.temperature, reference)
 
             async def run() -> ForwardBackwardReverseKLResponse:
-                async with contextlib.AsyncExitStack() as stack:
-                    ref_id = None
-                    if reference is not None:
-                        ref_id = await stack.enter_async_context(
-                            self.core.adapters.use(reference.key, self.core.loader(reference))
-                        )
-                    out = await self.core.call(
-                        self.engine.forward_backward_reverse_kl(model.adapter(), ref_id, data, req.temperature)
-                    )
+                out = await self.core.call(self.engine.submit(job.on(model.adapter())))
                 return ForwardBackwardReverseKLResponse(
                     outputs=[ReverseKLItemOutput(loss=WireTensor(**tensor_json(_loss_of(o)))) for o in out.loss_fn_outputs],
                     metrics=dict(out.metrics),
@@ -138,9 +100,7 @@ class MintService:
         specs += [self.core.read_source(path, p.owner) for path in req.source_paths[1:]]
 
         async def run() -> InterpolateCheckpointsResponse:
-            async with contextlib.AsyncExitStack() as stack:
-                ids = [await stack.enter_async_context(self.core.adapters.use(s.key, self.core.loader(s))) for s in specs]
-                merged = await self.core.call(self.engine.interpolate(ids, list(req.coefficients)))
+            merged = await self.core.call(self.engine.interpolate(specs, list(req.coefficients)))
             try:
                 await self.training.save_checkpoint(
                     p.owner, out_ref, None, None, lambda dest: self.core.call(self.engine.export_peft(merged, dest))

@@ -24,21 +24,67 @@ class Metrics:
             "mint_sample_seconds", "Time from accepting a sample request to its result", buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        self.resident_adapters = Gauge(
-            "mint_resident_adapters", "Adapters loaded in the engine", ["kind"], registry=self.registry
-        )
         self.requests_failed = Counter(
             "mint_operations_failed_total", "Operations that finished with an error", ["op", "category"],
             registry=self.registry,
         )
         self.sessions = Gauge("mint_active_sessions", "Sessions with a recent heartbeat", registry=self.registry)
         self.engine_queue = Gauge("mint_engine_queue_depth", "Work queued inside the engine", registry=self.registry)
+        self.adapters_resident = Gauge(
+            "mint_adapters_resident", "Adapters known to the engine, by the tier they live in", ["tier"],
+            registry=self.registry,
+        )
+        self.adapter_loads = Counter(
+            "mint_adapter_loads", "Adapter loads into the next tier up, by where they came from", ["source"],
+            registry=self.registry,
+        )
+        self.adapter_evictions = Counter(
+            "mint_adapter_evictions", "Adapters moved out of a tier", ["tier"], registry=self.registry
+        )
+        self.adapter_load_seconds = Histogram(
+            "mint_adapter_load_seconds", "Reading and decoding one adapter from the store",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
+        )
+        self.waiting_for_adapter = Gauge(
+            "mint_requests_waiting_for_adapter", "Queued requests whose adapter is not in a device slot yet",
+            registry=self.registry,
+        )
+        self.engine_step = Histogram(
+            "mint_engine_step_seconds", "One turn of the engine worker (a training pass or op, plus a sampler step)",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
+        )
+        self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
+                               registry=self.registry)
+        self._engine: object | None = None
+        self._seen: dict[tuple[str, str], float] = {}
 
     def watch_engine(self, engine: object) -> None:
-        """Export the engine's own queue depth when it reports one."""
+        """Export the engine's own figures (queue, residency, step times) when it reports them."""
+        self._engine = engine
         depth = getattr(engine, "queue_depth", None)
         if callable(depth):
             self.engine_queue.set_function(lambda: float(depth()))
 
+    def _pull_engine(self) -> None:
+        report = getattr(self._engine, "report", None)
+        if not callable(report):
+            return
+        r = report()
+        for tier, n in r["resident"].items():
+            self.adapters_resident.labels(tier).set(n)
+        for family, counter in (("loads", self.adapter_loads), ("evictions", self.adapter_evictions)):
+            for label, total in r[family].items():
+                delta = total - self._seen.get((family, label), 0)
+                if delta > 0:
+                    counter.labels(label).inc(delta)
+                self._seen[(family, label)] = total
+        for seconds in r["load_seconds"]:
+            self.adapter_load_seconds.observe(seconds)
+        for seconds in r["step_seconds"]:
+            self.engine_step.observe(seconds)
+        self.waiting_for_adapter.set(r["waiting_for_adapter"])
+        self.kv_blocks.set(r["kv_blocks_in_use"])
+
     def render(self) -> bytes:
+        self._pull_engine()
         return generate_latest(self.registry)

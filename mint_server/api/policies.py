@@ -15,6 +15,7 @@ errors become the service's own here: NotFound → 404, bad names and references
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +98,16 @@ class Policies:
                 f"this server serves {self.base_model!r}"
             )
 
-    async def checkout(self, revision: Revision) -> Path:
-        """A verified PEFT dir of the revision (materialized once, then reused)."""
-        try:
-            return await asyncio.to_thread(self.catalog.checkout, revision)
-        except IntegrityError as e:
-            raise IntegrityFailure(
-                f"revision {revision.ref} (sha256:{revision.sha256[:12]}) failed its integrity check "
-                f"and was not loaded: {e}"
-            ) from None
+    def checkout_fn(self, revision: Revision) -> Callable[[], Path]:
+        """What the engine's loader calls (on its own thread) for a verified PEFT dir of the revision."""
+
+        def checkout() -> Path:
+            try:
+                return self.catalog.checkout(revision)
+            except IntegrityError as e:
+                raise IntegrityFailure(
+                    f"revision {revision.ref} (sha256:{revision.sha256[:12]}) failed its integrity check "
+                    f"and was not loaded: {e}"
+                ) from None
+
+        return checkout

@@ -2,9 +2,9 @@
 
 A sampling session names what to sample from: the base model, a checkpoint, a policy revision
 (pinned when the session is created), or an unnamed snapshot made by
-save_weights_and_get_sampling_client. Its adapter is loaded on first use and may
-be released and reloaded later (see AdapterCache). Samples are not ordered: they run concurrently
-and the engine batches them.
+save_weights_and_get_sampling_client. It hands the engine an `AdapterSource`; the engine's
+residency manager loads, caches and evicts the adapter. Samples are not ordered: they run
+concurrently and the engine batches them.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from pathlib import Path
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.core import Busy, Core, Sampler, Source, TrainingModel
+from mint_server.api.core import Busy, Core, Sampler, TrainingModel
 from mint_server.api.runs import NotFound
-from mint_server.api.validate import InvalidInput, check_sampling
+from mint_server.api.validate import InvalidInput
+from mint_server.engine.residency import AdapterSource
 
 # SampleRequest fields this server cannot honour; refusing beats silently dropping them.
 _UNSUPPORTED = {
@@ -25,7 +26,6 @@ _UNSUPPORTED = {
     "target_prompt_logprobs": lambda r: r.target_prompt_logprobs is not None,
     "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
     "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
-    "record_stability_info": lambda r: bool(r.record_stability_info),
 }
 
 
@@ -44,7 +44,7 @@ class SamplingService:
             if existing.model_path != req.model_path:
                 raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
             return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
-        source: Source | None = None
+        source: AdapterSource | None = None
         if req.model_path is not None:
             # A policy reference (tinker://NAME@prod) is resolved here, once: the session keeps that
             # revision even if the alias moves later.
@@ -64,7 +64,7 @@ class SamplingService:
         """Register the sampling session created by save_weights_for_sampler without a path."""
         self.core.samplers[sampler_id] = Sampler(
             sampler_id, model.owner, model.session_id, self.engine.base_model, None,
-            Source(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
+            AdapterSource(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
         )
         session = self.core.sessions.get(model.session_id, model.owner)
         session.sampler_ids.append(sampler_id)
@@ -89,10 +89,9 @@ class SamplingService:
         for name, used in _UNSUPPORTED.items():
             if used(req):
                 raise InvalidInput(f"{name} is not supported by this server")
-        if req.topk_prompt_logprobs < 0:
-            raise InvalidInput("topk_prompt_logprobs must be >= 0")
-        tokens = check_sampling(
-            req.prompt, req.num_samples, req.sampling_params, self.engine.vocab_size, self.engine.max_context
+        job = self.core.sample_job(
+            p.owner, sampler.source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
+            req.topk_prompt_logprobs, record=bool(req.record_stability_info),
         )
         if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
             raise Busy("too many sample requests in flight; retry shortly")
@@ -100,22 +99,17 @@ class SamplingService:
 
         async def run() -> types.SampleResponse:
             try:
-                args = (tokens, req.num_samples, req.sampling_params, bool(req.prompt_logprobs), req.topk_prompt_logprobs)
-                if sampler.source is None:
-                    return await self.core.call(self.engine.sample(None, *args))
-                async with self.core.adapters.use(sampler.source.key, self.core.loader(sampler.source)) as adapter_id:
-                    return await self.core.call(self.engine.sample(adapter_id, *args))
+                return await self.core.call(self.engine.submit(job))
             finally:
                 self.core.sampling_inflight -= 1
 
-        ids = [f"{sampler.sampler_id}:{req.seq_id}:{i}" for i in range(req.num_samples)]
         return self.core.register(
             p.owner, "sample", self.core.spawn(run()), scope=sampler.sampler_id, seq_id=req.seq_id,
-            sample_sequence_ids=ids,
+            sample_sequence_ids=list(job.sequence_ids),  # the engine's ids: stability records use them
         )
 
     def retire(self, sampler: Sampler) -> None:
         self.core.samplers.pop(sampler.sampler_id, None)
         if sampler.ephemeral_dir is not None:
-            self.core.adapters.forget(f"ephemeral:{sampler.sampler_id}")
+            self.core.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
             shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

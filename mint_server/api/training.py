@@ -24,7 +24,7 @@ from mint_server.api.paths import CheckpointRef, Kind, check_name
 from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
-from mint_server.api.validate import InvalidInput, check_adam, check_lora
+from mint_server.api.validate import InvalidInput, check_lora
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 Op = Callable[[], Awaitable[Any]]
@@ -64,7 +64,7 @@ class TrainingService:
         self.core.check_base_model(req.base_model)
         if req.lora_config is None:
             raise InvalidInput("lora_config is required: this server trains LoRA adapters only")
-        check_lora(req.lora_config)
+        check_lora(req.lora_config, self.engine.limits)
         check_optimizer(req.optimizer_config)
         lora = req.lora_config
 
@@ -92,13 +92,7 @@ class TrainingService:
         state_dir, optimizer = self.core.runs.data_dir(rec.ref), req.optimizer
 
         async def make_adapter() -> str:
-            adapter_id = await self.core.call(self.engine.create_adapter(lora))
-            try:
-                await self.core.call(self.engine.load_state(adapter_id, state_dir, optimizer))
-            except BaseException:
-                await self.core.call(self.engine.release_adapter(adapter_id))
-                raise
-            return adapter_id
+            return await self.core.call(self.engine.load_state(None, state_dir, optimizer))
 
         return self._start_model(
             p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
@@ -134,7 +128,6 @@ class TrainingService:
             except BaseException as e:
                 model.failed = f"creation failed: {e}"
                 raise
-            self._count_training_adapters()
             now = time.time()
             self.core.runs.create_run(
                 RunRecord(
@@ -193,36 +186,19 @@ class TrainingService:
 
     def forward_backward(self, p: Principal, call: FwdBwdCall) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
-            # The engine owns the rules (losses, their inputs and config, vocab, context): checking
-            # here, before the request takes its place in the sequence, turns bad input into a 400.
-            self.validate_train(model, call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
-            fn = self.engine.forward if call.forward_only else self.engine.forward_backward
-            return lambda: self.core.call(fn(model.adapter(), call.data, call.loss_fn, call.loss_fn_config))
+            # Parsed once, here, before the request takes its place in the sequence: bad input is a
+            # 400 naming the field, and the engine runs the typed job without checking it again.
+            job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
+            return lambda: self.core.call(self.engine.submit(job.on(model.adapter())))
 
         return self.sequenced(p, call.model_id, call.seq_id, "forward" if call.forward_only else "forward_backward", check)
 
-    def validate_train(
-        self, model: TrainingModel, data: list[types.Datum], loss_fn: str,
-        loss_fn_config: dict[str, Any] | None, backward: bool,
-    ) -> None:
-        """The engine's checks for a forward(_backward) on `model`, at submission time."""
-        if model.adapter_id is None:
-            # Creation (the model's op 0) has not run yet, so there is no adapter to check against;
-            # the inputs alone are checked as a forward on the base. The adapter itself is checked
-            # again when the op runs.
-            self.engine.validate_train(None, data, loss_fn, loss_fn_config, backward=False)
-        else:
-            self.engine.validate_train(model.adapter_id, data, loss_fn, loss_fn_config, backward=backward)
-
     def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
-            params = req.optim_params
-            if not isinstance(params, types.AdamParams):
-                raise InvalidInput("optim_params: only AdamW (adam_params) is supported")
-            check_adam(params)
+            job = self.engine.prepare_optim(req.optim_params)
 
             async def run() -> types.OptimStepResponse:
-                out = await self.core.call(self.engine.optim_step(model.adapter(), params))
+                out = await self.core.call(self.engine.submit(job.on(model.adapter())))
                 model.steps += 1
                 return out
 
@@ -378,7 +354,6 @@ class TrainingService:
         self.core.models.pop(model.model_id, None)
         if model.adapter_id is not None:
             adapter_id, model.adapter_id = model.adapter_id, None
-            self._count_training_adapters()
             await self.core.call(self.engine.release_adapter(adapter_id))
 
     async def retire(self, model: TrainingModel, reason: str) -> None:
@@ -386,7 +361,3 @@ class TrainingService:
         model.sequencer.close(reason)
         await model.sequencer.drained()
         await self._release(model, reason)
-
-    def _count_training_adapters(self) -> None:
-        n = sum(m.adapter_id is not None for m in self.core.models.values())
-        self.core.metrics.resident_adapters.labels("training").set(n)

@@ -27,7 +27,9 @@ def generate(
     from tinker import types
 
     from mint_server.engine.interface import EngineError
-    from mint_server.engine.local import EngineSettings, LocalEngine
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.residency import AdapterSource
+    from mint_server.engine.settings import EngineSettings
     from mint_server.model.config import ModelError
     from mint_server.model.prepare import DEFAULT_BASE_MODEL, resolve_base_model
 
@@ -36,8 +38,9 @@ def generate(
     try:
         model_dir = resolve_base_model(base_model, data_dir)
         name = base_model or DEFAULT_BASE_MODEL
-        engine = LocalEngine(model_dir, name, settings=EngineSettings(adapter_slots=1, kv_slots=1, max_rank=256))
-        adapter_id = engine.load_peft(adapter).result() if adapter else None
+        engine = LocalEngine(model_dir, name, settings=EngineSettings(device_slots=1, kv_budget_tokens=4096,
+                                                                      max_rank=256))
+        source = AdapterSource(f"peft:{adapter}", peft_dir=Path(adapter)) if adapter else None
         tok = engine.tokenizer
         if chat:
             tokens = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
@@ -45,7 +48,7 @@ def generate(
         else:
             tokens = tok(prompt)["input_ids"]
         params = types.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        out = engine.sample(adapter_id, tokens, 1, params).result()
+        out = engine.submit(engine.prepare_sample(source, tokens, 1, params)).result()
     except (ModelError, EngineError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -14,7 +14,7 @@ import typer
 from mint_server.api.auth import load_or_create_key_file  # stdlib only: cheap for every `mint` command
 
 if TYPE_CHECKING:  # the engine (torch) is imported only when `serve` runs, not for every CLI call
-    from mint_server.engine.local import EngineSettings
+    from mint_server.engine.settings import EngineSettings
 
 log = logging.getLogger("mint_server.serve")
 
@@ -59,27 +59,34 @@ def base_model_name(arg: str | None, model_dir: Path) -> str:
         return model_dir.name
 
 
-# Engine sizes `mint serve` uses unless told otherwise. They fit the embedded SmolLM2-135M on a
-# 24 GiB CPU box. The KV cache is the big fixed cost: layers × kv_slots × kv_heads × max_seq_len ×
-# head_dim × 2 (K, V) × 4 bytes (float32), i.e. 30 × 32 × 3 × 2048 × 64 × 8 ≈ 2.8 GiB; the LoRA
-# bank (adapter slots × max rank) and the model itself (0.5 GiB) are small beside it. Bigger
-# models need smaller values.
-DEFAULT_ADAPTER_SLOTS = 16
-DEFAULT_MAX_RANK = 32
-DEFAULT_KV_SLOTS = 32
-DEFAULT_MAX_SEQ_LEN = 2048
+def engine_settings(
+    device_slots: int | None, adapter_slots: int | None, host_cache_mb: float | None, max_rank: int | None,
+    kv_budget_tokens: int | None, max_context: int | None, max_step_tokens: int | None, store_dir: Path,
+) -> EngineSettings:
+    """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
+    a usage error naming the flag, not a traceback from the engine."""
+    from mint_server.engine.settings import EngineSettings
+
+    if adapter_slots is not None:
+        log.warning("--adapter-slots is deprecated; use --device-slots")
+        device_slots = device_slots if device_slots is not None else adapter_slots
+    given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
+             "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens}
+    settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
+    try:
+        settings.check()
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise typer.BadParameter(str(e), param_hint="--" + field.replace("_", "-")) from None
+    return settings
 
 
-def engine_settings(adapter_slots: int, max_rank: int, kv_slots: int, max_seq_len: int) -> EngineSettings:
-    """The engine's sizes from the flags; a bad value is a usage error, not a traceback from the engine."""
-    from mint_server.engine.local import EngineSettings
+def _default(name: str) -> object:
+    from dataclasses import fields
 
-    for flag, value in (("--adapter-slots", adapter_slots), ("--max-rank", max_rank), ("--kv-slots", kv_slots)):
-        if value < 1:
-            raise typer.BadParameter(f"must be at least 1, got {value}", param_hint=flag)
-    if max_seq_len < 2:
-        raise typer.BadParameter(f"must be at least 2, got {max_seq_len}", param_hint="--max-seq-len")
-    return EngineSettings(adapter_slots=adapter_slots, max_rank=max_rank, kv_slots=kv_slots, max_seq_len=max_seq_len)
+    from mint_server.engine.settings import EngineSettings
+
+    return next(f.default for f in fields(EngineSettings) if f.name == name)
 
 
 def register(app: typer.Typer) -> None:
@@ -100,16 +107,31 @@ def register(app: typer.Typer) -> None:
         ),
         no_auth: bool = typer.Option(False, "--no-auth", help="Accept requests without a key (loopback hosts only)."),
         max_body_mb: int = typer.Option(256, help="Largest request body accepted, in MiB."),
-        adapter_slots: int = typer.Option(
-            DEFAULT_ADAPTER_SLOTS, "--adapter-slots", help="LoRA adapters resident at once (training + sampling)."
+        device_slots: int = typer.Option(
+            None, "--device-slots",
+            help=f"LoRA adapters in device slots at once (training + sampling) [default: {_default('device_slots')}]; "
+            "more adapters wait in the host cache and the store and are paged in as needed.",
         ),
-        max_rank: int = typer.Option(DEFAULT_MAX_RANK, "--max-rank", help="Largest LoRA rank a client may ask for."),
-        kv_slots: int = typer.Option(
-            DEFAULT_KV_SLOTS, "--kv-slots", help="KV cache budget, in sequences of --max-seq-len tokens."
+        adapter_slots: int = typer.Option(None, "--adapter-slots", help="Deprecated alias of --device-slots."),
+        host_cache_mb: float = typer.Option(
+            None, "--host-cache-mb",
+            help=f"Host memory for adapters not in a slot (weights, optimizer state) [default: "
+            f"{_default('host_cache_mb')}]; beyond it they are paged to the store.",
+        ),
+        max_rank: int = typer.Option(
+            None, "--max-rank", help=f"Largest LoRA rank a client may ask for [default: {_default('max_rank')}]."
+        ),
+        kv_budget_tokens: int = typer.Option(
+            None, "--kv-budget-tokens",
+            help=f"KV cache size in token positions shared by running sequences [default: {_default('kv_budget_tokens')}].",
         ),
         max_seq_len: int = typer.Option(
-            DEFAULT_MAX_SEQ_LEN, "--max-seq-len",
-            help="Longest sequence sampled (prompt + max_tokens); capped at the model's context.",
+            None, "--max-seq-len", help="Longest sequence (training datum; prompt + max_tokens) [default: the model's context].",
+        ),
+        max_step_tokens: int = typer.Option(
+            None, "--max-step-tokens",
+            help=f"Prompt tokens one sampler step may prefill [default: {_default('max_step_tokens')}]; keeps a wave of "
+            "new requests from stalling running ones.",
         ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
@@ -134,8 +156,9 @@ def register(app: typer.Typer) -> None:
             except ValueError as e:  # never echo the key itself
                 raise typer.BadParameter(f"API key #{i + 1}: {e}", param_hint="--api-key") from None
 
-        engine_cfg = engine_settings(adapter_slots, max_rank, kv_slots, max_seq_len)
         root = resolve_data_dir(data_dir)
+        engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
+                                     max_seq_len, max_step_tokens, root / "pages")
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

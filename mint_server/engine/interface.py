@@ -1,20 +1,26 @@
 """The contract between the service layer and an engine.
 
-The service never touches tensors: it turns HTTP requests into calls on an `Engine`, each of which
-returns a `concurrent.futures.Future` completed by the engine's own worker. Work queued by several
+The service never touches tensors: it parses each request once into a typed job
+(`engine.prepare_*`) and queues it (`engine.submit`), getting a `concurrent.futures.Future`
+completed by the engine's own worker. Work queued by several
 clients is fused by the engine's scheduler, so a call may wait for others before it runs. Wire types
 come from the `tinker` package.
 
-Adapter ids are opaque strings chosen by the engine. `None` as an adapter id means the bare base.
+Adapter ids are opaque strings chosen by the engine. `None` as an adapter means the bare base.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tinker import types
+
+if TYPE_CHECKING:  # the jobs module imports this one for EngineError
+    from mint_server.engine.jobs import AdapterRef, Job, OptimJob, ReverseKLJob, SampleJob, TrainJob
+    from mint_server.engine.settings import EngineLimits, EngineSettings
 
 
 class EngineError(ValueError):
@@ -26,60 +32,36 @@ class NotSupportedError(EngineError):
 
 
 class Engine(Protocol):
+    """Parse with `prepare_*` (pure, thread-safe, EngineError naming the field), then `submit`.
+
+    Adapters are named by id (training adapters, from `create_adapter` / `load_state`) or by an
+    `AdapterSource` (read-only adapters: checkpoints, catalog revisions), which the engine's
+    residency manager opens, loads, caches and evicts on its own; `None` is the bare base.
+    """
+
     base_model: str  # user-facing name, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
     model_dir: Path  # HF checkpoint dir: config.json, tokenizer files
-    vocab_size: int
-    max_context: int
-    arch: str  # HF architecture of the base, e.g. "LlamaForCausalLM"
-    loss_fns: frozenset[str]
+    limits: EngineLimits
+    settings: EngineSettings
 
-    def validate_train(
-        self,
-        adapter_id: str | None,
-        datums: list[types.Datum],
-        loss_fn: str,
-        loss_fn_config: dict[str, Any] | None,
-        backward: bool = True,
-    ) -> None:
-        """Raise EngineError naming the field if this call cannot run; no side effects, thread-safe."""
-        ...
+    # --- parse ----------------------------------------------------------------------------------
+    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+                      backward: bool = True) -> TrainJob: ...
+    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob: ...
+    def prepare_optim(self, params: Any) -> OptimJob: ...
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                       *, record: bool = False, key: str = "") -> SampleJob: ...
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob: ...
 
-    # --- adapters -------------------------------------------------------------------------------
+    # --- run ------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Future: ...
     def create_adapter(self, lora: types.LoraConfig) -> Future[str]: ...
     def release_adapter(self, adapter_id: str) -> Future[None]: ...
-    def load_peft(self, peft_dir: Path) -> Future[str]:
-        """A sampler-only adapter from a PEFT dir (exported weights)."""
-        ...
-
-    # --- training -------------------------------------------------------------------------------
-    def forward(
-        self, adapter_id: str | None, datums: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None
-    ) -> Future[types.ForwardBackwardOutput]: ...
-    def forward_backward(
-        self, adapter_id: str, datums: list[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None
-    ) -> Future[types.ForwardBackwardOutput]: ...
-    def forward_backward_reverse_kl(
-        self,
-        adapter_id: str,
-        reference_adapter_id: str | None,
-        datums: list[types.Datum],
-        temperature: float = 1.0,
-    ) -> Future[types.ForwardBackwardOutput]: ...
-    def optim_step(self, adapter_id: str, params: types.AdamParams) -> Future[types.OptimStepResponse]: ...
+    def forget_source(self, key_prefix: str) -> Future[None]: ...
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]: ...
-    def load_state(self, adapter_id: str, src: Path, include_optimizer: bool) -> Future[None]: ...
-    def export_peft(self, adapter_id: str, dest: Path) -> Future[None]: ...
-    def interpolate(self, adapter_ids: list[str], coefficients: list[float]) -> Future[str]: ...
-
-    # --- sampling -------------------------------------------------------------------------------
-    def sample(
-        self,
-        adapter_id: str | None,
-        prompt_tokens: list[int],
-        num_samples: int,
-        params: types.SamplingParams,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> Future[types.SampleResponse]: ...
-
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool) -> Future[str]: ...
+    def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]: ...
+    def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]: ...
+    def queue_depth(self) -> int: ...
     def shutdown(self, drain: bool = True) -> None: ...

@@ -1,11 +1,16 @@
 """LocalEngine: one resident base model on this process's device, driven through a work queue.
 
-Callers (the service, the CLI) get futures. A single worker thread owns the model, the adapter bank
-and the KV cache, so nothing in them needs locks. Each turn of the worker:
-  1. fuses every queued forward / forward_backward that may run now (no earlier queued op on the
-     same adapter) into one batched pass — several policies train in one forward/backward;
-  2. runs the next other op (optim_step, save, load, …) in arrival order;
-  3. advances the continuous sampling batch by one step, so sampling never stalls behind training.
+Callers (the service, the CLI) parse requests with `prepare_*` (pure, any thread) and queue the
+resulting jobs with `submit` (or the adapter ops below), getting futures. A single worker thread
+owns the model, the residency manager (adapter tiers) and the KV cache, so nothing in them needs
+locks. Each turn of the worker:
+  1. hands new sample jobs to the sampler;
+  2. asks the residency manager to bring the adapters that queued work needs towards the device
+     (cold loads run on loader threads; only host → slot copies happen here, between steps);
+  3. fuses every queued forward / forward_backward whose adapters are in slots and that has no
+     earlier queued op on the same adapter into one batched pass, else runs the next ready op;
+  4. advances the continuous sampling batch by one step, so sampling never stalls behind training
+     and a cold load never stalls a running decode.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,36 +28,33 @@ from typing import Any
 import torch
 from tinker import types
 
-from mint_server.engine.adapters import AdapterRegistry
 from mint_server.engine.interface import EngineError
+from mint_server.engine.jobs import AdapterRef, Job, OptimJob, Preparer, ReverseKLJob, SampleJob, TrainJob
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecords
-from mint_server.engine.sampling import Sampler
-from mint_server.engine.training import Trainer, TrainRequest
+from mint_server.engine.residency import Adapter, AdapterSource, Residency
+from mint_server.engine.sampling import SampleFuture, Sampler
+from mint_server.engine.settings import EngineLimits, EngineSettings
+from mint_server.engine.training import Trainer
 from mint_server.model.loader import default_device, default_dtype, load_model
-from mint_server.model.peft_io import load_peft
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EngineSettings:
-    adapter_slots: int = 32  # device slots of the LoRA bank (the working set)
-    max_rank: int = 64
-    kv_slots: int = 64  # concurrent sequences the KV cache holds
-    max_seq_len: int | None = None  # per sequence; default min(model context, 2048)
-    max_fused_tokens: int = 32768  # bound on one fused training pass
-    records_ttl_s: float = 3600.0
-
-
-@dataclass
+@dataclass(eq=False)
 class _Work:
     future: Future
-    adapters: tuple[str, ...]  # adapters this op reads or writes (for ordering)
-    train: TrainRequest | None = None  # fusable forward / forward_backward
-    op: Callable[[], Any] | None = None  # anything else
-    tokens: int = 0
+    refs: tuple[AdapterRef, ...]  # adapters it reads or writes: ordering, and residency
+    train: TrainJob | None = None  # fusable forward / forward_backward
+    sample: SampleJob | None = None  # handed to the sampler once no earlier op on its adapter waits
+    op: Callable[[list[Adapter | None]], Any] | None = None  # anything else; gets the resolved refs
+    on_device: bool = True  # its adapters must be in slots when it runs
+    resolved: list[Adapter | None] | None = None
     enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def ids(self) -> set[str]:
+        return {a.id for a in self.resolved or () if a is not None}
 
 
 class LocalEngine:
@@ -67,27 +69,142 @@ class LocalEngine:
         from transformers import AutoTokenizer
 
         self.settings = s = settings or EngineSettings()
+        s.check()
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
         self.model = load_model(self.model_dir, self.device, self.dtype)
         cfg = self.model.config
-        self.vocab_size = cfg.vocab_size
-        self.max_context = min(cfg.max_position_embeddings, s.max_seq_len or 2048)
+        self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
+                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.registry = AdapterRegistry(cfg, s.adapter_slots, s.max_rank, self.device, self.dtype)
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.trainer = Trainer(self.model, self.registry, base_model, records=self.records)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
+        self._cv = threading.Condition()
+        self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake)
+        self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens)
         self.sampler = Sampler(
-            self.model, self.registry, kv_slots=s.kv_slots, max_seq_len=self.max_context,
-            records=self.records, tokenizer=self.tokenizer,
+            self.model, self.registry, kv_budget_tokens=max(s.kv_budget_tokens, self.limits.max_context),
+            max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
+            max_step_tokens=s.max_step_tokens,
         )
         self._queue: deque[_Work] = deque()
-        self._cv = threading.Condition()
         self._accepting, self._running, self._abort = True, True, False
+        self._paused = False
         self.stats = {"train_passes": 0, "fused_requests": 0, "ops": 0, "sample_steps": 0}
+        self.step_seconds: list[float] = []  # drained by the service's metrics
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
         self._worker.start()
+
+    # --- limits (read by the service) -----------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.limits.max_context
+
+    @property
+    def arch(self) -> str:
+        return self.limits.arch
+
+    @property
+    def loss_fns(self) -> frozenset[str]:
+        return self.limits.loss_fns
+
+    # --- parse (pure, any thread) ---------------------------------------------------------------
+    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+                      backward: bool = True) -> TrainJob:
+        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
+
+    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
+        return self.prepare.reverse_kl(datums, temperature, reference)
+
+    def prepare_optim(self, params: Any) -> OptimJob:
+        return self.prepare.optim(params)
+
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                       *, record: bool = False, key: str = "") -> SampleJob:
+        return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
+                                   topk_prompt_logprobs, record=record, key=key)
+
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
+        return self.prepare.score(adapter, tokens, key=key)
+
+    # --- submit ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Future:
+        """Queue a prepared job. Sample jobs answer with a SampleFuture (its sequence ids are known)."""
+        if isinstance(job, TrainJob):
+            return self._submit(_Work(Future(), (job.adapter_id,) if job.adapter_id else (), train=job))
+        if isinstance(job, SampleJob):
+            future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
+            return self._submit(_Work(future, (job.adapter,) if job.adapter is not None else (), sample=job,
+                                      on_device=False))
+        if isinstance(job, OptimJob):
+            return self._op(lambda _a: self.trainer.optim_step(job), job.adapter_id)
+        if isinstance(job, ReverseKLJob):
+            def run(adapters: list[Adapter | None]) -> Any:
+                reference = adapters[1] if len(adapters) > 1 else None
+                return self.trainer.reverse_kl(job, None if reference is None else reference.id)
+
+            return self._op(run, job.adapter_id, job.reference)
+        raise TypeError(f"not a job: {type(job).__name__}")
+
+    # --- adapter ops ----------------------------------------------------------------------------
+    def create_adapter(self, lora: types.LoraConfig) -> Future[str]:
+        return self._op(lambda _a: self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp,
+                                                        lora.train_unembed).id, on_device=False)
+
+    def release_adapter(self, adapter_id: str) -> Future[None]:
+        return self._op(lambda _a: self.registry.release(adapter_id), adapter_id, on_device=False)
+
+    def forget_source(self, key_prefix: str) -> Future[None]:
+        """Sources under this key prefix are gone (checkpoint deleted, session over)."""
+        return self._op(lambda _a: self.registry.forget_prefix(key_prefix), on_device=False)
+
+    def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
+        return self._op(lambda _a: self.trainer.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
+
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool) -> Future[str]:
+        """Into an existing adapter, or (None) into a new trainable one; returns its id."""
+        if adapter_id is None:
+            return self._op(lambda _a: self.trainer.load_state(None, Path(src), include_optimizer), on_device=False)
+        return self._op(lambda _a: self.trainer.load_state(adapter_id, Path(src), include_optimizer), adapter_id)
+
+    def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]:
+        return self._op(lambda a: self.trainer.export_peft(a[0].id, Path(dest)), adapter)  # type: ignore[union-attr]
+
+    def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]:
+        return self._op(lambda a: self.trainer.interpolate([x.id for x in a], list(coefficients)),  # type: ignore[union-attr]
+                        *adapters)
+
+    def pause(self) -> None:
+        """Hold the worker before its next turn (an operator's gate; tests use it to hold work)."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def report(self) -> dict[str, Any]:
+        """Figures for /metrics; step and load times are handed over once (drained)."""
+        with self._cv:
+            steps, self.step_seconds = self.step_seconds, []
+            waiting_work = sum(1 for w in self._queue for a in w.resolved or () if a is not None and a.slot is None)
+            stats = self.registry.stats
+            loads, stats.load_seconds = stats.load_seconds, []
+            counts = self.registry.counts()
+        waiting = waiting_work + sum(1 for a in self.sampler.waiting_adapters() if a.slot is None)
+        return {"resident": counts, "loads": dict(stats.loads), "evictions": dict(stats.evictions),
+                "load_seconds": loads, "step_seconds": steps, "waiting_for_adapter": waiting,
+                "kv_blocks_in_use": self.sampler.kv_blocks_in_use}
 
     # --- queue ----------------------------------------------------------------------------------
     def _submit(self, work: _Work) -> Future:
@@ -98,203 +215,205 @@ class LocalEngine:
             self._cv.notify()
         return work.future
 
-    def _op(self, fn: Callable[[], Any], *adapters: str | None) -> Future:
-        return self._submit(_Work(Future(), tuple(a for a in adapters if a), op=fn))
+    def _op(self, fn: Callable[[list[Adapter | None]], Any], *refs: AdapterRef, on_device: bool = True) -> Future:
+        return self._submit(_Work(Future(), tuple(r for r in refs if r is not None), op=fn, on_device=on_device))
 
-    def queue_depth(self) -> int:
-        return len(self._queue)
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
 
-    def _take(self) -> tuple[list[_Work], _Work | None]:
-        """Under the lock: the fusable training work that may run now, else the next other op."""
+    def _resolve(self, work: _Work) -> bool:
+        """On the worker: turn the work's refs into adapters (opening sources) and reference them."""
+        if work.resolved is not None:
+            return True
+        try:
+            adapters = [self.registry.open(r) if isinstance(r, AdapterSource) else self.registry.get(r)
+                        for r in work.refs]
+        except EngineError as e:
+            work.future.set_exception(e)
+            return False
+        for a in adapters:
+            self.registry.ref(a)
+        work.resolved = list(adapters)
+        return True
+
+    def _done(self, work: _Work) -> None:
+        for a in work.resolved or ():
+            if a is not None:
+                self.registry.unref(a)
+
+    def _take(self, ready: set[str]) -> tuple[list[_Work], _Work | None]:
+        """Under the lock: the fusable training work that may run now, else the first ready op.
+        Work on one adapter keeps its order; work waiting for a cold adapter holds up only that adapter."""
         fused: list[_Work] = []
         blocked: set[str] = set()
         tokens = 0
-        for w in list(self._queue):
-            if w.train is not None and not blocked.intersection(w.adapters):
-                if fused and tokens + w.tokens > self.settings.max_fused_tokens:
+        first_op: _Work | None = None
+        for w in self._queue:
+            if w.resolved is None:  # arrived during this turn: next turn
+                continue
+            ids = w.ids
+            runnable = not blocked.intersection(ids) and (not w.on_device or ids <= ready)
+            if w.train is not None and runnable:
+                if fused and tokens + w.train.tokens > self.settings.max_fused_tokens:
                     break
                 fused.append(w)
-                tokens += w.tokens
-            else:
-                blocked.update(w.adapters)
-                if w.train is None and not w.adapters:
-                    blocked.add("*")
+                tokens += w.train.tokens
+            elif w.train is None and runnable and first_op is None:
+                first_op = w
+            blocked.update(ids)
         if fused:
             for w in fused:
                 self._queue.remove(w)
             return fused, None
-        return [], (self._queue.popleft() if self._queue else None)
+        if first_op is not None:
+            self._queue.remove(first_op)
+        return [], first_op
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while self._running and not self._queue and not self.sampler.has_work():
+                while self._running and (self._paused or not self._has_work()):
                     self._cv.wait(timeout=0.5)
                 if self._abort:  # shutdown without draining: running samples fail, on this thread
                     self.sampler.fail_all(EngineError("engine shut down"))
                     return
                 if not self._running and not self._queue and not self.sampler.has_work():
                     return
-                fused, op = self._take()
-            if fused:
-                self._run_fused(fused)
-            elif op is not None:
-                self._run_op(op)
-            if self.sampler.has_work():
-                try:
-                    self.sampler.step()
-                    self.stats["sample_steps"] += 1
-                except Exception:  # a bug in a step must not kill the worker; requests see it
-                    log.exception("sampler step failed")
+                queued = list(self._queue)
+            t0 = time.perf_counter()
+            try:
+                ran = self._turn(queued)
+            except Exception:  # a bug in a turn must not kill the worker; requests see their own errors
+                log.exception("engine turn failed")
+                ran = True
+            if ran:
+                with self._cv:
+                    self.step_seconds.append(time.perf_counter() - t0)
+                    del self.step_seconds[:-10000]
+            else:  # everything waits for cold loads: sleep until a loader finishes
+                with self._cv:
+                    if self._running and not self._abort:
+                        self._cv.wait(timeout=0.05)
+
+    def _has_work(self) -> bool:
+        return bool(self._queue) or self.sampler.has_work()
+
+    def _turn(self, queued: list[_Work]) -> bool:
+        """One turn; False when nothing could run (all of it waits for adapters)."""
+        blocked: set[str] = set()
+        for w in queued:
+            if not self._resolve(w):
+                with self._cv:
+                    self._queue.remove(w)
+                continue
+            if w.sample is not None and not blocked.intersection(w.ids):
+                with self._cv:
+                    self._queue.remove(w)
+                if w.future.cancelled():
+                    self._done(w)
+                else:  # the request owns the adapter reference from here on
+                    self.sampler.submit(w.sample, (w.resolved or [None])[0], w.future)
+                continue
+            blocked.update(w.ids)
+        with self._cv:
+            queued = list(self._queue)
+        needed = [a for w in queued for a in w.resolved or () if a is not None and w.on_device]
+        needed += self.sampler.waiting_adapters()
+        ready = self.registry.schedule(needed)
+        self._fail_unloadable(queued)
+        with self._cv:
+            fused, op = self._take(ready)
+        ran = False
+        if fused:
+            self._run_fused(fused)
+            ran = True
+        elif op is not None:
+            self._run_op(op)
+            ran = True
+        if self.sampler.has_ready_work():
+            try:
+                self.sampler.step()
+                self.stats["sample_steps"] += 1
+            except Exception:  # a bug in a step must not kill the worker; requests see it
+                log.exception("sampler step failed")
+            ran = True
+        return ran
+
+    def _fail_unloadable(self, queued: list[_Work]) -> None:
+        """Adapters whose load failed (corrupt or missing store data): fail the work waiting for them."""
+        failed: dict[str, BaseException] = {}
+        for a in {id(a): a for w in queued for a in w.resolved or () if a is not None}.values():
+            if a.load_error is not None:
+                failed[a.id] = a.load_error
+        for a in self.sampler.waiting_adapters():
+            if a.load_error is not None:
+                failed[a.id] = a.load_error
+                self.sampler.fail_waiting(a, a.load_error)
+        if not failed:
+            return
+        with self._cv:
+            doomed = [w for w in self._queue if w.ids & failed.keys()]
+            for w in doomed:
+                self._queue.remove(w)
+        for w in doomed:
+            self._done(w)
+            w.future.set_exception(failed[next(iter(w.ids & failed.keys()))])
+        for w in queued:
+            for a in w.resolved or ():
+                if a is not None and a.id in failed:
+                    self.registry.take_load_error(a)
+        for a in self.sampler.waiting_adapters():
+            if a.id in failed:
+                self.registry.take_load_error(a)
 
     def _run_fused(self, work: list[_Work]) -> None:
         for w in work:
             w.future.set_running_or_notify_cancel()
         try:
-            results = self.trainer.run([w.train for w in work])
+            results = self.trainer.run([w.train for w in work])  # type: ignore[misc]
         except Exception as e:  # noqa: BLE001 - the whole pass failed: every caller sees why
             log.exception("fused training pass failed")
             results = [e] * len(work)
         self.stats["train_passes"] += 1
         self.stats["fused_requests"] += len(work)
         for w, r in zip(work, results, strict=True):
+            for a in w.resolved or ():
+                if a is not None:
+                    self.registry.touch(a)
+            self._done(w)
             if isinstance(r, BaseException):
                 w.future.set_exception(r)
             else:
                 w.future.set_result(r)
 
     def _run_op(self, w: _Work) -> None:
-        if not w.future.set_running_or_notify_cancel():
+        if w.op is None or not w.future.set_running_or_notify_cancel():
+            self._done(w)
             return
         try:
-            w.future.set_result(w.op())
+            result = w.op(w.resolved or [])
         except Exception as e:  # noqa: BLE001 - delivered to the caller
             if not isinstance(e, EngineError):
                 log.exception("engine op failed")
+            self._done(w)
             w.future.set_exception(e)
+            return
         self.stats["ops"] += 1
-
-    # --- Engine protocol ------------------------------------------------------------------------
-    def create_adapter(self, lora: types.LoraConfig) -> Future[str]:
-        def create() -> str:
-            return self.registry.create(
-                lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed
-            ).id
-
-        return self._op(create)
-
-    def release_adapter(self, adapter_id: str) -> Future[None]:
-        return self._op(lambda: self.registry.release(adapter_id), adapter_id)
-
-    def load_peft(self, peft_dir: Path) -> Future[str]:
-        """A sampler adapter from a PEFT dir; the same dir loaded twice shares one slot."""
-        source = str(Path(peft_dir).resolve())
-
-        def install() -> str:
-            existing = self.registry.find_source(source)
-            if existing is not None:
-                return existing.id
-            weights = load_peft(source, self.model.config.num_layers)
-            return self.registry.install(weights, trainable=False, source=source).id
-
-        return self._op(install)
-
-    @property
-    def loss_fns(self) -> frozenset[str]:
-        return frozenset(LOSSES)
-
-    @property
-    def arch(self) -> str:
-        return self.model.config.architecture
-
-    def validate_train(
-        self, adapter_id: str | None, datums: list[types.Datum], loss_fn: str,
-        loss_fn_config: dict[str, Any] | None, backward: bool = True,
-    ) -> None:
-        """Raise EngineError naming the field if this forward(_backward) cannot run; no side effects."""
-        self.trainer.validate(TrainRequest(adapter_id, list(datums), loss_fn, loss_fn_config, backward))
-
-    def _train(self, adapter_id: str | None, datums, loss_fn, loss_fn_config, backward: bool) -> Future:
-        req = TrainRequest(adapter_id, list(datums), loss_fn, loss_fn_config, backward)
-        self.trainer.validate(req)  # bad input fails the caller now, before it can join a fused pass
-        tokens = sum(d.model_input.length for d in req.datums)
-        return self._submit(_Work(Future(), (adapter_id,) if adapter_id else (), train=req, tokens=tokens))
-
-    def forward(self, adapter_id, datums, loss_fn, loss_fn_config=None) -> Future[types.ForwardBackwardOutput]:
-        return self._train(adapter_id, datums, loss_fn, loss_fn_config, backward=False)
-
-    def forward_backward(self, adapter_id, datums, loss_fn, loss_fn_config=None) -> Future[types.ForwardBackwardOutput]:
-        return self._train(adapter_id, datums, loss_fn, loss_fn_config, backward=True)
-
-    def forward_backward_reverse_kl(self, adapter_id, reference_adapter_id, datums, temperature=1.0) -> Future:
-        return self._op(
-            lambda: self.trainer.reverse_kl(adapter_id, reference_adapter_id, list(datums), temperature),
-            adapter_id, reference_adapter_id,
-        )
-
-    def optim_step(self, adapter_id: str, params: types.AdamParams) -> Future[types.OptimStepResponse]:
-        return self._op(lambda: self.trainer.optim_step(adapter_id, params), adapter_id)
-
-    def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
-        return self._op(lambda: self.trainer.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
-
-    def load_state(self, adapter_id: str, src: Path, include_optimizer: bool) -> Future[None]:
-        return self._op(lambda: self.trainer.load_state(adapter_id, Path(src), include_optimizer), adapter_id)
-
-    def export_peft(self, adapter_id: str, dest: Path) -> Future[None]:
-        return self._op(lambda: self.trainer.export_peft(adapter_id, Path(dest)), adapter_id)
-
-    def interpolate(self, adapter_ids: list[str], coefficients: list[float]) -> Future[str]:
-        return self._op(lambda: self.trainer.interpolate(list(adapter_ids), list(coefficients)), *adapter_ids)
-
-    def sample(
-        self,
-        adapter_id: str | None,
-        prompt_tokens: list[int],
-        num_samples: int,
-        params: types.SamplingParams,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-    ) -> Future[types.SampleResponse]:
-        # The sampler validates and queues thread-safely; pinning the adapter happens inside submit,
-        # so it must not race the worker's registry edits: route it through the worker.
-        outer: Future[types.SampleResponse] = Future()
-
-        def submit() -> None:
-            inner = self.sampler.submit(adapter_id, list(prompt_tokens), num_samples, params,
-                                        prompt_logprobs, topk_prompt_logprobs)
-            _chain(inner, outer)
-
-        def submitted(f: Future) -> None:
-            if outer.done():
-                return
-            if f.cancelled():  # shut down before the submit ran
-                outer.set_exception(EngineError("engine shut down before the request started"))
-            elif f.exception() is not None:
-                outer.set_exception(f.exception())
-
-        self._op(submit, adapter_id).add_done_callback(submitted)
-        return outer
+        self._done(w)
+        w.future.set_result(result)
 
     def shutdown(self, drain: bool = True) -> None:
         with self._cv:
             self._accepting = False
+            self._paused = False
             if not drain:
                 while self._queue:
-                    self._queue.popleft().future.cancel()
+                    w = self._queue.popleft()
+                    if not w.future.done():
+                        w.future.set_exception(EngineError("engine shut down before the request started"))
                 self._abort = True
             self._running = False
             self._cv.notify_all()
         self._worker.join()
-
-
-def _chain(inner: Future, outer: Future) -> None:
-    def done(f: Future) -> None:
-        if outer.done():
-            return
-        if f.exception() is not None:
-            outer.set_exception(f.exception())
-        else:
-            outer.set_result(f.result())
-
-    inner.add_done_callback(done)
+        self.registry.close()

@@ -401,7 +401,19 @@ def pad_inputs(
 
 # --- reverse KL inputs ----------------------------------------------------------------------------
 
-REFERENCE_TOKENS = "reference_tokens"  # the reference's tokens, when a reverse-KL row comes as a Datum
+@dataclass(frozen=True)
+class ReverseKLDatum:
+    """One row of MinT's forward_backward_reverse_kl (mindlab-toolkit's `ReverseKLDatum`).
+
+    The student sees `student_input`, the reference `reference_input` (it may carry a different,
+    e.g. privileged, prefix); the two are right-aligned, so their last tokens coincide.
+    target_tokens/weights are per student position, like a Datum's loss_fn_inputs.
+    """
+
+    student_input: Any  # types.ModelInput | list[int]
+    reference_input: Any
+    target_tokens: Any  # TensorData | list[int]
+    weights: Any  # TensorData | list[float]
 
 
 @dataclass
@@ -413,21 +425,10 @@ class KLRow:
 
 
 def parse_kl_datum(d: Any, i: int, vocab: int, max_len: int) -> KLRow:
-    """Check one reverse-KL datum (mindlab's ReverseKLDatum, or a Datum as the service sends it)."""
+    """Check one reverse-KL datum (a ReverseKLDatum, or a mapping with its fields)."""
     where = f"datums[{i}]"
-    if isinstance(d, types.Datum):
-        # The service's encoding: reference tokens as an int64 loss input; absent, the
-        # reference sees the student's input.
-        s_in, inputs = d.model_input, d.loss_fn_inputs
-        unknown = set(inputs) - {"target_tokens", "weights", REFERENCE_TOKENS}
-        if unknown:
-            raise EngineError(f"{where}.loss_fn_inputs: unexpected keys {sorted(unknown)}")
-        ref = inputs.get(REFERENCE_TOKENS)
-        r_in = s_in if ref is None else [int(t) for t in tensor_array(ref, f"{where}.{REFERENCE_TOKENS}").ravel()]
-        tt, w = inputs.get("target_tokens"), inputs.get("weights")
-    else:
-        get = d.get if isinstance(d, Mapping) else lambda k: getattr(d, k, None)
-        s_in, r_in, tt, w = get("student_input"), get("reference_input"), get("target_tokens"), get("weights")
+    get = d.get if isinstance(d, Mapping) else lambda k: getattr(d, k, None)
+    s_in, r_in, tt, w = get("student_input"), get("reference_input"), get("target_tokens"), get("weights")
     for name, value in (("student_input", s_in), ("reference_input", r_in), ("target_tokens", tt),
                         ("weights", w)):
         if value is None:

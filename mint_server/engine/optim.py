@@ -17,8 +17,8 @@ import torch
 from tinker import types
 from torch import Tensor
 
-from mint_server.engine.adapters import AdamState
 from mint_server.engine.interface import EngineError
+from mint_server.engine.residency import AdamState
 
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A, B)
 
@@ -29,7 +29,7 @@ def check_adam_params(p: types.AdamParams) -> None:
         ("learning_rate", p.learning_rate >= 0),
         ("beta1", 0 <= p.beta1 < 1),
         ("beta2", 0 <= p.beta2 < 1),
-        ("eps", p.eps >= 0),
+        ("eps", p.eps > 0),  # 0 would divide 0 by 0 where a gradient was never seen
         ("weight_decay", p.weight_decay >= 0),
         ("grad_clip_norm", p.grad_clip_norm >= 0),
     )

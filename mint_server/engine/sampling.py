@@ -1,70 +1,55 @@
 """Continuous-batching sampler: many requests, many LoRA adapters, one forward per decode step.
 
-HTTP threads call `submit` / `compute_logprobs` (validated at once, then queued); the engine's worker
-thread calls `step` whenever `has_work()`. Each step
+The engine worker hands it parsed `SampleJob`s (`submit`, see `jobs.Preparer`) and calls `step`
+whenever `has_work()`. Each step
   1. decodes one token for every running sequence in a single forward — each row on its own adapter
      (or the base) through `bank.batch(row_slots)` — and finishes the rows that stopped;
-  2. admits queued work while the KV budget and the batch-row cap allow (first come, first served;
-     what does not fit waits in the queue, a request's samples may be admitted in several waves);
+  2. admits queued work whose adapter is in a device slot, while the KV budget, the batch-row cap
+     and the step's token budget allow. Admission is fair across keys (tenants): the key with the
+     fewest KV blocks in use goes first, first come first served within a key; the first request
+     that does not fit stops admission, so a large request is never starved by a stream of small
+     ones from a key that already holds more. Requests whose adapter is still loading wait without
+     holding anyone up (cold loads are the residency manager's scheduled work);
   3. prefills what it admitted in one forward: one prompt row per (adapter, prompt), however many
      samples and identical requests it serves, then forks the samples off it and draws each one's
      first token.
 Prefill and decode run as two forwards because padding every decode row to the longest prompt
 would cost far more than the second launch.
 
-KV memory is the paged `KVCache`: a fixed pool of blocks sized `kv_slots × max_seq_len` positions
-(as much as `kv_slots` full-length sequences), so short sequences leave room for more of them.
+KV memory is the paged `KVCache`: a fixed pool of `kv_budget_tokens` positions, so short sequences
+leave room for more of them.
 Admission reserves each sample's blocks for prompt + max_tokens up front, so a running sequence
 never waits for memory and nothing is ever preempted. Forked samples share the prompt's full blocks
 and copy only its last, partly filled one.
 
 Each sample draws from its own generator seeded from (request seed, sample index), and the token
 math is row-wise, so the same request and seed give the same tokens whatever else is in the batch.
-Reported logprobs are the raw model's (see `sampler_ops`). A request holds a pin on its adapter
-from submit until its last sample finishes, so it runs on the slot (revision) it was submitted on
-even if that adapter is released or superseded meanwhile.
+Reported logprobs are the raw model's (see `sampler_ops`). A request holds a reference on its
+adapter from submit until it finishes (the adapter is not dropped, even if released meanwhile) and
+a pin from admission (its slot is not evicted while rows read it).
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from tinker import types
 
-from mint_server.engine.adapters import Adapter, AdapterRegistry
-from mint_server.engine.interface import EngineError
+from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
-from mint_server.engine.sampler_ops import (
-    Decode,
-    PromptScores,
-    StopCondition,
-    choose_tokens,
-    sample_seed,
-    score_prompt,
-    uniforms,
-)
+from mint_server.engine.residency import Adapter, Residency
+from mint_server.engine.sampler_ops import PromptScores, choose_tokens, sample_seed, score_prompt, uniforms
 from mint_server.model.lora import LoraBatch
 from mint_server.model.transformer import CacheView, KVCache, Transformer
-
-# Temperatures this small are greedy: dividing logits by them overflows to inf, and the draw would
-# be the argmax anyway.
-GREEDY_BELOW = 1e-5
-
-
-class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class SampleFuture(Future):
@@ -91,29 +76,13 @@ class SamplerStats:
     peak_rows: int = 0
 
 
-@dataclass(frozen=True)
-class _Params:
-    max_tokens: int
-    temperature: float
-    top_k: int  # 0 = no limit
-    top_p: float
-    seed: int
-    stop: StopCondition
-
-
 @dataclass(eq=False)
 class _Request:
     future: Future
     adapter: Adapter | None
-    prompt: tuple[int, ...]
-    params: _Params
-    num_samples: int
-    sequence_ids: list[str]
-    want_prompt_logprobs: bool
-    topk_prompt_logprobs: int
-    record: bool
-    score_only: bool = False  # compute_logprobs: prefill, score, no sampling
+    job: SampleJob
     started: bool = False
+    pinned: bool = False
     closed: bool = False
     admitted: int = 0
     finished: int = 0
@@ -123,11 +92,36 @@ class _Request:
 
     @property
     def slot(self) -> int:
-        return -1 if self.adapter is None else self.adapter.slot
+        return -1 if self.adapter is None or self.adapter.slot is None else self.adapter.slot
+
+    @property
+    def ready(self) -> bool:
+        return self.adapter is None or self.adapter.slot is not None
+
+    # the job's fields, read often
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.job.prompt
+
+    @property
+    def params(self) -> Any:
+        return self.job.params
+
+    @property
+    def num_samples(self) -> int:
+        return self.job.num_samples
+
+    @property
+    def score_only(self) -> bool:
+        return self.job.score_only
+
+    @property
+    def topk_prompt_logprobs(self) -> int:
+        return self.job.topk_prompt_logprobs
 
     @property
     def wants_scores(self) -> bool:
-        return self.score_only or self.want_prompt_logprobs or self.topk_prompt_logprobs > 0
+        return self.job.score_only or self.job.prompt_logprobs or self.job.topk_prompt_logprobs > 0
 
 
 @dataclass(eq=False)
@@ -169,101 +163,72 @@ class Sampler:
     def __init__(
         self,
         model: Transformer,
-        registry: AdapterRegistry,
-        kv_slots: int,
+        registry: Residency,
+        kv_budget_tokens: int,
         max_seq_len: int,
         records: SamplingRecords | None = None,
-        tokenizer: Tokenizer | None = None,
-        decode: Decode | None = None,
-        eos_token_ids: Sequence[int] | None = None,
         block_size: int = 16,
         max_batch_rows: int = 256,
-        max_prefill_tokens: int = 16384,
-        max_num_samples: int = 1024,
+        max_step_tokens: int = 16384,
         dedupe_prompts: bool = True,
     ) -> None:
-        """kv_slots × max_seq_len positions is the KV budget; max_seq_len bounds prompt + max_tokens.
+        """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
 
-        decode (or tokenizer.decode) turns token ids into text for stop strings; eos_token_ids (default:
-        the model config's) stop a sequence when SamplingParams.stop is None. max_batch_rows caps the
-        running sequences; max_prefill_tokens caps one prefill's padded tokens (rows × longest prompt),
-        so admitting a burst never stalls the running batch for long (a longer prompt still runs,
-        alone). dedupe_prompts shares one prefill among identical (adapter, prompt) requests admitted
-        together (off only to measure what that saves).
+        max_batch_rows caps the running sequences; max_step_tokens caps one prefill's padded tokens
+        (rows × longest prompt), so admitting a burst never stalls the running batch for long (a
+        longer prompt still runs, alone). dedupe_prompts shares one prefill among identical
+        (adapter, prompt) requests admitted together (off only to measure what that saves).
         """
-        if kv_slots < 1 or max_seq_len < 2:
-            raise ValueError("kv_slots must be ≥ 1 and max_seq_len ≥ 2")
+        if kv_budget_tokens < max_seq_len or max_seq_len < 2:
+            raise ValueError("kv_budget_tokens must hold one sequence of max_seq_len ≥ 2")
         self.model, self.registry, self.records = model, registry, records
         cfg = model.config
         self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
-        self.max_prefill_tokens, self.max_num_samples = max_prefill_tokens, max_num_samples
+        self.max_prefill_tokens = max_step_tokens
         self.dedupe_prompts = dedupe_prompts
-        self.decode = decode if decode is not None else (tokenizer.decode if tokenizer is not None else None)
-        eos = cfg.eos_token_ids if eos_token_ids is None else eos_token_ids
-        self.eos = StopCondition(token_ids=frozenset(int(t) for t in eos))
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.cache = KVCache(cfg, blocks_for(kv_slots * max_seq_len, block_size) + 1, block_size,
+        self.cache = KVCache(cfg, blocks_for(kv_budget_tokens, block_size) + 1, block_size,
                              self.device, weight.dtype)
         self.pool = BlockPool(self.cache.num_blocks)
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
-        self._lock = threading.Lock()  # guards _queue: submit runs on other threads
+        self._lock = threading.Lock()  # guards _queue: has_work/queued are read from other threads
         self._rows: list[_Row] = []
         self._prefilling: list[_Group] = []
+        self._rows_by_key: dict[str, int] = {}  # running sequences per key (fair admission)
 
-    # --- submission (any thread) ----------------------------------------------------------------
-    def submit(
-        self,
-        adapter_id: str | None,
-        prompt_tokens: Sequence[int],
-        num_samples: int,
-        params: types.SamplingParams,
-        prompt_logprobs: bool = False,
-        topk_prompt_logprobs: int = 0,
-        *,
-        record_stability_info: bool = False,
-        sequence_ids: Sequence[str] | None = None,
-    ) -> SampleFuture:
-        """Validate (EngineError naming the field), pin the adapter, queue; the future's
-        `sequence_ids` are the sequences' ids (given, or generated), in sample order."""
-        prompt = self._check_prompt(prompt_tokens, room=1)
-        if not isinstance(num_samples, int) or not 1 <= num_samples <= self.max_num_samples:
-            raise EngineError(f"num_samples must be an integer in 1..{self.max_num_samples}, got {num_samples!r}")
-        sampling = self._check_params(params, len(prompt))
-        if not isinstance(topk_prompt_logprobs, int) or not 0 <= topk_prompt_logprobs <= self.vocab_size:
-            raise EngineError(f"topk_prompt_logprobs must be in 0..{self.vocab_size}, got {topk_prompt_logprobs!r}")
-        if sequence_ids is None:
-            run = uuid.uuid4().hex[:16]
-            ids = [f"seq-{run}-{i}" for i in range(num_samples)]
-        else:
-            ids = [str(s) for s in sequence_ids]
-            if len(ids) != num_samples or len(set(ids)) != num_samples or not all(ids):
-                raise EngineError("sequence_ids must be num_samples distinct non-empty ids")
-        future = SampleFuture(ids)
-        self._enqueue(_Request(
-            future=future, adapter=self._pin(adapter_id), prompt=prompt, params=sampling,
-            num_samples=num_samples, sequence_ids=ids, want_prompt_logprobs=bool(prompt_logprobs),
-            topk_prompt_logprobs=topk_prompt_logprobs, record=record_stability_info,
-            results=[None] * num_samples,
-        ))
-        return future
-
-    def compute_logprobs(self, adapter_id: str | None, tokens: Sequence[int]) -> Future[list[float | None]]:
-        """SamplingClient.compute_logprobs: logprob of every token given the ones before (None first)."""
-        prompt = self._check_prompt(tokens, room=0)
-        future: Future[list[float | None]] = Future()
-        self._enqueue(_Request(
-            future=future, adapter=self._pin(adapter_id), prompt=prompt,
-            params=_Params(max_tokens=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=StopCondition()),
-            num_samples=1, sequence_ids=[], want_prompt_logprobs=True, topk_prompt_logprobs=0, record=False,
-            score_only=True,
-        ))
+    # --- submission (the engine worker) ---------------------------------------------------------
+    def submit(self, job: SampleJob, adapter: Adapter | None, future: Future | None = None) -> SampleFuture | Future:
+        """Queue a parsed job on `adapter` (None: the base), whose reference the caller took and
+        the request now owns. The future's result is a SampleResponse (or, for a score-only job,
+        the prompt's logprobs); a SampleFuture knows its sequence ids from the start."""
+        if future is None:
+            future = SampleFuture(list(job.sequence_ids))
+        self._enqueue(_Request(future=future, adapter=adapter, job=job,
+                               results=[None] * (0 if job.score_only else job.num_samples)))
         return future
 
     def has_work(self) -> bool:
         return bool(self._rows) or bool(self._queue)
+
+    def has_ready_work(self) -> bool:
+        """Running rows, or queued requests whose adapter is on the device."""
+        return bool(self._rows) or any(r.ready for r in list(self._queue))
+
+    def waiting_adapters(self) -> list[Adapter]:
+        """Adapters that queued requests wait for, in admission order (the residency manager's wants)."""
+        with self._lock:
+            return [r.adapter for r in self._queue if r.adapter is not None]
+
+    def fail_waiting(self, adapter: Adapter, exc: BaseException) -> None:
+        """Its adapter could not be loaded: fail the queued requests that wait for it."""
+        with self._lock:
+            failed = [r for r in self._queue if r.adapter is adapter and r.admitted == 0]
+            self._queue = deque(r for r in self._queue if r not in failed)
+        for r in failed:
+            self._fail(r, exc)
 
     @property
     def kv_blocks_in_use(self) -> int:
@@ -272,69 +237,6 @@ class Sampler:
     def _enqueue(self, request: _Request) -> None:
         with self._lock:
             self._queue.append(request)
-
-    def _pin(self, adapter_id: str | None) -> Adapter | None:
-        return None if adapter_id is None else self.registry.pin(adapter_id)
-
-    # --- validation -----------------------------------------------------------------------------
-    def _check_prompt(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
-        try:
-            prompt = tuple(int(t) for t in tokens)
-        except (TypeError, ValueError):
-            raise EngineError("prompt must be a list of integer token ids") from None
-        if not prompt:
-            raise EngineError("prompt must hold at least one token")
-        for i, t in enumerate(prompt):
-            if not 0 <= t < self.vocab_size:
-                raise EngineError(f"prompt: token id {t} at position {i} is outside the vocabulary [0, {self.vocab_size})")
-        if len(prompt) + room > self.max_seq_len:
-            raise EngineError(
-                f"prompt: {len(prompt)} tokens leave no room in the context length {self.max_seq_len}"
-                if room else f"prompt: {len(prompt)} tokens exceed the context length {self.max_seq_len}"
-            )
-        return prompt
-
-    def _check_params(self, p: types.SamplingParams, prompt_len: int) -> _Params:
-        room = self.max_seq_len - prompt_len
-        max_tokens = room if p.max_tokens is None else p.max_tokens
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise EngineError(f"max_tokens must be a positive integer, got {p.max_tokens!r}")
-        if max_tokens > room:
-            raise EngineError(
-                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context length {self.max_seq_len}"
-            )
-        temperature = float(p.temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise EngineError(f"temperature must be ≥ 0 (0 = greedy), got {p.temperature!r}")
-        if temperature < GREEDY_BELOW:
-            temperature = 0.0
-        top_p = float(p.top_p)
-        if not 0 < top_p <= 1:
-            raise EngineError(f"top_p must be in (0, 1], got {p.top_p!r}")
-        if not isinstance(p.top_k, int) or p.top_k < -1:
-            raise EngineError(f"top_k must be -1 (no limit) or a positive integer, got {p.top_k!r}")
-        seed = p.seed if p.seed is not None else secrets.randbits(63)
-        if not isinstance(seed, int):
-            raise EngineError(f"seed must be an integer, got {p.seed!r}")
-        return _Params(max_tokens, temperature, max(p.top_k, 0), top_p, seed, self._check_stop(p.stop))
-
-    def _check_stop(self, stop: Any) -> StopCondition:
-        if stop is None:  # the SDK's default: stop at EOS; an explicit list replaces it ([] = never stop)
-            return self.eos
-        items = [stop] if isinstance(stop, str) else list(stop)
-        if all(isinstance(s, str) for s in items):
-            if not all(items):
-                raise EngineError("stop: stop strings must be non-empty")
-            if items and self.decode is None:
-                raise EngineError("stop: stop strings need a tokenizer, and this sampler has none")
-            return StopCondition(strings=tuple(items), decode=self.decode)
-        if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
-            bad = [t for t in items if not 0 <= t < self.vocab_size]
-            if bad:
-                raise EngineError(f"stop: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-            return StopCondition(token_ids=frozenset(items))
-        raise EngineError("stop must be a string, a list of strings or a list of token ids")
 
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:
@@ -360,7 +262,8 @@ class Sampler:
             self._fail(r, exc)
 
     def _admit(self) -> None:
-        """Take queued work, FIFO, while its KV blocks and batch rows fit; reserve its blocks now.
+        """Take queued work whose adapter is on the device while its KV blocks, batch rows and the
+        step's token budget fit; reserve its blocks now. Keys with fewer running sequences go first.
 
         The groups to prefill go to self._prefilling as they form, so a failure finds them.
         """
@@ -368,11 +271,10 @@ class Sampler:
         groups: dict[tuple, _Group] = {}
         free, rows, longest = self.pool.available, len(self._rows), 0
         with self._lock:
-            while self._queue:
-                req = self._queue[0]
+            for req in self._admission_order():
                 if not req.started:
                     if not req.future.set_running_or_notify_cancel():  # cancelled while queued
-                        self._queue.popleft()
+                        self._queue.remove(req)
                         self._close(req)
                         continue
                     req.started = True
@@ -402,15 +304,30 @@ class Sampler:
                     req.cache_hit = True
                 if req not in group.requests:
                     group.requests.append(req)
+                if req.adapter is not None and not req.pinned:
+                    self.registry.pin(req.adapter)
+                    req.pinned = True
                 for _ in range(take):
                     first = reuse and not group.has_sampler
                     group.members.append(_Member(req, req.admitted, self.pool.alloc(own - first)))
                     req.admitted += 1
                 free -= new_blocks + take * own - reuse
-                rows += 0 if req.score_only else take
+                if not req.score_only:
+                    rows += take
+                    self._rows_by_key[req.job.key] = self._rows_by_key.get(req.job.key, 0) + take
                 if req.admitted < req.num_samples:
-                    break  # head of line keeps its place: the rest of its samples come next
-                self._queue.popleft()
+                    break  # it keeps its place: the rest of its samples come next
+                self._queue.remove(req)
+
+    def _admission_order(self) -> list[_Request]:
+        """Queued requests whose adapter is in a slot: keys with the fewest running sequences first,
+        arrival order within a key."""
+        by_key: dict[str, list[_Request]] = {}
+        for req in self._queue:
+            if req.ready or not req.started and req.future.cancelled():
+                by_key.setdefault(req.job.key, []).append(req)
+        keys = sorted(by_key, key=lambda k: self._rows_by_key.get(k, 0))  # stable: first arrival breaks ties
+        return [req for k in keys for req in by_key[k]]
 
     def _prefill(self, groups: list[_Group]) -> None:
         t0 = time.perf_counter()
@@ -534,13 +451,16 @@ class Sampler:
     def _finish(self, row: _Row, reason: types.StopReason) -> None:
         self.pool.release(row.blocks)
         req = row.request
+        self._rows_by_key[req.job.key] -= 1
+        if not self._rows_by_key[req.job.key]:
+            del self._rows_by_key[req.job.key]
         tokens = np.asarray(row.tokens, dtype=np.int32)
         logprobs = np.asarray(row.logprobs, dtype=np.float32)
-        sid = req.sequence_ids[row.index]
+        sid = req.job.sequence_ids[row.index]
         req.results[row.index] = types.SampledSequence(
             stop_reason=reason, sequence_id=sid, tokens_np=tokens, logprobs_np=logprobs
         )
-        if req.record and self.records is not None:
+        if req.job.record and self.records is not None:
             self.records.put(sid, SamplingRecord(
                 prompt_tokens=np.asarray(req.prompt, dtype=np.int32), tokens=tokens, logprobs=logprobs,
                 adapter_id=None if req.adapter is None else req.adapter.id,
@@ -557,7 +477,7 @@ class Sampler:
             s = req.scores
             result = types.SampleResponse(
                 sequences=list(req.results),  # type: ignore[arg-type]  # all filled by now
-                prompt_logprobs_np=s.logprobs if s is not None and req.want_prompt_logprobs else None,
+                prompt_logprobs_np=s.logprobs if s is not None and req.job.prompt_logprobs else None,
                 topk_prompt_logprobs_np=s.topk(req.topk_prompt_logprobs) if s is not None and req.topk_prompt_logprobs else None,
                 prompt_cache_hit_tokens=len(req.prompt) if req.cache_hit else 0,
             )
@@ -565,11 +485,13 @@ class Sampler:
         req.future.set_result(result)
 
     def _close(self, req: _Request) -> None:
-        """Drop the request's adapter pin (once)."""
+        """Drop the request's adapter pin and reference (once)."""
         if not req.closed:
             req.closed = True
             if req.adapter is not None:
-                self.registry.unpin(req.adapter)
+                if req.pinned:
+                    self.registry.unpin(req.adapter)
+                self.registry.unref(req.adapter)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         self._close(req)
@@ -584,5 +506,5 @@ class Sampler:
         for req in failed:
             self._fail(req, exc)
         # Everything holding blocks was in flight, so the whole pool is free again.
-        self._rows, self._prefilling = [], []
+        self._rows, self._prefilling, self._rows_by_key = [], [], {}
         self.pool = BlockPool(self.cache.num_blocks)

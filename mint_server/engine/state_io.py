@@ -5,6 +5,7 @@ Layout of a state dir (written atomically, so readers see all of it or nothing):
     state.json               format, version, base_model, rank, alpha, targets, step, has_optimizer
     weights.safetensors      "<target>.A" [layers, r, in], "<target>.B" [layers, out, r]; float32
     optimizer.safetensors    "<target>.m_A|v_A|m_B|v_B", float32 (only when saved with the optimizer)
+    grads.safetensors        "<target>.A|B" pending gradients (page dirs only, see `save_paged`)
 
 Weights are the float32 master values: exactly the bank's on an fp32 bank, the fp32 masters of a
 bf16 bank. Gradients accumulated since the last optim_step are not saved (Tinker neither).
@@ -22,8 +23,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from mint_server.engine.adapters import AdamState
 from mint_server.engine.interface import EngineError
+from mint_server.engine.residency import AdamState
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.lora import LoraBank
 from mint_server.model.peft_io import LoraWeights
@@ -39,7 +40,31 @@ class TrainState:
     base_model: str
 
 
-def save_state(dest: str | Path, state: TrainState) -> None:
+@dataclass
+class PagedState:
+    """A whole adapter paged out of memory by the residency manager: nothing is left behind."""
+
+    weights: LoraWeights
+    optim: AdamState
+    grads: dict[str, tuple[Tensor, Tensor]]
+
+
+def save_paged(dest: str | Path, state: PagedState) -> None:
+    save_state(dest, TrainState(state.weights, state.optim, "paged"), grads=state.grads)
+
+
+def load_paged(src: str | Path) -> PagedState:
+    st = load_state(src, include_optimizer=True)
+    try:
+        flat = load_file(str(Path(src) / "grads.safetensors"))
+    except (OSError, SafetensorError) as e:
+        raise EngineError(f"page dir {str(src)!r} has missing or corrupt gradients ({e})") from None
+    grads = {t: (flat[f"{t}.A"], flat[f"{t}.B"]) for t in {k.rsplit(".", 1)[0] for k in flat}}
+    assert st.optim is not None
+    return PagedState(st.weights, st.optim, grads)
+
+
+def save_state(dest: str | Path, state: TrainState, grads: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
     w = state.weights
     tensors = {f"{t}.{x}": v.detach().to("cpu", torch.float32).contiguous()
                for t, (a, b) in w.weights.items() for x, v in (("A", a), ("B", b))}
@@ -62,6 +87,10 @@ def save_state(dest: str | Path, state: TrainState) -> None:
         save_file(tensors, str(tmp / "weights.safetensors"))
         if state.optim is not None:
             save_file(moments, str(tmp / "optimizer.safetensors"))
+        if grads is not None:
+            save_file({f"{t}.{x}": v.detach().to("cpu", torch.float32).contiguous()
+                       for t, (a, b) in grads.items() for x, v in (("A", a), ("B", b))},
+                      str(tmp / "grads.safetensors"))
         (tmp / "state.json").write_text(json.dumps(meta, indent=2))  # last: marks a complete dir
 
     atomic_write_dir(dest, fill)

@@ -28,21 +28,11 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine import state_io
-from mint_server.engine.adapters import AdamState, Adapter, AdapterRegistry
 from mint_server.engine.interface import EngineError
-from mint_server.engine.losses import (
-    KLRow,
-    LossSpec,
-    ParsedDatum,
-    SamplingRecordsLike,
-    TargetLogprobs,
-    loss_spec,
-    pad_inputs,
-    parse_datum,
-    parse_kl_datum,
-    resolve_config,
-)
-from mint_server.engine.optim import Pairs, adamw_step, check_adam_params
+from mint_server.engine.jobs import OptimJob, ReverseKLJob, TrainJob
+from mint_server.engine.losses import KLRow, TargetLogprobs, pad_inputs
+from mint_server.engine.optim import Pairs, adamw_step
+from mint_server.engine.residency import AdamState, Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.model.config import ModelError
 from mint_server.model.lora import LoraBatch
@@ -55,40 +45,13 @@ OUTPUT_TYPE = "ArrayRecord"
 
 
 @dataclass
-class TrainRequest:
-    """One client call: forward (backward=False) or forward_backward."""
-
-    adapter_id: str | None  # None = bare base (forward only)
-    datums: list[types.Datum]
-    loss_fn: str
-    loss_fn_config: dict[str, float] | None = None
-    backward: bool = True
-
-
-@dataclass(frozen=True)
-class ReverseKLDatum:
-    """One row of MinT's forward_backward_reverse_kl (mindlab-toolkit's `ReverseKLDatum`).
-
-    The student sees `student_input`, the reference `reference_input` (it may carry a different,
-    e.g. privileged, prefix); the two are right-aligned, so their last tokens coincide.
-    target_tokens/weights are per student position, like a Datum's loss_fn_inputs. A tinker
-    Datum works too: model_input is the student's, and loss_fn_inputs["reference_tokens"] (int64)
-    the reference's (default: the student's input).
-    """
-
-    student_input: types.ModelInput
-    reference_input: types.ModelInput
-    target_tokens: Any  # TensorData | list[int]
-    weights: Any  # TensorData | list[float]
-
-
-@dataclass
 class _Prepared:
-    req: TrainRequest
-    spec: LossSpec
-    config: dict[str, float]
-    datums: list[ParsedDatum]
+    job: TrainJob
     adapter: Adapter | None
+
+    @property
+    def datums(self) -> tuple:
+        return self.job.datums
 
 
 @dataclass
@@ -99,7 +62,10 @@ class _Row:
 
 
 class Trainer:
-    """Training ops over the adapters of one AdapterRegistry; not thread-safe (one worker drives it).
+    """Training ops over device-resident adapters; not thread-safe (one worker drives it).
+
+    Jobs arrive parsed and checked (`jobs.Preparer`); the trainer only checks what may have changed
+    since (the adapter exists and is trainable).
 
     max_len: longest datum accepted (default: the model's max_position_embeddings).
     max_tokens_per_pass: padded tokens (rows × longest row) per forward/backward; a bigger fused
@@ -113,54 +79,32 @@ class Trainer:
     def __init__(
         self,
         model: Transformer,
-        registry: AdapterRegistry,
+        registry: Residency,
         base_model: str,
-        records: SamplingRecordsLike | None = None,
         *,
-        max_len: int | None = None,
         max_tokens_per_pass: int | None = 16384,
         checkpoint_from_len: int | None = 4096,
         logits_chunk: int = 2**28,
     ) -> None:
-        self.model, self.registry, self.base_model, self.records = model, registry, base_model, records
+        self.model, self.registry, self.base_model = model, registry, base_model
         self.max_tokens_per_pass = max_tokens_per_pass
         self.checkpoint_from_len = checkpoint_from_len
         self.logits_chunk = logits_chunk
-        cfg = model.config
-        self.vocab, self.max_len = cfg.vocab_size, max_len or cfg.max_position_embeddings
-        self.device = registry.device
+        self.device, self.vocab = registry.device, model.config.vocab_size
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
-        # adapter id → (adapter, float32 master weights), only when the bank is not float32
-        self._master: dict[str, tuple[Adapter, Pairs]] = {}
-
-    # --- adapters -------------------------------------------------------------------------------
-    def create_adapter(self, lora: types.LoraConfig) -> str:
-        """A trainable adapter; the same seed gives bit-identical initial weights."""
-        return self.registry.create(
-            lora.rank, lora.seed, train_attn=lora.train_attn, train_mlp=lora.train_mlp,
-            train_unembed=lora.train_unembed,
-        ).id
-
-    def forget(self, adapter_id: str) -> None:
-        """Drop trainer-side state (fp32 masters) of a released adapter; also done lazily."""
-        self._master.pop(adapter_id, None)
 
     # --- forward / forward_backward -------------------------------------------------------------
-    def validate(self, req: TrainRequest) -> None:
-        """Raise EngineError (naming the field) if `req` cannot run; touches no state."""
-        self._prepare(req)
-
-    def run(self, reqs: Sequence[TrainRequest]) -> list[Output | Exception]:
+    def run(self, jobs: Sequence[TrainJob]) -> list[Output | Exception]:
         """Run requests of any adapters fused: one pass for the backward ones, one for forward-only.
 
         Each request gets its own result or exception. A request that fails validation fails
         alone; adapter gradients are committed only after the whole pass succeeded.
         """
-        results: list[Output | Exception | None] = [None] * len(reqs)
+        results: list[Output | Exception | None] = [None] * len(jobs)
         groups: dict[bool, list[tuple[int, _Prepared]]] = {True: [], False: []}
-        for i, req in enumerate(reqs):
+        for i, job in enumerate(jobs):
             try:
-                groups[bool(req.backward)].append((i, self._prepare(req)))
+                groups[job.backward].append((i, _Prepared(job, self._adapter(job.adapter_id, job.backward))))
             except EngineError as e:
                 results[i] = e
         for backward, items in groups.items():
@@ -174,21 +118,15 @@ class Trainer:
                 results[i] = out
         return results  # type: ignore[return-value]
 
-    def _prepare(self, req: TrainRequest) -> _Prepared:
-        if not req.datums:
-            raise EngineError("datums: empty batch")
-        spec = loss_spec(req.loss_fn)
-        config = resolve_config(spec, req.loss_fn_config)
-        adapter = None
-        if req.adapter_id is None:
-            if req.backward:
+    def _adapter(self, adapter_id: str | None, backward: bool) -> Adapter | None:
+        if adapter_id is None:
+            if backward:
                 raise EngineError("adapter_id: forward_backward needs an adapter; the base model is never trained")
-        else:
-            adapter = self.registry.get(req.adapter_id)
-            if req.backward and not adapter.trainable:
-                raise EngineError(f"adapter_id: adapter {req.adapter_id!r} is sampler-only, not trainable")
-        datums = [parse_datum(d, i, spec, self.vocab, self.max_len, self.records) for i, d in enumerate(req.datums)]
-        return _Prepared(req, spec, config, datums, adapter)
+            return None
+        adapter = self.registry.on_device(adapter_id)
+        if backward and not adapter.trainable:
+            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+        return adapter
 
     def _pass(self, preps: list[_Prepared], backward: bool) -> list[Output | Exception]:
         rows = [_Row(r, d, len(dat.tokens)) for r, p in enumerate(preps) for d, dat in enumerate(p.datums)]
@@ -266,9 +204,9 @@ class Trainer:
                 idx = [i for i, r in enumerate(mb) if r.req == q]
                 k_req = max(datums[i].width for i in idx)
                 x, mask = pad_inputs([datums[i] for i in idx], T, self.device,
-                                     fill={"weights": 1.0, **p.config})
+                                     fill={"weights": 1.0, **p.job.config})
                 lp_q = lp if len(idx) == len(mb) else lp[torch.tensor(idx, device=self.device)]
-                el = p.spec.fn(lp_q[..., :k_req], x, mask, p.config)
+                el = p.job.spec.fn(lp_q[..., :k_req], x, mask, p.job.config)
                 total = el.sum() if total is None else total + el.sum()
                 els.append((idx, q, el.detach()))
             if backward and total is not None:
@@ -353,13 +291,7 @@ class Trainer:
         return failed
 
     # --- reverse KL (on-policy distillation) ----------------------------------------------------
-    def reverse_kl(
-        self,
-        adapter_id: str,
-        reference_adapter_id: str | None,
-        datums: Sequence[ReverseKLDatum | types.Datum | Mapping[str, Any]],
-        temperature: float = 1.0,
-    ) -> Output:
+    def reverse_kl(self, job: ReverseKLJob, reference_adapter_id: str | None) -> Output:
         """forward_backward of Σ_t w_t · KL(p_student,t ‖ p_reference,t), accumulated into the student.
 
         Per student position t: p = softmax(logits / temperature) over the whole vocabulary, for the
@@ -367,15 +299,10 @@ class Trainer:
         exact reverse KL Σ_v p_s(v)·(log p_s(v) − log p_r(v)); gradient only into the student.
         Returns loss_fn_outputs[i]["loss"] = w_t·KL_t per position and metrics["loss:sum"].
         """
-        student = self.registry.get(adapter_id)
-        if not student.trainable:
-            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
-        reference = self.registry.get(reference_adapter_id) if reference_adapter_id is not None else None
-        if isinstance(temperature, bool) or not (math.isfinite(temperature) and temperature > 0):
-            raise EngineError(f"temperature: must be a finite number > 0, got {temperature!r}")
-        if not datums:
-            raise EngineError("datums: empty batch")
-        rows = [parse_kl_datum(d, i, self.vocab, self.max_len) for i, d in enumerate(datums)]
+        student = self._adapter(job.adapter_id, backward=True)
+        assert student is not None
+        reference = self.registry.on_device(reference_adapter_id) if reference_adapter_id is not None else None
+        rows, temperature = job.rows, job.temperature
         plan = self._plan([_Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
         out: dict[int, np.ndarray] = {}
         pending: dict[str, Pairs] = {}
@@ -426,19 +353,30 @@ class Trainer:
         return el.detach().float().cpu().numpy(), _leaf_grads(leaves)
 
     # --- optimizer ------------------------------------------------------------------------------
-    def optim_step(self, adapter_id: str, params: types.AdamParams) -> types.OptimStepResponse:
+    def optim_step(self, job: OptimJob) -> types.OptimStepResponse:
         """AdamW on the gradients accumulated since the last step, then clear them.
 
-        No accumulated gradient → no update (and the step count does not advance).
+        No accumulated gradient → no update (and the step count does not advance). A step that
+        would make any weight non-finite is refused and leaves the adapter exactly as it was.
         """
-        check_adam_params(params)
-        a = self.registry.get(adapter_id)
-        if not a.trainable:
-            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+        params = job.params
+        a = self._adapter(job.adapter_id, backward=True)
+        assert a is not None
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
         weights = self._params(a)
+        before = ({t: (x.clone(), y.clone()) for t, (x, y) in weights.items()},
+                  {t: tuple(m.clone() for m in ms) for t, ms in a.optim.moments.items()}, a.optim.step)
         metrics = adamw_step(weights, a.grads, a.optim, params)
+        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
+            with torch.no_grad():
+                for t, (x, y) in before[0].items():
+                    weights[t][0].copy_(x)
+                    weights[t][1].copy_(y)
+            a.optim.moments = {t: ms for t, ms in before[1].items()}  # type: ignore[misc]
+            a.optim.step = before[2]
+            raise EngineError("optim_params: this step would make the adapter's weights non-finite (lower the "
+                              "learning rate); the adapter and its gradients are unchanged")
         if self.registry.dtype != torch.float32:  # publish the fp32 masters into the bank slot
             with torch.no_grad():
                 for t, (A, B) in self._bank_views(a).items():
@@ -455,34 +393,25 @@ class Trainer:
         """The float32 tensors AdamW updates: the bank slot itself when the bank is float32.
 
         On a lower-precision bank, rounding every step to bf16 would lose small updates, so the
-        trainer keeps float32 masters. They are re-read from the bank whenever the slot no longer
-        equals their rounding (someone wrote new weights: load_state, set_weights).
+        adapter keeps float32 masters (`Adapter.master`, which the residency manager pages with it).
+        They are re-read from the bank whenever the slot no longer equals their rounding.
         """
         views = self._bank_views(a)
         if self.registry.dtype == torch.float32:
             return views
-        for aid in [k for k, (ad, _) in self._master.items() if ad.released]:
-            del self._master[aid]
-        entry = self._master.get(a.id)
-        if entry is not None and entry[0] is a and all(
-            torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(entry[1][t], pair, strict=True)
+        if a.master is not None and all(
+            torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(a.master[t], pair, strict=True)
         ):
-            return entry[1]
-        master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
-        self._master[a.id] = (a, master)
-        return master
-
-    def _weights_fp32(self, a: Adapter) -> LoraWeights:
-        params = self._params(a) if a.trainable else self._bank_views(a)
-        return LoraWeights({t: (A.detach().float().clone(), B.detach().float().clone()) for t, (A, B) in params.items()},
-                           a.rank, a.alpha)
+            return a.master
+        a.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
+        return a.master
 
     # --- state and weights on disk --------------------------------------------------------------
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:
         """Weights (+ AdamW moments and step) into a state dir, atomically."""
-        a = self.registry.get(adapter_id)
+        a = self.registry.on_device(adapter_id)
         optim = a.optim if include_optimizer else None
-        state_io.save_state(dest, state_io.TrainState(self._weights_fp32(a), optim, self.base_model))
+        state_io.save_state(dest, state_io.TrainState(self.registry.weights(adapter_id), optim, self.base_model))
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True) -> str:
         """Load a state dir into `adapter_id` (same rank and targets), or into a new trainable adapter
@@ -497,23 +426,19 @@ class Trainer:
         if adapter_id is None:
             a = self.registry.install(st.weights, trainable=True)
         else:
-            a = self.registry.get(adapter_id)
+            a = self.registry.on_device(adapter_id)
             if not a.trainable:
                 raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
             self.registry.set_weights(adapter_id, st.weights)
-            a.alpha = st.weights.alpha  # set_weights writes the bank's scale; keep the adapter's in step
         a.grads.clear()
-        dev = self.device
+        dev = self.device if a.slot is not None else torch.device("cpu")
         a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)  # type: ignore[misc]
                                             for t, ms in st.optim.moments.items()}) if st.optim else AdamState()
-        self._master.pop(a.id, None)
-        if self.registry.dtype != torch.float32:  # resume from the exact fp32 masters, not their rounding
-            self._master[a.id] = (a, {t: (A.to(dev).clone(), B.to(dev).clone()) for t, (A, B) in st.weights.weights.items()})
         return a.id
 
     def export_peft(self, adapter_id: str, dest: Path) -> None:
         """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
-        save_peft(self._weights_fp32(self.registry.get(adapter_id)), dest, self.base_model)
+        save_peft(self.registry.weights(adapter_id), dest, self.base_model)
 
     def import_peft(self, src: Path) -> str:
         """A new trainable adapter from a PEFT LoRA dir; returns its id."""
@@ -540,13 +465,15 @@ class Trainer:
             if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c):
                 raise EngineError(f"coefficients: {c!r} is not a finite number")
         pairs = [(self.registry.get(i), float(c)) for i, c in zip(adapter_ids, coefficients, strict=True)]
+        if any(a.rank == 0 for a, _ in pairs):
+            raise RuntimeError("interpolate: a source adapter has not been read yet")
         pairs = [(a, c) for a, c in pairs if c != 0.0] or pairs[:1]  # all zero: a zero delta of rank r₁
         rank = sum(a.rank for a, _ in pairs)
         if rank > self.registry.bank.max_rank:
             raise EngineError(f"adapter_ids: the interpolated adapter would have rank {rank} (the sum of the "
                               f"sources' ranks), above the engine's max LoRA rank {self.registry.bank.max_rank}")
         scale = pairs[0][0].scale
-        sources = [(self._weights_fp32(a), a, c) for a, c in pairs]
+        sources = [(self.registry.weights(a.id), a, c) for a, c in pairs]
         shapes = self.registry.bank.shapes
         weights = {}
         for t in sorted({t for a, _ in pairs for t in a.targets}):
@@ -558,6 +485,8 @@ class Trainer:
                 As.append(A)
                 Bs.append(B * (c * a.scale / scale))
             weights[t] = (torch.cat(As, dim=1), torch.cat(Bs, dim=2))
+        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
+            raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
         return self.registry.install(LoraWeights(weights, rank, scale * rank), trainable=trainable).id
 
 

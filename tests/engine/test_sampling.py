@@ -8,12 +8,11 @@ import pytest
 import torch
 from tinker import types
 
-from mint_server.engine.adapters import AdapterRegistry
 from mint_server.engine.interface import EngineError
 from mint_server.engine.records import SamplingRecords
-from mint_server.engine.sampling import Sampler
 from mint_server.model.loader import load_model
 from mint_server.model.peft_io import load_peft, save_peft
+from tests.engine.helpers import SamplerHarness, make_residency
 from tests.model.test_parity import random_adapter
 
 
@@ -24,7 +23,7 @@ def model(sampling_llama_dir):
 
 @pytest.fixture
 def registry(model):
-    return AdapterRegistry(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
+    return make_residency(model.config, num_slots=6, max_rank=8)
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +33,9 @@ def tokenizer(sampling_llama_dir):
     return AutoTokenizer.from_pretrained(sampling_llama_dir)
 
 
-def make_sampler(model, registry, **kw) -> Sampler:
+def make_sampler(model, registry, **kw) -> SamplerHarness:
     kw = {"kv_slots": 8, "max_seq_len": 96, "block_size": 8, "records": SamplingRecords(), **kw}
-    return Sampler(model, registry, **kw)
+    return SamplerHarness(model, registry, **kw)
 
 
 def install(registry, rank: int, seed: int) -> str:
@@ -47,7 +46,7 @@ def params(**kw) -> types.SamplingParams:
     return types.SamplingParams(**{"stop": [], "max_tokens": 12, "temperature": 0.0, **kw})
 
 
-def drain(sampler: Sampler, max_steps: int = 10_000) -> None:
+def drain(sampler: SamplerHarness, max_steps: int = 10_000) -> None:
     for _ in range(max_steps):
         if not sampler.has_work():
             break
@@ -86,7 +85,7 @@ def test_greedy_matches_transformers_peft_in_one_mixed_batch(fixture, request, t
 
     model_dir = request.getfixturevalue(fixture)
     ours = load_model(model_dir, device="cpu")
-    reg = AdapterRegistry(ours.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    reg = make_residency(ours.config, num_slots=4, max_rank=8)
     names = []
     for i, (rank, seed) in enumerate([(4, 11), (8, 12)]):
         save_peft(random_adapter(ours.config, rank, seed), tmp_path / f"a{i}", base_model=str(model_dir))
@@ -304,7 +303,7 @@ def test_admitted_requests_finish_on_their_revision(model, registry):
     drain(sampler)
     assert f.result().sequences[0].tokens == reference
     assert g.result().sequences[0].tokens != reference
-    assert old_slot in registry._free  # freed once the last request on it finished
+    assert registry._slots[old_slot] is None  # freed once the last request on it finished
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -341,10 +340,10 @@ def test_bad_input_names_the_field_and_leaves_the_batch_alone(model, registry, f
     bad = dict(adapter=aid, prompt=prompt_of(82, 10), n=1, p=params(), topk=0) | kwargs
     with pytest.raises(EngineError, match=field):
         sampler.submit(bad["adapter"], bad["prompt"], bad["n"], bad["p"], topk_prompt_logprobs=bad["topk"])
-    assert registry.get(aid).refcount == 1  # a refused request holds no pin
+    assert registry.get(aid).refs == 1  # a refused request holds no pin
     drain(sampler)
     assert f.result().sequences[0].tokens == reference
-    assert registry.get(aid).refcount == 0
+    assert registry.get(aid).refs == 0
 
 
 def test_stop_strings_without_a_tokenizer_are_refused(model, registry):
@@ -356,9 +355,9 @@ def test_a_request_cancelled_while_queued_is_dropped(model, registry):
     aid = install(registry, 2, seed=90)
     sampler = make_sampler(model, registry)
     f: Future = sampler.submit(aid, [5, 6, 7], 1, params())
-    assert registry.get(aid).refcount == 1 and f.cancel()
+    assert registry.get(aid).refs == 1 and f.cancel()
     drain(sampler)
-    assert registry.get(aid).refcount == 0 and sampler.stats.prefill_forwards == 0
+    assert registry.get(aid).refs == 0 and sampler.stats.prefill_forwards == 0
 
 
 def test_submit_from_many_threads_while_the_worker_steps(model, registry):
@@ -386,7 +385,7 @@ def test_submit_from_many_threads_while_the_worker_steps(model, registry):
         t.join()
     drain(sampler)
     assert len(futures) == 32 and all(len(f.result().sequences[0].tokens) >= 6 for f in futures)
-    assert registry.get(aid).refcount == 0
+    assert registry.get(aid).refs == 0
 
 
 def test_prefill_budget_splits_a_burst_and_tiny_temperatures_are_greedy(model, registry):
@@ -405,15 +404,17 @@ def test_prefill_budget_splits_a_burst_and_tiny_temperatures_are_greedy(model, r
 
 
 def test_shutdown_without_drain_fails_running_samples(sampling_llama_dir):
-    from mint_server.engine.local import EngineSettings, LocalEngine
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.settings import EngineSettings
 
-    engine = LocalEngine(sampling_llama_dir, "tiny", settings=EngineSettings(adapter_slots=2, max_rank=8, kv_slots=4))
+    engine = LocalEngine(sampling_llama_dir, "tiny", settings=EngineSettings(device_slots=2, max_rank=8,
+                                                                             kv_budget_tokens=4096))
     params = types.SamplingParams(max_tokens=400, temperature=1.0, seed=1, stop=[])
-    running = engine.sample(None, [5, 6, 7], 2, params)
+    running = engine.submit(engine.prepare_sample(None, [5, 6, 7], 2, params))
     deadline = time.monotonic() + 30
     while engine.stats["sample_steps"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    queued = [engine.sample(None, [5, 6, 7], 1, params) for _ in range(3)]
+    queued = [engine.submit(engine.prepare_sample(None, [5, 6, 7], 1, params)) for _ in range(3)]
     engine.shutdown(drain=False)
     for fut in [running, *queued]:  # none is left pending forever
         with pytest.raises(EngineError, match="shut down"):

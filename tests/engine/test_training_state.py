@@ -8,11 +8,12 @@ from safetensors.torch import load_file
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from mint_server.engine.adapters import AdamState, AdapterRegistry
 from mint_server.engine.interface import EngineError
 from mint_server.engine.optim import adamw_step
-from mint_server.engine.training import Trainer, TrainRequest
+from mint_server.engine.residency import AdamState
 from mint_server.model.loader import load_model
+from tests.engine.helpers import AdapterRegistry, TrainRequest
+from tests.engine.helpers import TrainerHarness as Trainer
 from tests.engine.test_training import install_random, sft_datums
 
 ADAM = types.AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

@@ -72,7 +72,7 @@ class ServeProcess:
         self.log = log
         args = [
             MINT, "serve", "--base-model", str(model_dir), "--port", str(self.port), "--data-dir", str(data_dir),
-            "--adapter-slots", "4", "--max-rank", "8", "--kv-slots", "4", "--max-seq-len", "128",
+            "--device-slots", "4", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128",
             "--log-level", "warning",
         ]  # fmt: skip
         with open(log, "w") as out:

@@ -15,7 +15,8 @@ from tinker import types
 
 from mint_server.api.app import create_app
 from mint_server.api.settings import Settings
-from mint_server.engine.local import EngineSettings, LocalEngine
+from mint_server.engine.local import LocalEngine
+from mint_server.engine.settings import EngineSettings
 
 KEY_A = "tml-test-key-alpha-0001"
 KEY_B = "tml-test-key-bravo-0002"
@@ -24,7 +25,7 @@ KEY_SK = "sk-test-key-charlie-0003"
 BASE = "tiny/llama"  # the name clients use for the tiny checkpoint
 LR = 2e-2  # big enough that a few Adam steps visibly lower the tiny model's loss
 # Small, so that an engine starts in well under a second and holds little memory.
-ENGINE_SETTINGS = EngineSettings(adapter_slots=8, max_rank=16, kv_slots=16, max_seq_len=256)
+ENGINE_SETTINGS = EngineSettings(device_slots=8, max_rank=16, kv_budget_tokens=4096, max_context=256)
 
 
 def tiny_engine(model_dir: Path) -> LocalEngine:

@@ -77,7 +77,7 @@ def test_seq_order_try_again_and_dedupe(tiny_dir: Path, tmp_path: Path) -> None:
         logprobs = out["loss_fn_outputs"][0]["logprobs"]
         assert logprobs["shape"] == [2] and all(x <= 0 for x in logprobs["data"])
         # A new adapter starts as the identity (LoRA B = 0): its loss is the bare base model's.
-        base = server.engine.forward(None, [fb_datum()], "cross_entropy").result()
+        base = server.engine.submit(server.engine.prepare_train([fb_datum()], "cross_entropy", None, backward=False)).result()
         assert out["metrics"]["loss:sum"] == pytest.approx(base.metrics["loss:sum"], rel=1e-5)
         assert out["metrics"]["loss:sum"] == pytest.approx(-sum(logprobs["data"]), rel=1e-5)
         # Another key cannot read the result; a seq_id seen before answers with its first request.
@@ -139,7 +139,8 @@ def test_metrics_and_session_expiry(tiny_dir: Path, tmp_path: Path) -> None:
         model_id = api.model()
         assert len(engine.registry) == 1
         text = httpx.get(f"{server.url}/metrics").text
-        assert 'mint_resident_adapters{kind="training"} 1.0' in text
+        assert 'mint_adapters_resident{tier="device"} 1.0' in text
+        assert "mint_engine_step_seconds_count" in text and "mint_requests_waiting_for_adapter 0.0" in text
         assert "mint_operation_seconds_count" in text
         deadline = time.monotonic() + 5
         while len(engine.registry) and time.monotonic() < deadline:
@@ -172,7 +173,7 @@ def test_unload_and_extension_inputs(server: LiveServer) -> None:
     assert r.status_code == 400 and "reference_model_path" in r.json()["detail"]
     bad = {**rkl, "data": [{**rkl["data"][0], "weights": {"data": [1.0]}}]}
     r = api.post("mint/forward_backward_reverse_kl", bad)
-    assert r.status_code == 400 and "weights: length 1 does not match the model_input length 3" in r.json()["detail"]
+    assert r.status_code == 400 and "weights: shape [1] does not match the student_input length 3" in r.json()["detail"]
     r = api.post("mint/checkpoints/interpolate", {"source_paths": ["tinker://x"], "coefficients": [1.0]})
     assert r.status_code == 400 and "invalid checkpoint path" in r.json()["detail"]
     r = api.post("mint/checkpoints/interpolate", {"source_paths": [], "coefficients": []})

@@ -83,7 +83,7 @@ def test_checkpoints_sampling_and_rest(client_a: tinker.ServiceClient, server: L
 
     # The base model sampled through the service is the engine's base model, sampled directly.
     base = client_a.create_sampling_client(base_model=BASE).result()
-    own = server.engine.sample(None, [9, 8, 7], 1, greedy).result().sequences[0].tokens
+    own = server.engine.submit(server.engine.prepare_sample(None, [9, 8, 7], 1, greedy)).result().sequences[0].tokens
     assert base.sample(prompt, 1, greedy).result().sequences[0].tokens == list(own)
 
     rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)

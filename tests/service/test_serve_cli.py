@@ -29,7 +29,7 @@ def test_mint_serve_process(tiny_dir: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(tiny_dir),
          "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--adapter-slots", "4", "--max-rank", "8", "--kv-slots", "4", "--max-seq-len", "128"],
+         "--device-slots", "4", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -65,8 +65,8 @@ def test_no_auth_and_loopback_rule(tiny_dir: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["serve", "--no-auth", "--host", "0.0.0.0"])
     assert result.exit_code != 0 and "loopback" in result.output
     # (A missing model dir: were the flag not checked first, this would fail on --base-model instead.)
-    result = CliRunner().invoke(app, ["serve", "--no-auth", "--kv-slots", "0", "--base-model", str(tmp_path / "none")])
-    assert result.exit_code != 0 and "--kv-slots" in result.output
+    result = CliRunner().invoke(app, ["serve", "--no-auth", "--kv-budget-tokens", "0", "--base-model", str(tmp_path / "none")])
+    assert result.exit_code != 0 and "--kv-budget-tokens" in result.output
     with LiveServer(tiny_engine(tiny_dir), tmp_path / "d", no_auth=True) as server:
         assert httpx.get(f"{server.url}/api/v1/training_runs").status_code == 200
 
@@ -76,7 +76,7 @@ def test_unusable_db_url_is_a_one_line_error(tiny_dir: Path, tmp_path: Path) -> 
 
     from mint_server.cli import app
 
-    args = ["serve", "--base-model", str(tiny_dir), "--data-dir", str(tmp_path / "d"), "--kv-slots", "1",
+    args = ["serve", "--base-model", str(tiny_dir), "--data-dir", str(tmp_path / "d"), "--kv-budget-tokens", "16",
             "--max-seq-len", "16", "--api-key", KEY_A]  # fmt: skip
     for url, needle in [("sqlite://", "file-backed"), ("postgresql+psycopg://nobody@127.0.0.1:1/none", "127.0.0.1")]:
         result = CliRunner().invoke(app, [*args, "--db-url", url])

@@ -1,0 +1,265 @@
+"""The engine's typed jobs and the one place requests are parsed into them.
+
+Two phases: `Preparer.train / reverse_kl / sample / optim` are pure and thread-safe — they parse
+and check a request against the engine's limits and raise EngineError naming the field — and
+`Engine.submit(job)` queues the result. Nothing downstream (worker, trainer, sampler) parses or
+validates again; it only checks state that can change meanwhile (does the adapter still exist).
+
+A training job's adapter is usually named only when it runs (the client's model is created by an
+earlier op in its sequence), so jobs carry `adapter_id=None` until `job.on(adapter_id)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tinker import types
+
+from mint_server.engine.interface import EngineError
+from mint_server.engine.losses import (
+    KLRow,
+    LossSpec,
+    ParsedDatum,
+    SamplingRecordsLike,
+    loss_spec,
+    parse_datum,
+    parse_kl_datum,
+    resolve_config,
+)
+from mint_server.engine.optim import check_adam_params
+from mint_server.engine.residency import AdapterSource
+from mint_server.engine.sampler_ops import StopCondition
+from mint_server.engine.settings import EngineLimits
+
+# Temperatures this small are greedy: dividing logits by them overflows to inf, and the draw would
+# be the argmax anyway.
+GREEDY_BELOW = 1e-5
+INT64_MAX = 2**63 - 1
+
+AdapterRef = str | AdapterSource | None  # an adapter id, a source to open, or None for the bare base
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """forward (backward=False) or forward_backward over parsed datums."""
+
+    datums: tuple[ParsedDatum, ...]
+    spec: LossSpec
+    config: dict[str, float]
+    backward: bool
+    adapter_id: str | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(d.tokens) for d in self.datums)
+
+    def on(self, adapter_id: str | None) -> TrainJob:
+        return dataclasses.replace(self, adapter_id=adapter_id)
+
+
+@dataclass(frozen=True)
+class ReverseKLJob:
+    rows: tuple[KLRow, ...]
+    temperature: float
+    reference: AdapterRef = None  # None: the bare base
+    adapter_id: str | None = None
+
+    def on(self, adapter_id: str) -> ReverseKLJob:
+        return dataclasses.replace(self, adapter_id=adapter_id)
+
+
+@dataclass(frozen=True)
+class OptimJob:
+    params: types.AdamParams
+    adapter_id: str | None = None
+
+    def on(self, adapter_id: str) -> OptimJob:
+        return dataclasses.replace(self, adapter_id=adapter_id)
+
+
+@dataclass(frozen=True)
+class SampleParams:
+    max_tokens: int
+    temperature: float  # 0 = greedy
+    top_k: int  # 0 = no limit
+    top_p: float
+    seed: int
+    stop: StopCondition
+
+
+@dataclass(frozen=True)
+class SampleJob:
+    """Sampling (or, with score_only, SamplingClient.compute_logprobs) of one prompt."""
+
+    adapter: AdapterRef
+    prompt: tuple[int, ...]
+    num_samples: int
+    params: SampleParams
+    sequence_ids: tuple[str, ...]  # the ids clients see, one per sample
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+    record: bool = False  # keep sampling logprobs by sequence id (record_stability_info)
+    score_only: bool = False
+    key: str = ""  # whose work this is: admission is fair across keys
+
+    def on(self, adapter: AdapterRef) -> SampleJob:
+        return dataclasses.replace(self, adapter=adapter)
+
+
+Job = TrainJob | ReverseKLJob | OptimJob | SampleJob
+
+
+class Preparer:
+    """Parses requests into jobs against one engine's limits. Thread-safe (reads only)."""
+
+    def __init__(self, limits: EngineLimits, eos_token_ids: Sequence[int],
+                 decode: Callable[[list[int]], str] | None, records: SamplingRecordsLike | None) -> None:
+        self.limits = limits
+        self.eos = StopCondition(token_ids=frozenset(int(t) for t in eos_token_ids))
+        self.decode = decode
+        self.records = records
+
+    # --- training -------------------------------------------------------------------------------
+    def train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+              backward: bool = True, adapter_id: str | None = None) -> TrainJob:
+        if not datums:
+            raise EngineError("datums: empty batch")
+        spec = loss_spec(loss_fn)
+        config = resolve_config(spec, loss_fn_config)
+        lim = self.limits
+        parsed = tuple(parse_datum(d, i, spec, lim.vocab_size, lim.max_context, self.records)
+                       for i, d in enumerate(datums))
+        return TrainJob(parsed, spec, config, bool(backward), adapter_id)
+
+    def reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None,
+                   adapter_id: str | None = None) -> ReverseKLJob:
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not (
+                math.isfinite(temperature) and temperature > 0):
+            raise EngineError(f"temperature: must be a finite number > 0, got {temperature!r}")
+        if not datums:
+            raise EngineError("datums: empty batch")
+        lim = self.limits
+        rows = tuple(parse_kl_datum(d, i, lim.vocab_size, lim.max_context) for i, d in enumerate(datums))
+        return ReverseKLJob(rows, float(temperature), reference, adapter_id)
+
+    def optim(self, params: Any, adapter_id: str | None = None) -> OptimJob:
+        if not isinstance(params, types.AdamParams):
+            raise EngineError("optim_params: only AdamW (adam_params) is supported")
+        check_adam_params(params)
+        return OptimJob(params, adapter_id)
+
+    # --- sampling -------------------------------------------------------------------------------
+    def sample(
+        self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
+        prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
+    ) -> SampleJob:
+        prompt = self._prompt(prompt_tokens, room=1)
+        lim = self.limits
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not (
+                1 <= num_samples <= lim.max_num_samples):
+            raise EngineError(f"num_samples: must be an integer in 1..{lim.max_num_samples}, got {num_samples!r}")
+        if isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int) or not (
+                0 <= topk_prompt_logprobs <= lim.vocab_size):
+            raise EngineError(f"topk_prompt_logprobs: must be in 0..{lim.vocab_size}, got {topk_prompt_logprobs!r}")
+        run = uuid.uuid4().hex[:16]
+        return SampleJob(
+            adapter=adapter, prompt=prompt, num_samples=num_samples, params=self._params(params, len(prompt)),
+            sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
+            prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
+            record=bool(record), key=key,
+        )
+
+    def score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
+        """SamplingClient.compute_logprobs: logprob of every token given the ones before."""
+        prompt = self._prompt(tokens, room=0)
+        params = SampleParams(max_tokens=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=StopCondition())
+        return SampleJob(adapter=adapter, prompt=prompt, num_samples=1, params=params, sequence_ids=(),
+                         prompt_logprobs=True, score_only=True, key=key)
+
+    def _prompt(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+        lim = self.limits
+        try:
+            prompt = tuple(_int(t) for t in tokens)
+        except (TypeError, ValueError):
+            raise EngineError("prompt: must be a list of integer token ids") from None
+        if not prompt:
+            raise EngineError("prompt: must hold at least one token")
+        for i, t in enumerate(prompt):
+            if not 0 <= t < lim.vocab_size:
+                raise EngineError(f"prompt: token id {t} at position {i} is outside the vocabulary [0, {lim.vocab_size})")
+        if len(prompt) + room > lim.max_context:
+            raise EngineError(
+                f"prompt: {len(prompt)} tokens leave no room in the context length {lim.max_context}"
+                if room else f"prompt: {len(prompt)} tokens exceed the context length {lim.max_context}"
+            )
+        return prompt
+
+    def _params(self, p: types.SamplingParams, prompt_len: int) -> SampleParams:
+        lim = self.limits
+        room = lim.max_context - prompt_len
+        max_tokens = room if p.max_tokens is None else p.max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise EngineError(f"sampling_params.max_tokens: must be a positive integer, got {p.max_tokens!r}")
+        if max_tokens > room:
+            raise EngineError(
+                f"sampling_params.max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"the context length {lim.max_context}"
+            )
+        temperature = _finite(p.temperature, "sampling_params.temperature")
+        if temperature < 0:
+            raise EngineError(f"sampling_params.temperature: must be >= 0 (0 = greedy), got {p.temperature!r}")
+        if temperature < GREEDY_BELOW:
+            temperature = 0.0
+        top_p = _finite(p.top_p, "sampling_params.top_p")
+        if not 0 < top_p <= 1:
+            raise EngineError(f"sampling_params.top_p: must be in (0, 1], got {p.top_p!r}")
+        top_k = p.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1 or top_k > INT64_MAX:
+            raise EngineError(f"sampling_params.top_k: must be -1 or 0 (no limit) or a positive integer, got {top_k!r}")
+        top_k = 0 if top_k <= 0 or top_k >= lim.vocab_size else top_k
+        seed = p.seed if p.seed is not None else secrets.randbits(63)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= INT64_MAX:
+            raise EngineError(f"sampling_params.seed: must be an integer in 0..2^63-1, got {p.seed!r}")
+        return SampleParams(max_tokens, temperature, top_k, top_p, seed, self._stop(p.stop))
+
+    def _stop(self, stop: Any) -> StopCondition:
+        if stop is None:  # the SDK's default: stop at EOS; an explicit list replaces it ([] = never stop)
+            return self.eos
+        items = [stop] if isinstance(stop, str) else list(stop)
+        if all(isinstance(s, str) for s in items):
+            if not all(items):
+                raise EngineError("sampling_params.stop: stop strings must be non-empty")
+            if items and self.decode is None:
+                raise EngineError("sampling_params.stop: stop strings need a tokenizer, and this engine has none")
+            return StopCondition(strings=tuple(items), decode=self.decode)
+        if all(isinstance(s, int) and not isinstance(s, bool) for s in items):
+            bad = [t for t in items if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise EngineError(f"sampling_params.stop: token id {bad[0]} is outside the vocabulary "
+                                  f"[0, {self.limits.vocab_size})")
+            return StopCondition(token_ids=frozenset(items))
+        raise EngineError("sampling_params.stop: must be a string, a list of strings or a list of token ids")
+
+
+def _int(t: Any) -> int:
+    if isinstance(t, bool) or not isinstance(t, int):
+        if isinstance(t, float) and t.is_integer():
+            return int(t)
+        raise TypeError(t)
+    return t
+
+
+def _finite(value: Any, where: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise EngineError(f"{where}: must be a number, got {value!r}") from None
+    if not math.isfinite(x):
+        raise EngineError(f"{where}: must be finite, got {value!r}")
+    return x

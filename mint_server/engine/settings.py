@@ -1,0 +1,80 @@
+"""The engine's one home for sizes and limits.
+
+`EngineSettings` is what an operator chooses (the `mint serve` flags are generated from its fields
+and defaults); `EngineLimits` is what follows for clients once a model is loaded (the largest rank,
+context, sample count …). The CLI, the API's checks, the engine's own parsing and the advertised
+capabilities all read these two objects, so a rule is written once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    # Residency: device slots are the LoRA bank (what one step can read); the host cache holds
+    # decoded adapters (and training state) that are not in a slot; everything else is in the store.
+    device_slots: int = 16
+    host_cache_mb: float = 2048.0
+    max_rank: int = 32
+    # KV cache: a pool of this many token positions shared by all running sequences.
+    kv_budget_tokens: int = 65536
+    # Longest sequence, for training and sampling alike; None: the model's own context.
+    max_context: int | None = None
+    # Tokens one sampler step may prefill (admission budget; keeps a cold wave from stalling decode).
+    max_step_tokens: int = 16384
+    # Padded tokens in one fused training pass (more are split into micro-batches).
+    max_fused_tokens: int = 32768
+    max_num_samples: int = 128
+    max_batch_rows: int = 256  # running sequences at once
+    records_ttl_s: float = 3600.0
+    loader_threads: int = 2
+    # Bytes copied host → device slots between two steps (at least one adapter per step).
+    load_bytes_per_step: int = 256 * 1024 * 1024
+    # Where paged-out training state lives; None: a private temporary dir.
+    store_dir: Path | None = None
+
+    def check(self) -> None:
+        """ValueError naming the first field out of range."""
+        positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_step_tokens", "max_fused_tokens",
+                    "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
+            raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
+        if not (isinstance(self.records_ttl_s, int | float) and math.isfinite(self.records_ttl_s)
+                and self.records_ttl_s > 0):
+            raise ValueError(f"records_ttl_s must be > 0, got {self.records_ttl_s!r}")
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a client may ask of this engine; every check and the advertised capabilities read it."""
+
+    base_model: str
+    arch: str
+    vocab_size: int
+    max_context: int  # prompt + completion when sampling; datum length when training
+    max_rank: int
+    max_num_samples: int
+    max_top_k: int  # = vocab_size; -1 and 0 both mean "no limit"
+    loss_fns: frozenset[str]
+
+    @classmethod
+    def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,
+           loss_fns: frozenset[str]) -> EngineLimits:
+        context = min(model_context, settings.max_context or model_context)
+        return cls(base_model=base_model, arch=arch, vocab_size=vocab_size, max_context=context,
+                   max_rank=settings.max_rank, max_num_samples=settings.max_num_samples, max_top_k=vocab_size,
+                   loss_fns=loss_fns)
