@@ -171,11 +171,15 @@ class Residency:
         weights = init_lora_weights(self.bank.shapes, targets, rank, seed, torch.float32)
         return self.install(LoraWeights(weights, rank, alpha), trainable=True)
 
-    def install(self, weights: LoraWeights, trainable: bool) -> Adapter:
-        """A new adapter from weights: into a free slot if there is one, else the host tier."""
+    def install(self, weights: LoraWeights, trainable: bool, optim: AdamState | None = None) -> Adapter:
+        """A new adapter from weights (and optimizer state): into a free slot if there is one, else
+        the host tier. Complete before anything can page it out."""
         self.check_rank(weights.rank, "rank")
         a = Adapter(id=f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}", trainable=trainable, rank=weights.rank,
-                    alpha=weights.alpha, targets=tuple(sorted(weights.weights)))
+                    alpha=weights.alpha, targets=tuple(sorted(weights.weights)), last_used=next(self._clock))
+        if optim is not None:
+            a.optim = AdamState(optim.step, {t: tuple(m.cpu() for m in ms)  # type: ignore[misc]
+                                             for t, ms in optim.moments.items()})
         self._adapters[a.id] = a
         self._set_host(a, {t: (x.detach().float().cpu().clone(), y.detach().float().cpu().clone())
                            for t, (x, y) in weights.weights.items()})

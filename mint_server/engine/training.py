@@ -423,15 +423,14 @@ class Trainer:
             raise EngineError(f"path: state was trained on base model {st.base_model!r}, "
                               f"this engine serves {self.base_model!r}")
         check_shapes(st.weights, self.registry.bank, "path")
-        if adapter_id is None:
-            a = self.registry.install(st.weights, trainable=True)
-        else:
-            a = self.registry.on_device(adapter_id)
-            if not a.trainable:
-                raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
-            self.registry.set_weights(adapter_id, st.weights)
+        if adapter_id is None:  # the new adapter gets its optimizer state before it can be paged
+            return self.registry.install(st.weights, trainable=True, optim=st.optim).id
+        a = self.registry.on_device(adapter_id)
+        if not a.trainable:
+            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
+        self.registry.set_weights(adapter_id, st.weights)
         a.grads.clear()
-        dev = self.device if a.slot is not None else torch.device("cpu")
+        dev = self.device
         a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)  # type: ignore[misc]
                                             for t, ms in st.optim.moments.items()}) if st.optim else AdamState()
         return a.id
