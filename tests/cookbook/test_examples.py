@@ -1,0 +1,36 @@
+"""Each example runs a couple of steps on the tiny model and leaves its metrics CSV and curve PNG."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from tests.service.live import LiveServer
+
+
+def common_args(server: LiveServer, tiny_dir: Path, out: Path, steps: int = 2) -> list[str]:
+    return ["--base-url", server.url, "--model", str(tiny_dir), "--steps", str(steps), "--out", str(out)]
+
+
+def check_outputs(out: Path, metric: str, steps: int) -> list[dict[str, str]]:
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == list(range(steps))
+    assert all(r[metric] != "" for r in rows)
+    assert (out / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return rows
+
+
+def test_sft(server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
+    from examples import sft
+
+    out = sft.run([*common_args(server, tiny_dir, tmp_path / "sft"), "--batch-size", "4"])
+    check_outputs(out, "train_mean_nll", 2)
+
+
+def test_grpo_importance_sampling(server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
+    from examples import grpo
+
+    args = [*common_args(server, tiny_dir, tmp_path / "grpo"), "--problems", "2", "--group-size", "2"]
+    out = grpo.run([*args, "--loss-fn", "importance_sampling"])
+    check_outputs(out, "env/all/reward/total", 2)
