@@ -69,3 +69,18 @@ def test_grpo_default_loss(server: LiveServer, tiny_dir: Path, tmp_path: Path) -
 
     args = [*common_args(server, tiny_dir, tmp_path / "grpo"), "--problems", "2", "--group-size", "2"]
     check_outputs(grpo.run(args), "env/all/reward/total", 2)
+
+
+def test_run_recipe_gives_smollm2_the_chatml_renderer(tiny_dir: Path) -> None:
+    from tinker_cookbook import model_info
+
+    from examples.run_recipe import register_chatml_models
+
+    saved = model_info.get_model_attributes
+    try:
+        register_chatml_models()
+        assert model_info.get_recommended_renderer_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "qwen3_instruct"
+        assert model_info.get_recommended_renderer_name(str(tiny_dir)) == "qwen3_instruct"
+        assert model_info.get_recommended_renderer_name("Qwen/Qwen3-8B") == "qwen3"  # the table still answers
+    finally:
+        model_info.get_model_attributes = saved
