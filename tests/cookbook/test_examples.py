@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import pytest
-
 from tests.service.live import LiveServer
 
 
@@ -53,18 +51,9 @@ def test_distill(server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
     check_outputs(distill.run(args), "teacher_kl", 2)
 
 
-def _server_refuses(field: str) -> bool:
-    from mint_server.api import sampling
 
-    return field in getattr(sampling, "_UNSUPPORTED", {})
-
-
-@pytest.mark.skipif(
-    _server_refuses("record_stability_info"),
-    reason="the recipe's default loss, stable_reinforce, samples with record_stability_info, which the "
-    "server does not accept over HTTP yet (the Tinker-completeness work adds it)",
-)
 def test_grpo_default_loss(server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
+    """The recipe's own default, stable_reinforce, which samples with record_stability_info."""
     from examples import grpo
 
     args = [*common_args(server, tiny_dir, tmp_path / "grpo"), "--problems", "2", "--group-size", "2"]
