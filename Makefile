@@ -3,6 +3,9 @@
 # e.g. `make serve TORCH_SPEC=torch`.
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# tinker-cookbook pins tml-renderers>=0.4.1, which PyPI does not have (only Inkling/Kimi models use
+# it), so it goes in without its deps; its other deps are in pyproject's test extra.
+COOKBOOK_SPEC ?= tinker-cookbook==0.6.1
 BIN := $(VENV)/bin
 
 .PHONY: setup serve test lint
@@ -12,6 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps "$(COOKBOOK_SPEC)"
 	touch $@
 
 serve: setup

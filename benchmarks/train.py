@@ -100,9 +100,9 @@ def worker_peak(args) -> dict:
 
 def worker_ours(args, build_only: bool = False):
     import torch
+    from mint_server.engine.adapters import AdapterRegistry
     from tinker import types
 
-    from mint_server.engine.adapters import AdapterRegistry
     from mint_server.engine.training import Trainer, TrainRequest
     from mint_server.model.loader import load_model
 

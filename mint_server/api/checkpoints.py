@@ -24,6 +24,7 @@ from mint_server.api.paths import (
 )
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord
 from mint_server.api.training import check_ttl
+from mint_server.model.config import ModelConfig
 
 
 def _time(ts: float) -> datetime:
@@ -47,6 +48,7 @@ class CheckpointService:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.runs = core.runs
+        self._tied: bool | None = None
 
     def ref(self, run_id: str, kind: str, name: str) -> CheckpointRef:
         return CheckpointRef(check_run_id(run_id), parse_kind(kind), check_name(name))
@@ -121,6 +123,12 @@ class CheckpointService:
             train_attn=lora.get("train_attn"),
             train_unembed=lora.get("train_unembed"),
         )
+
+    def tied_embeddings(self) -> bool:
+        """Whether the base shares its embedding with the output layer (archives name that LoRA apart)."""
+        if self._tied is None:
+            self._tied = ModelConfig.from_hf_dir(self.core.engine.model_dir).tie_word_embeddings
+        return self._tied
 
     def readable(self, p: Principal, ref: CheckpointRef) -> CheckpointRecord:
         return self.runs.get_checkpoint(ref, p.owner)

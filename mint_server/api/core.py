@@ -195,5 +195,20 @@ class Core:
                                           topk_prompt_logprobs, record=record, key=owner)
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
-        if name is not None and name != self.engine.base_model:
+        """Accept any name of the served base model: its hub id, its short name or its checkpoint dir.
+
+        Recipes use one string both to load a tokenizer and to name the model here, and users reach
+        for whichever of the three they saw, so all mean the same model (stored under the hub id)."""
+        if name is not None and not same_base_model(name, self.engine.base_model, self.engine.model_dir):
             raise InvalidInput(f"unknown {field_name} {name!r}; this server serves {self.engine.base_model!r}")
+
+
+def same_base_model(name: str, base_model: str, model_dir: Path) -> bool:
+    if name in (base_model, base_model.rsplit("/", 1)[-1]):
+        return True
+    if not name.startswith(("/", ".", "~")):  # a hub-style name that is not ours, not a path
+        return False
+    try:
+        return Path(name).expanduser().resolve() == Path(model_dir).resolve()
+    except (OSError, RuntimeError):
+        return False

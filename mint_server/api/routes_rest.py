@@ -19,6 +19,7 @@ from mint_server.api.codec import DecodeError
 from mint_server.api.http import json_body, principal, service
 from mint_server.api.paths import CheckpointRef
 from mint_server.api.runs import NotFound
+from mint_server.model.peft_archive import write_archive_dir
 
 router = APIRouter(prefix="/api/v1")
 Limit = Query(20, ge=1, le=1000)
@@ -101,7 +102,7 @@ async def download_archive(token: str, request: Request) -> Response:
     ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])
     peft_dir, cleanup = await svc.peft_dir(claims["sub"], ref)
     try:
-        archive = await asyncio.to_thread(_tar_gz, peft_dir)
+        archive = await asyncio.to_thread(_archive, peft_dir, svc.tied_embeddings())
     finally:
         cleanup()
     return FileResponse(
@@ -110,6 +111,13 @@ async def download_archive(token: str, request: Request) -> Response:
         filename=f"{ref.name}.tar.gz",
         background=BackgroundTask(os.unlink, archive),
     )
+
+
+def _archive(peft_dir: Path, tied_embeddings: bool) -> str:
+    """The checkpoint's adapter as a .tar.gz, with the names archives use (see model/peft_archive.py)."""
+    with tempfile.TemporaryDirectory(prefix="mint-archive-") as tmp:
+        write_archive_dir(peft_dir, Path(tmp), tied_embeddings)
+        return _tar_gz(Path(tmp))
 
 
 def _tar_gz(src: Path) -> str:

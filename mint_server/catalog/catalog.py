@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, Select, func, select, text
+from sqlalchemy import Engine, Select, func, select, text, tuple_
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.orm import Session, aliased
 
@@ -166,6 +166,20 @@ class Catalog:
         with self._read() as s:
             rows = list(s.scalars(q))
         return _page([_policy(r) for r in rows], limit, "policies", lambda p: p.name)
+
+    def list_all_policies(self, *, cursor: str | None = None, limit: int | None = None) -> Page[Policy]:
+        """Every owner's policies, by owner then name: the data dir admin's view (local CLI only)."""
+        limit = cursors.check_limit(limit)
+        after = cursors.decode("all-policies", cursor, list)
+        q = select(PolicyRow)
+        if after is not None:
+            if len(after) != 2 or not all(isinstance(k, str) for k in after):
+                raise InvalidArgument(f"cursor {cursor!r} is malformed", field="cursor")
+            q = q.where(tuple_(PolicyRow.owner, PolicyRow.name) > tuple_(after[0], after[1]))
+        q = q.order_by(PolicyRow.owner, PolicyRow.name).limit(limit + 1)
+        with self._read() as s:
+            rows = list(s.scalars(q))
+        return _page([_policy(r) for r in rows], limit, "all-policies", lambda p: [p.owner, p.name])
 
     def _new_policy_row(
         self,

@@ -1,6 +1,6 @@
 """`mint policy|revision|alias|eval|export|import|catalog …`: the policy catalog from the shell.
 
-Every command works on a local catalog (--data-dir / --db-url, as --owner) or on a running
+Every command works on a local catalog (--data-dir / --db-url) or on a running
 server (--server URL --api-key KEY, owner implied by the key; the key defaults to $MINT_API_KEY,
 $TINKER_API_KEY, else the api_key file `mint serve` keeps in the data dir). Output is rich tables,
 or JSON with --json. Errors are one line on stderr and exit status 2.
@@ -43,7 +43,7 @@ class Target:
     db_url: str | None
     server: str | None
     api_key: str | None
-    owner: str
+    owner: str | None
     json: bool
     opened: list["CatalogClient"] = field(default_factory=list)
 
@@ -57,9 +57,21 @@ class Target:
             client: CatalogClient = HttpClient(self.server, self.api_key or _served_key(self.data_dir))
         else:
             catalog = Catalog.open(self.db_url, data_dir=self.data_dir)
-            client = LocalClient(catalog, self.owner, actor or _default_actor(self.owner))
+            owner = self.local_owner()
+            client = LocalClient(catalog, owner, actor or _default_actor(owner))
         self.opened.append(client)
         return client
+
+    def local_owner(self) -> str:
+        """Who local mode acts as: --owner, else the owner of the key `mint serve` keeps in the data
+        dir (so the policies a user trained through their own server are theirs here too), else
+        `local`, the owner of catalogs used without a server."""
+        if self.owner:
+            return self.owner
+        from mint_server.api.auth import owner_id  # stdlib only
+
+        key = _served_key(self.data_dir)
+        return owner_id(key) if key else "local"
 
 
 def _served_key(data_dir: Path | None) -> str | None:
@@ -120,7 +132,15 @@ _COMMON = [
         help="API key for --server (default $MINT_API_KEY, $TINKER_API_KEY, else <data dir>/api_key).",
         envvar=["MINT_API_KEY", "TINKER_API_KEY"],
     ),
-    _option("owner", str, "local", "--owner", help="Owner in local mode.", envvar="MINT_OWNER"),
+    _option(
+        "owner",
+        str | None,
+        None,
+        "--owner",
+        help="Owner in local mode (default: the owner of <data dir>/api_key, the key `mint serve` made; "
+        "else `local`).",
+        envvar="MINT_OWNER",
+    ),
     _option("json", bool, False, "--json", help="Print JSON instead of tables."),
 ]
 
@@ -244,16 +264,29 @@ policy_app = typer.Typer(no_args_is_help=True, help="Policies: named LoRA adapte
 @policy_app.command("list")
 @command
 def policy_list(
-    target: Target, limit: Limit = 50, cursor: Cursor = None, all_pages: AllPages = False
+    target: Target,
+    limit: Limit = 50,
+    cursor: Cursor = None,
+    all_pages: AllPages = False,
+    all_owners: Annotated[
+        bool, typer.Option("--all-owners", help="Local mode: every owner's policies (the data dir admin's view).")
+    ] = False,
 ) -> None:
     """List policies by name."""
+    if all_owners and target.server:
+        raise InvalidArgument("--all-owners lists a local catalog; it cannot be combined with --server")
     client = target.open()
-    page = _pages(client.list_policies, cursor, limit, all_pages)
+    if all_owners:
+        catalog = client.catalog  # type: ignore[attr-defined]  # local mode: a LocalClient
+        page = _pages(catalog.list_all_policies, cursor, limit, all_pages)
+    else:
+        page = _pages(client.list_policies, cursor, limit, all_pages)
 
     def render() -> None:
-        table = _table("name", "base model", "rank", "created")
+        table = _table(*(("owner",) if all_owners else ()), "name", "base model", "rank", "created")
         for p in page.items:
-            table.add_row(p.name, p.base_model, str(p.lora_config.get("rank", "")), _when(p.created_at))
+            owner = (p.owner[:12],) if all_owners else ()
+            table.add_row(*owner, p.name, p.base_model, str(p.lora_config.get("rank", "")), _when(p.created_at))
         out.print(table)
         _next_hint(page)
 

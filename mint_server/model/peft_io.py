@@ -13,6 +13,10 @@ from safetensors.torch import load_file, save_file
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelError
 from mint_server.model.lora import ALL_TARGETS, ATTN_TARGETS, UNEMBED_TARGET
+from mint_server.model.peft_archive import (  # archives' name, read as lm_head
+    LM_HEAD_PREFIX,
+    TINKER_UNEMBED_PREFIX,
+)
 
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
@@ -85,7 +89,7 @@ def load_peft(src: str | Path, num_layers: int) -> LoraWeights:
         raise ModelError("adapter_config rank_pattern/alpha_pattern are not supported")
     found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     for key, tensor in load_file(str(weights_file)).items():
-        m = _KEY.match(key)
+        m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
         if m is None or m.group(2) not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_file.name}")
         layer = int(m.group(1) or 0)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig, ModelError
+from mint_server.model.hub_cache import hub_cache_dir, link_prepared
 from mint_server.paths import data_dir as resolve_data_dir
 
 DEFAULT_BASE_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -92,6 +93,7 @@ def _prepare_default(data_dir: str | os.PathLike | None, log: Log) -> Prepared:
     root = resolve_data_dir(data_dir)
     out = default_model_dir(root)
     if is_prepared(out):
+        _link_hub_cache(out, log)
         return Prepared(out, did_work=False)
     gguf_file = _fetch_gguf(root / "cache", log)
 
@@ -107,7 +109,18 @@ def _prepare_default(data_dir: str | os.PathLike | None, log: Log) -> Prepared:
             f.chmod(0o644)
 
     atomic_write_dir(out, fill)  # also replaces a marker-less dir a crash may have left
+    _link_hub_cache(out, log)
     return Prepared(out, did_work=True)
+
+
+def _link_hub_cache(model_dir: Path, log: Log) -> None:
+    """Let clients load the default model's tokenizer/config by hub id with no network."""
+    files = json.loads((model_dir / MARKER).read_text())["files"]
+    try:
+        if link_prepared(DEFAULT_BASE_MODEL, model_dir, files) is None:
+            log(f"the hub cache already holds a download of {DEFAULT_BASE_MODEL}; left as it is")
+    except OSError as e:  # a read-only or odd cache must not stop serving; loads by dir still work
+        log(f"could not add {DEFAULT_BASE_MODEL} to the hub cache {hub_cache_dir()}: {e}")
 
 
 def _fetch_gguf(cache: Path, log: Log) -> Path:

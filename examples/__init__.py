@@ -1,0 +1,1 @@
+"""Post-training examples: tinker-cookbook recipes driven against a MinT server (see README.md)."""
