@@ -319,7 +319,7 @@ class LocalEngine:
         with self._cv:
             queued = list(self._queue)
         needed = [a for w in queued for a in w.resolved or () if a is not None and w.on_device]
-        needed += self.sampler.waiting_adapters()
+        needed += self.sampler.waiting_adapters(limit=4 * self.settings.device_slots)
         ready = self.registry.schedule(needed)
         self._fail_unloadable(queued)
         with self._cv:
@@ -342,16 +342,13 @@ class LocalEngine:
 
     def _fail_unloadable(self, queued: list[_Work]) -> None:
         """Adapters whose load failed (corrupt or missing store data): fail the work waiting for them."""
+        if not self.registry.failed:
+            return
         failed: dict[str, BaseException] = {}
-        for a in {id(a): a for w in queued for a in w.resolved or () if a is not None}.values():
-            if a.load_error is not None:
-                failed[a.id] = a.load_error
-        for a in self.sampler.waiting_adapters():
+        for a in list(self.registry.failed):
             if a.load_error is not None:
                 failed[a.id] = a.load_error
                 self.sampler.fail_waiting(a, a.load_error)
-        if not failed:
-            return
         with self._cv:
             doomed = [w for w in self._queue if w.ids & failed.keys()]
             for w in doomed:
@@ -359,13 +356,8 @@ class LocalEngine:
         for w in doomed:
             self._done(w)
             w.future.set_exception(failed[next(iter(w.ids & failed.keys()))])
-        for w in queued:
-            for a in w.resolved or ():
-                if a is not None and a.id in failed:
-                    self.registry.take_load_error(a)
-        for a in self.sampler.waiting_adapters():
-            if a.id in failed:
-                self.registry.take_load_error(a)
+        for a in list(self.registry.failed):
+            self.registry.take_load_error(a)
 
     def _run_fused(self, work: list[_Work]) -> None:
         for w in work:

@@ -114,10 +114,8 @@ class Residency:
             # whatever an earlier process left there is stale.
             self.page_root = Path(settings.store_dir)
             shutil.rmtree(self.page_root, ignore_errors=True)
-            self._owns_root = False
         else:
             self.page_root = Path(tempfile.mkdtemp(prefix="mint-pages-"))
-            self._owns_root = True
         self.page_root.mkdir(parents=True, exist_ok=True)
         self._adapters: dict[str, Adapter] = {}
         self._by_key: dict[str, Adapter] = {}
@@ -125,9 +123,12 @@ class Residency:
         self._host_bytes = 0
         self._clock = itertools.count(1)
         self._ids = itertools.count()
+        self._tag = uuid.uuid4().hex[:8]  # per engine: ids from two engines never collide
         self._pool = ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="mint-loader")
         self._on_loaded = on_loaded or (lambda: None)
         self._fresh: set[str] = set()  # brought into a slot for the step about to run
+        self._loading: set[Adapter] = set()  # store → host reads in flight
+        self.failed: set[Adapter] = set()  # loads that failed, until the work waiting on them is told
         self.stats = ResidencyStats()
 
     # --- lookup ---------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class Residency:
         """A new adapter from weights (and optimizer state): into a free slot if there is one, else
         the host tier. Complete before anything can page it out."""
         self.check_rank(weights.rank, "rank")
-        a = Adapter(id=f"a{next(self._ids)}-{uuid.uuid4().hex[:8]}", trainable=trainable, rank=weights.rank,
+        a = Adapter(id=f"a{next(self._ids)}-{self._tag}", trainable=trainable, rank=weights.rank,
                     alpha=weights.alpha, targets=tuple(sorted(weights.weights)), last_used=next(self._clock))
         if optim is not None:
             a.optim = AdamState(optim.step, {t: tuple(m.cpu() for m in ms)  # type: ignore[misc]
@@ -193,7 +194,7 @@ class Residency:
         """The read-only adapter for a source (one per key); read from the store when first needed."""
         a = self._by_key.get(source.key)
         if a is None or a.released:
-            a = Adapter(id=f"s{next(self._ids)}-{uuid.uuid4().hex[:8]}", trainable=False, source=source)
+            a = Adapter(id=f"s{next(self._ids)}-{self._tag}", trainable=False, source=source)
             self._adapters[a.id] = a
             self._by_key[source.key] = a
         return a
@@ -264,7 +265,16 @@ class Residency:
         """
         self._fresh = set()
         self._collect_loads()
-        wanted = list(dict.fromkeys(a for a in needed if not a.released or a.refs > 0))
+        # Only the most urgent few matter this step: promotions need slots, prefetch a bounded window.
+        window = 4 * len(self._slots)
+        wanted: list[Adapter] = []
+        seen: set[str] = set()
+        for a in needed:
+            if a.id not in seen and (not a.released or a.refs > 0):
+                seen.add(a.id)
+                wanted.append(a)
+                if len(wanted) >= window:
+                    break
         rank_of = {a.id: i for i, a in enumerate(wanted)}
         budget = self.settings.load_bytes_per_step
         copied = 0
@@ -288,10 +298,11 @@ class Residency:
         return {a.id for a in wanted if a.slot is not None}
 
     def loads_pending(self) -> bool:
-        return any(a.loading is not None for a in self._adapters.values())
+        return bool(self._loading)
 
     def take_load_error(self, a: Adapter) -> BaseException | None:
         err, a.load_error = a.load_error, None
+        self.failed.discard(a)
         return err
 
     def _free_slot(self) -> int | None:
@@ -387,6 +398,7 @@ class Residency:
         if a.source is None and a.paged is None:
             raise RuntimeError(f"adapter {a.id!r} has no tier to load from")
         a.loading = self._pool.submit(self._read, a.source, a.paged)
+        self._loading.add(a)
         a.loading.add_done_callback(lambda _f: self._on_loaded())
 
     def _read(self, source: AdapterSource | None, paged: Path | None) -> tuple[object, float]:
@@ -412,15 +424,16 @@ class Residency:
     def _collect_loads(self) -> None:
         from mint_server.engine import state_io
 
-        for a in list(self._adapters.values()):
+        for a in [a for a in self._loading if a.loading is not None and a.loading.done()]:
             f = a.loading
-            if f is None or not f.done():
-                continue
+            assert f is not None
             a.loading = None
+            self._loading.discard(a)
             try:
                 out, seconds = f.result()
             except BaseException as e:  # noqa: BLE001 - delivered to the requests waiting on it
                 a.load_error = e
+                self.failed.add(a)
                 continue
             self.stats.loads["store"] += 1
             self.stats.load_seconds.append(seconds)
@@ -468,9 +481,9 @@ class Residency:
                     if a.trainable and self.dtype != torch.float32 else None)
 
     def close(self) -> None:
+        """Pages belong to this process's adapters: they go with it."""
         self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._owns_root:
-            shutil.rmtree(self.page_root, ignore_errors=True)
+        shutil.rmtree(self.page_root, ignore_errors=True)
 
 
 def _to(pairs: dict[str, tuple[Tensor, Tensor]], device: torch.device) -> dict[str, tuple[Tensor, Tensor]]:

@@ -35,6 +35,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,10 +218,12 @@ class Sampler:
         """Running rows, or queued requests whose adapter is on the device."""
         return bool(self._rows) or any(r.ready for r in list(self._queue))
 
-    def waiting_adapters(self) -> list[Adapter]:
-        """Adapters that queued requests wait for, in admission order (the residency manager's wants)."""
+    def waiting_adapters(self, limit: int | None = None) -> list[Adapter]:
+        """Adapters that queued requests need, most urgent first (the residency manager's wants): in
+        the order admission will take them, so a quiet key's adapter is not loaded behind a storm."""
         with self._lock:
-            return [r.adapter for r in self._queue if r.adapter is not None]
+            out = [r.adapter for r in self._fair_order(self._queue) if r.adapter is not None]
+        return out if limit is None else list(dict.fromkeys(out))[:limit]
 
     def fail_waiting(self, adapter: Adapter, exc: BaseException) -> None:
         """Its adapter could not be loaded: fail the queued requests that wait for it."""
@@ -270,6 +273,9 @@ class Sampler:
         bs = self.block_size
         groups: dict[tuple, _Group] = {}
         free, rows, longest = self.pool.available, len(self._rows), 0
+        # The step's token budget: running rows decode one token each, prefills get the rest (at
+        # least one group, so a prompt longer than the budget still runs, alone).
+        budget = self.max_prefill_tokens - rows
         with self._lock:
             for req in self._admission_order():
                 if not req.started:
@@ -282,7 +288,7 @@ class Sampler:
                 key = (req.slot, req.prompt) if self.dedupe_prompts else (req.slot, req.prompt, id(req))
                 group = groups.get(key)
                 # Prompts are right-padded to the longest, so the prefill's cost is rows × longest.
-                if group is None and groups and (len(groups) + 1) * max(longest, n) > self.max_prefill_tokens:
+                if group is None and groups and (len(groups) + 1) * max(longest, n) > budget:
                     break
                 new_blocks = 0 if group else blocks_for(n, bs)
                 if req.score_only:
@@ -320,12 +326,14 @@ class Sampler:
                 self._queue.remove(req)
 
     def _admission_order(self) -> list[_Request]:
-        """Queued requests whose adapter is in a slot: keys with the fewest running sequences first,
-        arrival order within a key."""
+        """Queued requests whose adapter is in a slot (or that were cancelled), in fair order."""
+        return self._fair_order(r for r in self._queue if r.ready or not r.started and r.future.cancelled())
+
+    def _fair_order(self, requests: Iterable[_Request]) -> list[_Request]:
+        """Keys with the fewest running sequences first, arrival order within a key."""
         by_key: dict[str, list[_Request]] = {}
-        for req in self._queue:
-            if req.ready or not req.started and req.future.cancelled():
-                by_key.setdefault(req.job.key, []).append(req)
+        for req in requests:
+            by_key.setdefault(req.job.key, []).append(req)
         keys = sorted(by_key, key=lambda k: self._rows_by_key.get(k, 0))  # stable: first arrival breaks ties
         return [req for k in keys for req in by_key[k]]
 

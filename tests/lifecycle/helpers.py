@@ -66,14 +66,15 @@ def free_port() -> int:
 class ServeProcess:
     """`mint serve` on the tiny checkpoint, as a user runs it (no key given unless in `env`)."""
 
-    def __init__(self, model_dir: Path, data_dir: Path, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model_dir: Path, data_dir: Path, log: Path, env: dict[str, str] | None = None,
+                 extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         args = [
             MINT, "serve", "--base-model", str(model_dir), "--port", str(self.port), "--data-dir", str(data_dir),
             "--device-slots", "4", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128",
-            "--log-level", "warning",
+            "--log-level", "warning", *extra,
         ]  # fmt: skip
         with open(log, "w") as out:
             self.proc = subprocess.Popen(args, env=env or clean_env(), stdout=out, stderr=subprocess.STDOUT)
