@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +25,19 @@ from safetensors.torch import load_file, save_file
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import ALL_TARGETS, ATTN_TARGETS, EXPERT_PREFIX, UNEMBED_TARGET, target_layers
+from mint_server.model.moe_layout import (
+    MOE_LAYOUT_KEY,
+    MOE_LAYOUTS,
+    PACKED_KEY,
+    PER_EXPERT_KEY,
+    moe_layout_of,
+)
 from mint_server.model.peft_archive import (  # archives' name, read as lm_head
     LM_HEAD_PREFIX,
     TINKER_UNEMBED_PREFIX,
 )
 
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
-MOE_LAYOUTS = ("packed", "per-expert")
-MOE_LAYOUT_KEY = "mint_moe_layout"  # in adapter_config.json, for adapters with expert LoRA
 
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?)?(\w+)\.lora_([AB])\.weight$"
@@ -199,10 +205,6 @@ def _layer_pair(
     return (torch.stack([by_expert[e]["A"] for e in range(E)]), torch.stack([by_expert[e]["B"] for e in range(E)]))
 
 
-_PACKED = re.compile(r"^(.*\.mlp\.experts)\.(\w+\.lora_[AB]\.weight)$")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+\.lora_[AB]\.weight)$")
-
-
 def convert_moe_layout(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
     """Re-lay a PEFT tensor dict's expert LoRA as `layout` (packed | per-expert); other tensors pass
     through. Bit-exact both ways: only slicing and stacking, no arithmetic."""
@@ -211,10 +213,10 @@ def convert_moe_layout(tensors: dict[str, torch.Tensor], layout: str) -> dict[st
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     for key, t in tensors.items():
-        if layout == "per-expert" and (m := _PACKED.match(key)):
+        if layout == "per-expert" and (m := PACKED_KEY.match(key)):
             for e in range(t.shape[0]):
                 out[f"{m.group(1)}.{e}.{m.group(2)}"] = t[e].contiguous()
-        elif layout == "packed" and (m := _PER_EXPERT.match(key)):
+        elif layout == "packed" and (m := PER_EXPERT_KEY.match(key)):
             stacks.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
         else:
             out[key] = t
@@ -226,23 +228,23 @@ def convert_moe_layout(tensors: dict[str, torch.Tensor], layout: str) -> dict[st
 
 
 def convert_peft_dir(src: str | Path, dest: str | Path, layout: str) -> None:
-    """Copy a PEFT adapter dir to dest (atomically) with its expert LoRA in `layout`."""
+    """Copy a PEFT adapter dir to dest (atomically) with its expert LoRA in `layout`; every other
+    file, and the whole dir when it has no expert LoRA or is already in `layout`, is copied as is."""
+    if layout not in MOE_LAYOUTS:
+        raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {layout!r}")
+    src = Path(src)
     config, weights_file = _read_dir(src)
-    tensors = convert_moe_layout(load_file(str(weights_file)), layout)
-    if any(_PACKED.match(k) or _PER_EXPERT.match(k) for k in tensors):
+    convert = moe_layout_of(src) not in (None, layout)
+    tensors = convert_moe_layout(load_file(str(weights_file)), layout) if convert else {}
+    if convert:
         config[MOE_LAYOUT_KEY] = layout
-    _write_dir(dest, tensors, config)
 
+    def fill(tmp: Path) -> None:
+        for f in src.iterdir():
+            if f.is_file() and not (convert and f.name in (weights_file.name, "adapter_config.json")):
+                shutil.copy2(f, tmp / f.name)
+        if convert:
+            save_file(tensors, str(tmp / weights_file.name), metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
-def moe_layout_of(src: str | Path) -> str | None:
-    """packed | per-expert for a dir holding expert LoRA (read from the tensor names), else None."""
-    from safetensors import safe_open
-
-    _, weights_file = _read_dir(src)
-    with safe_open(str(weights_file), framework="pt") as f:
-        for key in f.keys():
-            if _PER_EXPERT.match(key):
-                return "per-expert"
-            if _PACKED.match(key):
-                return "packed"
-    return None
+    atomic_write_dir(dest, fill)
