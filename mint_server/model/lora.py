@@ -288,12 +288,16 @@ class LoraBank:
                 raise ValueError(f"unknown LoRA target {t!r}")
         with torch.no_grad():
             for t in self.shapes:
-                self.A[t][slot].zero_()
-                self.B[t][slot].zero_()
-                if t in weights:
+                A, B = self.A[t][slot], self.B[t][slot]
+                if t in weights:  # copy in, zero only the rank padding (one pass over the slot, not two)
                     a, b = weights[t]
-                    self.A[t][slot][..., :rank, :].copy_(a)
-                    self.B[t][slot][..., :rank].copy_(b)
+                    A[..., :rank, :].copy_(a)
+                    B[..., :rank].copy_(b)
+                    A[..., rank:, :].zero_()
+                    B[..., rank:].zero_()
+                else:
+                    A.zero_()
+                    B.zero_()
             self.scale[slot] = alpha / rank
         self.rank[slot] = rank
         self.targets[slot] = tuple(t for t in self.shapes if t in weights)
