@@ -8,7 +8,8 @@
    Both files are read warm from the page cache, so the ratio is the per-tensor overhead, not disk.
 2. Throughput on a tiny-but-wide random MoE (built in code): a decode step of 8 rows that use 8
    different adapters vs 8 rows on one adapter (the sampler, greedy, after a short prefill), and a
-   fused training pass (one Trainer.run over 8 adapters' requests) vs the same rows on one adapter.
+   fused training pass (one Trainer.run over 8 adapters' requests, 8 rows × 64 tokens) vs the same
+   rows on one adapter.
 3. Bytes per adapter (attention + experts + lm_head, all layers) for Qwen3-30B-A3B and a
    Kimi-K2-class config at ranks 1, 8, 32 — the table in docs/moe.md.
 
@@ -132,7 +133,7 @@ def bench_throughput(device: str, repeats: int) -> dict:
                                           w.rank, w.alpha))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(8)]
-    new_tokens = 32
+    new_tokens = 16
 
     def decode(adapters: list[str]) -> float:
         s = Sampler(model, registry, kv_slots=8, max_seq_len=64, block_size=16, records=SamplingRecords())
@@ -159,19 +160,19 @@ def bench_throughput(device: str, repeats: int) -> dict:
         gg = torch.Generator().manual_seed(seed)
         out = []
         for _ in range(n):
-            seq = torch.randint(0, cfg.vocab_size, (129,), generator=gg)
+            seq = torch.randint(0, cfg.vocab_size, (65,), generator=gg)
             out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
-                                   loss_fn_inputs={"target_tokens": seq[1:], "weights": torch.ones(128)}))
+                                   loss_fn_inputs={"target_tokens": seq[1:], "weights": torch.ones(64)}))
         return out
 
-    fused = [TrainRequest(a, datums(i, 2), "cross_entropy") for i, a in enumerate(ids)]
+    fused = [TrainRequest(a, datums(i, 1), "cross_entropy") for i, a in enumerate(ids)]
     single = [TrainRequest(ids[0], [d for r in fused for d in r.datums], "cross_entropy")]
     for name, reqs in (("single", single), ("fused8", fused)):
         out[f"train_{name}_s"] = median_of(lambda reqs=reqs: trainer.run(reqs), repeats, device)
     for aid in ids:
         registry.get(aid).grads.clear()
     out["train_fused_over_single"] = out["train_fused8_s"] / out["train_single_s"]
-    print(f"training pass, 16 rows x 128 tokens: one adapter {out['train_single_s']:.2f} s, 8 adapters fused "
+    print(f"training pass, 8 rows x 64 tokens: one adapter {out['train_single_s']:.2f} s, 8 adapters fused "
           f"{out['train_fused8_s']:.2f} s ({out['train_fused_over_single']:.2f}x)", flush=True)
     return out
 
