@@ -60,15 +60,11 @@ def median_of(fn, repeats: int, device: str) -> float:
 def bench_load(layers: int, repeats: int, device: str) -> dict:
     from safetensors import safe_open
 
-    from mint_server.engine.adapters import AdapterRegistry
-    from mint_server.model.lora import select_targets
+    from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
     from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
 
     cfg = ModelConfig(**{**QWEN3_30B_A3B, "num_layers": layers})
-    registry = AdapterRegistry(cfg, num_slots=1, max_rank=4, device=device, dtype=torch.float32)
-    from mint_server.model.lora import init_lora_weights
-
-    bank = registry.bank
+    bank = LoraBank(cfg, num_slots=1, max_rank=4, device=device, dtype=torch.float32)
     weights = init_lora_weights(bank.shapes, select_targets(), 4, seed=0, dtype=torch.float32, experts=bank.experts)
     weights = {t: (a, torch.randn_like(b) * 0.01) for t, (a, b) in weights.items()}
     adapter = LoraWeights(weights, rank=4, alpha=32.0)
@@ -117,10 +113,12 @@ def wide_moe(device: str) -> torch.nn.Module:
 def bench_throughput(device: str, repeats: int) -> dict:
     from tinker import types
 
-    from mint_server.engine.adapters import AdapterRegistry
     from mint_server.engine.records import SamplingRecords
-    from mint_server.engine.sampling import Sampler
-    from mint_server.engine.training import Trainer, TrainRequest
+
+    # the unit-test harness: the engine's parser in front of the trainer and sampler
+    from tests.engine.helpers import AdapterRegistry, TrainRequest
+    from tests.engine.helpers import SamplerHarness as Sampler
+    from tests.engine.helpers import TrainerHarness as Trainer
 
     model = wide_moe(device)
     cfg = model.config

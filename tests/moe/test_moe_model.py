@@ -4,12 +4,12 @@ import pytest
 import torch
 from tinker import types
 
-from mint_server.engine.adapters import AdapterRegistry
-from mint_server.engine.training import Trainer, TrainRequest
 from mint_server.model import lora as lora_mod
 from mint_server.model.config import ModelConfig
 from mint_server.model.loader import load_model
 from mint_server.model.lora import ALL_TARGETS, EXPERT_TARGETS, LoraBank, LoraBatch
+from tests.engine.helpers import AdapterRegistry, TrainRequest
+from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter
 from tests.moe.helpers import load_hf, merged_logits
 

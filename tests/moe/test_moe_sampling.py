@@ -4,10 +4,10 @@ import numpy as np
 import torch
 from tinker import types
 
-from mint_server.engine.adapters import AdapterRegistry
 from mint_server.engine.records import SamplingRecords
-from mint_server.engine.sampling import Sampler
 from mint_server.model.loader import load_model
+from tests.engine.helpers import AdapterRegistry
+from tests.engine.helpers import SamplerHarness as Sampler
 from tests.model.test_parity import random_adapter
 from tests.moe.helpers import load_hf, merge_in_place
 

@@ -67,7 +67,7 @@ def test_mint_serve_starts_on_a_qwen3_moe_dir(moe_serve_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(moe_serve_dir),
          "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--adapter-slots", "2", "--max-rank", "8", "--kv-slots", "4", "--max-seq-len", "128"],
+         "--device-slots", "2", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
