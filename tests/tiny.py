@@ -34,9 +34,30 @@ def save_tiny_tokenizer(dest: Path) -> None:
     fast.save_pretrained(dest)
 
 
-def make_tiny_checkpoint(dest: Path, family: str = "llama", tie: bool = True, seed: int = 0) -> Path:
-    """Save a random tiny `family` model (llama | qwen3) plus tokenizer into dest; returns dest."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+def tiny_moe_config(tie: bool = True, **overrides):
+    """A tiny Qwen3-MoE config: 8 experts, top-2, 2 layers (both sparse unless overridden)."""
+    from transformers import Qwen3MoeConfig
+
+    kw = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+        num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512, tie_word_embeddings=tie,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kw.update(overrides)
+    return Qwen3MoeConfig(**kw)
+
+
+def make_tiny_checkpoint(
+    dest: Path, family: str = "llama", tie: bool = True, seed: int = 0, fused_experts: bool = False, **moe
+) -> Path:
+    """Save a random tiny `family` model (llama | qwen3 | qwen3_moe) plus tokenizer into dest; returns dest.
+
+    qwen3_moe: `moe` overrides tiny_moe_config's fields; the router gets a larger init than HF's
+    0.02 so routing is decisive (no near-ties between experts). fused_experts: write transformers'
+    in-memory fused expert tensors instead of the per-expert ones save_pretrained writes.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
     common = dict(
@@ -52,9 +73,26 @@ def make_tiny_checkpoint(dest: Path, family: str = "llama", tie: bool = True, se
         model = LlamaForCausalLM(cfg)
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    elif family == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(tiny_moe_config(tie, **moe))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, 0.5)
+                elif ".experts." in name:
+                    p.normal_(0.0, 0.1)
     else:
         raise ValueError(family)
     dest.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(dest)
+    if fused_experts:
+        from safetensors.torch import save_file
+
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if tie:
+            state.pop("lm_head.weight", None)
+        for f in dest.glob("model*.safetensors*"):
+            f.unlink()
+        save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
     save_tiny_tokenizer(dest)
     return dest

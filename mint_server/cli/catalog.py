@@ -549,9 +549,27 @@ def export(
     target: Target,
     ref: Annotated[str, typer.Argument(help="Revision reference, e.g. NAME@prod.")],
     dest: Annotated[Path, typer.Argument(help="Directory to create (must be absent or empty).")],
+    moe_layout: Annotated[
+        str | None,
+        typer.Option("--moe-layout", help="Expert LoRA of MoE adapters as 'packed' (as stored) or 'per-expert' "
+                     "(PEFT's per-module tensors). No effect on adapters without expert LoRA."),
+    ] = None,
 ) -> None:
     """Write a revision as a PEFT directory (verified before it appears)."""
-    r = target.open().export(ref, dest)
+    from mint_server.model.moe_layout import MOE_LAYOUTS
+
+    if moe_layout is not None and moe_layout not in MOE_LAYOUTS:
+        raise InvalidArgument(f"--moe-layout must be one of {', '.join(MOE_LAYOUTS)}, got {moe_layout!r}")
+    if moe_layout is None:
+        r = target.open().export(ref, dest)
+    else:  # export (verified) into a staging dir, then re-lay the experts from there into dest
+        import tempfile
+
+        if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+            raise InvalidArgument(f"dest: {dest} exists and is not an empty directory")
+        with tempfile.TemporaryDirectory(prefix="mint-export-") as tmp:
+            r = target.open().export(ref, Path(tmp) / "peft")
+            _relayout(Path(tmp) / "peft", dest, moe_layout)
     data = {**to_dict(r), "path": str(dest.absolute())}
     _emit(target, data, lambda: out.print(f"{r.ref} ({r.sha256[:12]}) → {dest}", markup=False))
 
@@ -573,8 +591,34 @@ def import_(
     step: Annotated[int | None, typer.Option("--step", min=0)] = None,
     note: Annotated[str | None, typer.Option("--note")] = None,
 ) -> None:
-    """Publish a PEFT LoRA directory as a new revision."""
-    r = target.open().import_peft(
+    """Publish a PEFT LoRA directory as a new revision (expert LoRA is stored packed)."""
+    import tempfile
+
+    from mint_server.model.moe_layout import moe_layout_of
+
+    with tempfile.TemporaryDirectory(prefix="mint-import-") as tmp:
+        if (peft_dir / "adapter_model.safetensors").is_file() and moe_layout_of(peft_dir) == "per-expert":
+            _relayout(peft_dir, Path(tmp) / "peft", "packed")
+            peft_dir = Path(tmp) / "peft"
+        r = _import(target, peft_dir, policy, base_model, parent, training_run, step, note)
+    _emit(target, to_dict(r), lambda: out.print(f"{r.ref} ({r.sha256[:12]}, {_size(r.size)})", markup=False))
+
+
+def _relayout(src: Path, dest: Path, layout: str) -> None:
+    from mint_server.model.config import ModelError
+    from mint_server.model.peft_io import convert_peft_dir
+
+    try:
+        convert_peft_dir(src, dest, layout)
+    except ModelError as e:
+        raise InvalidArgument(f"peft_dir: {e}") from None
+
+
+def _import(
+    target: Target, peft_dir: Path, policy: str, base_model: str | None, parent: str | None,
+    training_run: str | None, step: int | None, note: str | None,
+) -> Revision:
+    return target.open().import_peft(
         peft_dir,
         policy,
         base_model=base_model,
@@ -583,7 +627,6 @@ def import_(
         step=step,
         note=note,
     )
-    _emit(target, to_dict(r), lambda: out.print(f"{r.ref} ({r.sha256[:12]}, {_size(r.size)})", markup=False))
 
 
 # -- catalog maintenance ------------------------------------------------------------------------

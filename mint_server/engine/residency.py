@@ -169,7 +169,7 @@ class Residency:
             raise EngineError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
         self.check_rank(rank, "lora_config.rank")
         seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        weights = init_lora_weights(self.bank.shapes, targets, rank, seed, torch.float32)
+        weights = init_lora_weights(self.bank.shapes, targets, rank, seed, torch.float32, self.bank.experts)
         return self.install(LoraWeights(weights, rank, alpha), trainable=True)
 
     def install(self, weights: LoraWeights, trainable: bool, optim: AdamState | None = None) -> Adapter:
@@ -348,8 +348,8 @@ class Residency:
         if a.master is not None:
             host = {t: (x.detach().cpu().clone(), y.detach().cpu().clone()) for t, (x, y) in a.master.items()}
         else:
-            host = {t: (self.bank.A[t][slot, :, : a.rank].detach().float().cpu().clone(),
-                        self.bank.B[t][slot, :, :, : a.rank].detach().float().cpu().clone()) for t in a.targets}
+            host = {t: (self.bank.A[t][slot][..., : a.rank, :].detach().float().cpu().clone(),
+                        self.bank.B[t][slot][..., : a.rank].detach().float().cpu().clone()) for t in a.targets}
         a.master = None
         a.grads = _to(a.grads, torch.device("cpu"))
         a.optim.moments = {t: tuple(m.cpu() for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
@@ -415,7 +415,7 @@ class Residency:
                     out = state_io.load_state(source.state_dir, include_optimizer=False).weights
                 else:
                     peft_dir = source.checkout() if source.checkout is not None else source.peft_dir
-                    out = load_peft(peft_dir, self.cfg.num_layers)  # type: ignore[arg-type]
+                    out = load_peft(peft_dir, self.cfg)  # type: ignore[arg-type]
             except ModelError as e:
                 raise EngineError(f"adapter {source.key!r}: {e}") from None
             state_io.check_shapes(out, self.bank, f"adapter {source.key!r}")  # type: ignore[arg-type]
@@ -456,7 +456,7 @@ class Residency:
         if a.master is not None:
             pairs = a.master
         elif a.slot is not None:
-            pairs = {t: (self.bank.A[t][a.slot, :, : a.rank], self.bank.B[t][a.slot, :, :, : a.rank])
+            pairs = {t: (self.bank.A[t][a.slot][..., : a.rank, :], self.bank.B[t][a.slot][..., : a.rank])
                      for t in a.targets}
         elif a.host is not None:
             pairs = a.host

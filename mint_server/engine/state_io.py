@@ -3,7 +3,7 @@
 Layout of a state dir (written atomically, so readers see all of it or nothing):
 
     state.json               format, version, base_model, rank, alpha, targets, step, has_optimizer
-    weights.safetensors      "<target>.A" [layers, r, in], "<target>.B" [layers, out, r]; float32
+    weights.safetensors      "<target>.A" [layers, (E,) r, in], "<target>.B" [layers, (E,) out, r]; float32
     optimizer.safetensors    "<target>.m_A|v_A|m_B|v_B", float32 (only when saved with the optimizer)
     grads.safetensors        "<target>.A|B" pending gradients (page dirs only, see `save_paged`)
 
@@ -26,7 +26,7 @@ from torch import Tensor
 from mint_server.engine.interface import EngineError
 from mint_server.engine.residency import AdamState
 from mint_server.fsutil import atomic_write_dir
-from mint_server.model.lora import LoraBank
+from mint_server.model.lora import LoraBank, lora_shapes
 from mint_server.model.peft_io import LoraWeights
 
 FORMAT, VERSION = "mint-train-state", 1
@@ -127,9 +127,9 @@ def check_shapes(w: LoraWeights, bank: LoraBank, where: str) -> None:
     for t, (A, B) in w.weights.items():
         if t not in bank.shapes:
             raise EngineError(f"{where}: unknown LoRA target {t!r}")
-        L, fi, fo = bank.shapes[t]
-        if tuple(A.shape) != (L, w.rank, fi) or tuple(B.shape) != (L, fo, w.rank):
+        a_shape, b_shape = lora_shapes(bank.shapes[t], bank.experts.get(t, 0), w.rank)
+        if tuple(A.shape) != a_shape or tuple(B.shape) != b_shape:
             raise EngineError(f"{where}: {t} LoRA shapes {list(A.shape)}/{list(B.shape)} do not fit this "
-                              f"base model (expected {[L, w.rank, fi]}/{[L, fo, w.rank]})")
+                              f"base model (expected {list(a_shape)}/{list(b_shape)})")
     if not 1 <= w.rank <= bank.max_rank:
         raise EngineError(f"{where}: rank {w.rank} is outside 1..{bank.max_rank} (the engine's max LoRA rank)")

@@ -35,7 +35,7 @@ from mint_server.engine.optim import Pairs, adamw_step
 from mint_server.engine.residency import AdamState, Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.model.config import ModelError
-from mint_server.model.lora import LoraBatch
+from mint_server.model.lora import LoraBatch, lora_shapes
 from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
 from mint_server.model.transformer import Transformer
 
@@ -242,12 +242,13 @@ class Trainer:
             per_adapter = []
             for a in adapters:
                 if t in a.targets:
-                    As = [bank.A[t][a.slot, i, : a.rank].detach().requires_grad_(True) for i in range(L)]
-                    Bs = [bank.B[t][a.slot, i, :, : a.rank].detach().requires_grad_(True) for i in range(L)]
+                    As = [bank.A[t][a.slot, i][..., : a.rank, :].detach().requires_grad_(True) for i in range(L)]
+                    Bs = [bank.B[t][a.slot, i][..., : a.rank].detach().requires_grad_(True) for i in range(L)]
                     leaves[a.id][t] = (As, Bs)
                 else:  # no LoRA on t for this adapter: zeros, no gradient wanted
-                    As = [torch.zeros(a.rank, fi, device=dev, dtype=dtype)] * L
-                    Bs = [torch.zeros(fo, a.rank, device=dev, dtype=dtype)] * L
+                    a_shape, b_shape = lora_shapes((L, fi, fo), bank.experts.get(t, 0), a.rank, layered=False)
+                    As = [torch.zeros(a_shape, device=dev, dtype=dtype)] * L
+                    Bs = [torch.zeros(b_shape, device=dev, dtype=dtype)] * L
                 pad = rmax - a.rank  # zero rank-padding keeps the product exact
                 per_adapter.append(([F.pad(x, (0, 0, 0, pad)) for x in As] if pad else As,
                                     [F.pad(x, (0, pad)) for x in Bs] if pad else Bs))
@@ -387,7 +388,7 @@ class Trainer:
 
     def _bank_views(self, a: Adapter) -> Pairs:
         bank = self.registry.bank
-        return {t: (bank.A[t][a.slot, :, : a.rank], bank.B[t][a.slot, :, :, : a.rank]) for t in a.targets}
+        return {t: (bank.A[t][a.slot][..., : a.rank, :], bank.B[t][a.slot][..., : a.rank]) for t in a.targets}
 
     def _params(self, a: Adapter) -> Pairs:
         """The float32 tensors AdamW updates: the bank slot itself when the bank is float32.
@@ -437,12 +438,12 @@ class Trainer:
 
     def export_peft(self, adapter_id: str, dest: Path) -> None:
         """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
-        save_peft(self.registry.weights(adapter_id), dest, self.base_model)
+        save_peft(self.registry.weights(adapter_id), dest, self.base_model, self.model.config)
 
     def import_peft(self, src: Path) -> str:
         """A new trainable adapter from a PEFT LoRA dir; returns its id."""
         try:
-            weights = load_peft(src, self.model.config.num_layers)
+            weights = load_peft(src, self.model.config)
         except ModelError as e:
             raise EngineError(f"path: {e}") from None
         check_shapes(weights, self.registry.bank, "path")
@@ -476,14 +477,15 @@ class Trainer:
         shapes = self.registry.bank.shapes
         weights = {}
         for t in sorted({t for a, _ in pairs for t in a.targets}):
-            L, fi, fo = shapes[t]
+            experts = self.registry.bank.experts.get(t, 0)
             As, Bs = [], []
             for w, a, c in sources:
-                zeros = (torch.zeros(L, a.rank, fi, device=self.device), torch.zeros(L, fo, a.rank, device=self.device))
+                a_shape, b_shape = lora_shapes(shapes[t], experts, a.rank)
+                zeros = (torch.zeros(a_shape, device=self.device), torch.zeros(b_shape, device=self.device))
                 A, B = w.weights.get(t, zeros)
                 As.append(A)
                 Bs.append(B * (c * a.scale / scale))
-            weights[t] = (torch.cat(As, dim=1), torch.cat(Bs, dim=2))
+            weights[t] = (torch.cat(As, dim=-2), torch.cat(Bs, dim=-1))
         if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
             raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
         return self.registry.install(LoraWeights(weights, rank, scale * rank), trainable=trainable).id

@@ -1,8 +1,8 @@
 """Model configuration: one dataclass for every supported family, read from an HF config.json.
 
 A family is declarative: an entry in FAMILIES says which HF architecture it is and which switches
-(qk-norm, attention bias) it turns on. Adding a dense family is one entry here plus, if its weight
-names differ, a name map in loader.py.
+(qk-norm, attention bias, mixture-of-experts MLPs) it turns on. Adding a family is one entry here
+plus, if its weight names differ, a name map in loader.py.
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ class Family:
     name: str
     qk_norm: bool
     attention_bias: bool
+    moe: bool = False  # some layers' MLP is a routed set of experts (Qwen3-MoE style)
 
 
 # HF `architectures[0]` → family switches.
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", qk_norm=False, attention_bias=False),
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, attention_bias=False),
+    "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, attention_bias=False, moe=True),
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,35 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts (families with moe=True; zero / empty otherwise). A layer's MLP is sparse
+    # when it is not in mlp_only_layers and (layer + 1) is a multiple of decoder_sparse_step;
+    # the other layers keep a dense MLP of intermediate_size.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.architecture]
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the routed experts (else a dense MLP)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_sparse(i))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if not self.is_sparse(i))
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -76,6 +103,7 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            moe = _moe_fields(hf) if FAMILIES[arch].moe else {}
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -92,6 +120,7 @@ class ModelConfig:
                 rope_scaling=dict(rope) if rope_type == "llama3" else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **moe,
             )
         except KeyError as e:
             raise ModelError(f"config.json is missing field {e.args[0]!r}") from None
@@ -109,3 +138,24 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf)
+
+
+def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The MoE switches of an HF config (transformers writes the expert count as num_local_experts)."""
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None:
+        raise KeyError("num_experts")
+    top_k = int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= int(experts):
+        raise ModelError(f"num_experts_per_tok {top_k} is outside 1..num_experts ({experts})")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(hf["moe_intermediate_size"]),
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": step,
+        "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    }

@@ -1,8 +1,14 @@
-"""Load an HF checkpoint dir (config.json + safetensors, sharded or not) into our Transformer."""
+"""Load an HF checkpoint dir (config.json + safetensors, sharded or not) into our Transformer.
+
+MoE experts come in either of two layouts and are stacked into our [E, out, in] parameters:
+per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as the Hub ships them) or transformers'
+fused layout (`mlp.experts.gate_up_proj` [E, 2·I, H], gate rows first, and `mlp.experts.down_proj`).
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -13,6 +19,8 @@ from mint_server.model.transformer import Transformer, rope_inv_freq
 
 # HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
 NAME_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
+_PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.experts)\.gate_up_proj$")
 
 
 def default_device() -> torch.device:
@@ -61,12 +69,26 @@ def load_model(
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert → [out, in]
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 ours = our_name(name)
+                if ours is None:
+                    continue
                 if ours in expected:
                     state[ours] = sf.get_tensor(name).to(device=device, dtype=dtype)
+                elif m := _PER_EXPERT.match(ours):
+                    per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = sf.get_tensor(name)
+                elif m := _FUSED_GATE_UP.match(ours):
+                    gate, up = sf.get_tensor(name).to(device=device, dtype=dtype).chunk(2, dim=1)
+                    state[f"{m.group(1)}.gate_proj"], state[f"{m.group(1)}.up_proj"] = gate, up
+    for ours, experts in per_expert.items():
+        if ours in expected and ours not in state:
+            if sorted(experts) != list(range(cfg.num_experts)):
+                raise ModelError(f"checkpoint {str(model_dir)!r} has experts {sorted(experts)[:5]}... for "
+                                 f"{ours}, expected 0..{cfg.num_experts - 1}")
+            state[ours] = torch.stack([experts[e] for e in range(cfg.num_experts)]).to(device=device, dtype=dtype)
     missing = expected - set(state)
     if missing:
         raise ModelError(f"checkpoint {str(model_dir)!r} lacks weights: {sorted(missing)[:5]}")

@@ -10,6 +10,13 @@ A forward pass receives a `LoraBatch`: per target, the stacked A/B of the n adap
 index of each batch row into them (-1 = bare base), and the per-adapter scale (lora_alpha / r, as
 PEFT). `add_lora` is the one place the LoRA math lives, so MoE experts, MLA projections or a
 fused kernel plug in here.
+
+Experts. On a mixture-of-experts base the expert projections are targets of their own
+(`expert_gate_proj`, ...) with an expert dimension after the layer one: A [slots, layers, E, r, in],
+B [slots, layers, E, out, r], so an adapter holds one A/B pair per expert (the router stays
+frozen). Per-layer target index: a target's layer axis lists only the layers that have it (see
+`target_layers`), e.g. expert targets only the sparse layers, the dense MLP targets only the
+dense ones; for dense families that is every layer, so index == layer number.
 """
 
 from __future__ import annotations
@@ -25,40 +32,113 @@ from mint_server.model.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_TARGETS = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
 UNEMBED_TARGET = "lm_head"
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + (UNEMBED_TARGET,)
+ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + EXPERT_TARGETS + (UNEMBED_TARGET,)
+EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
+
+
+def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """target → the model layers it exists in, in order (its per-target layer index is the position
+    in this tuple). Targets a model does not have (experts of a dense model, dense MLPs of a model
+    whose every layer is sparse) are absent."""
+    every = tuple(range(cfg.num_layers))
+    out: dict[str, tuple[int, ...]] = dict.fromkeys(ATTN_TARGETS, every)
+    if cfg.dense_layers:
+        out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
+    if cfg.sparse_layers:
+        out.update(dict.fromkeys(EXPERT_TARGETS, cfg.sparse_layers))
+    out[UNEMBED_TARGET] = (0,)
+    return out
 
 
 def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
-    """target → (layers, in_features, out_features)."""
+    """target → (layers, in_features, out_features); expert targets have `target_experts` experts more."""
     h, q, kv, i = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
-    L = cfg.num_layers
-    return {
-        "q_proj": (L, h, q),
-        "k_proj": (L, h, kv),
-        "v_proj": (L, h, kv),
-        "o_proj": (L, q, h),
-        "gate_proj": (L, h, i),
-        "up_proj": (L, h, i),
-        "down_proj": (L, i, h),
-        "lm_head": (1, h, cfg.vocab_size),
+    e = cfg.moe_intermediate_size
+    io = {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        "expert_gate_proj": (h, e), "expert_up_proj": (h, e), "expert_down_proj": (e, h),
+        "lm_head": (h, cfg.vocab_size),
     }
+    return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
+
+
+def target_experts(cfg: ModelConfig) -> dict[str, int]:
+    """Expert targets → number of experts (each has its own A/B); dense targets are absent."""
+    return {t: cfg.num_experts for t in target_layers(cfg) if t in EXPERT_TARGETS}
+
+
+def lora_shapes(
+    shape: tuple[int, int, int], experts: int, rank: int, layered: bool = True
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The A and B shapes of one adapter's target: [layers, (E,) r, in], [layers, (E,) out, r];
+    layered=False drops the layer axis (one layer's pair)."""
+    layers, fi, fo = shape
+    lead = ((layers,) if layered else ()) + ((experts,) if experts else ())
+    return (*lead, rank, fi), (*lead, fo, rank)
 
 
 def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembed: bool = True) -> tuple[str, ...]:
-    """Tinker's LoraConfig switches → target projection names."""
+    """Tinker's LoraConfig switches → target projection names (train_mlp covers dense MLPs and
+    experts alike; a model's adapter gets those of them it has)."""
     return (
         (ATTN_TARGETS if train_attn else ())
-        + (MLP_TARGETS if train_mlp else ())
+        + (MLP_TARGETS + EXPERT_TARGETS if train_mlp else ())
         + ((UNEMBED_TARGET,) if train_unembed else ())
     )
+
+
+# Below this many gathered LoRA elements (pairs × r × (in + out)) an expert LoRA gathers every
+# pair's own A/B and runs one batched matmul (decode: few pairs, many groups); above it, it runs
+# one matmul per (expert, adapter) group (training: many pairs per group).
+EXPERT_GATHER_LIMIT = 1 << 24
+
+
+@dataclass
+class ExpertGroups:
+    """The token→expert pairs of one MoE layer, sorted by expert and, within an expert, by adapter.
+
+    Pairs are (token, k-th choice) in token-major order before sorting; `order` maps each sorted
+    pair back to it. Groups are the non-empty runs of equal (expert, adapter), in sorted order.
+    """
+
+    order: Tensor  # [P] long: unsorted pair index of each sorted pair
+    expert: Tensor  # [P] long: expert of each sorted pair
+    adapter: Tensor  # [P] long: adapter (index into the batch's n) of each sorted pair; -1 = base
+    expert_sizes: list[int]  # [E] pairs per expert
+    group_sizes: list[int]  # [G] pairs per group
+    group_expert: list[int]  # [G]
+    group_adapter: list[int]  # [G]; -1 = base rows (no LoRA)
+
+
+def group_pairs(expert: Tensor, adapter: Tensor, num_experts: int, num_adapters: int) -> ExpertGroups:
+    """Sort pairs (expert [P], adapter [P] with -1 = base) into expert-major, adapter-minor groups.
+
+    One stable sort and one bincount; the only host sync is reading the group sizes.
+    """
+    key = expert * (num_adapters + 1) + (adapter + 1)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts * (num_adapters + 1)).tolist()
+    sizes, g_expert, g_adapter = [], [], []
+    expert_sizes = [0] * num_experts
+    for k, c in enumerate(counts):
+        if c:
+            e, a = divmod(k, num_adapters + 1)
+            sizes.append(c)
+            g_expert.append(e)
+            g_adapter.append(a - 1)
+            expert_sizes[e] += c
+    return ExpertGroups(order, expert[order], adapter[order], expert_sizes, sizes, g_expert, g_adapter)
 
 
 @dataclass
 class LoraBatch:
     """What one forward needs to apply several adapters to the rows of one batch.
 
-    weights: target → (A [n, layers, r, in], B [n, layers, out, r]); targets absent here get no LoRA.
+    weights: target → (A [n, layers, (E,) r, in], B [n, layers, (E,) out, r]); targets absent here
+             get no LoRA; expert targets carry the expert axis.
     rows:    [batch] long, index into n per row; -1 = bare base.
     scale:   [n] per-adapter lora_alpha / r.
     """
@@ -79,25 +159,45 @@ class LoraBatch:
         self.row_scale = torch.where(self.rows >= 0, self.scale[self.row_index], torch.zeros_like(self.scale[:1]))
 
     @property
+    def num_adapters(self) -> int:
+        return int(self.scale.shape[0])
+
+    @property
     def is_base_only(self) -> bool:
         return not self.weights or bool((self.rows < 0).all())
 
-    def apply(self, target: str, layer: int, x: Tensor, y: Tensor) -> Tensor:
-        """y (the base projection of x) plus this target's LoRA delta; y unchanged if no LoRA on it."""
+    def has(self, target: str) -> bool:
+        return target in self.weights
+
+    def apply(
+        self, target: str, layer: int, x: Tensor, y: Tensor, groups: ExpertGroups | None = None
+    ) -> Tensor:
+        """y (the base projection of x) plus this target's LoRA delta; y unchanged if no LoRA on it.
+
+        layer: the target's own layer index (see `target_layers`). groups: for expert targets, how
+        the pairs in x [P, in] / y [P, out] are grouped.
+        """
         ab = self.weights.get(target)
         if ab is None:
             return y
-        return add_lora(y, x, ab[0][:, layer], ab[1][:, layer], self)
+        return add_lora(y, x, ab[0][:, layer], ab[1][:, layer], self, groups)
 
 
-def add_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Tensor:
+def add_lora(
+    y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch, groups: ExpertGroups | None = None
+) -> Tensor:
     """y + scale · (x Aᵀ) Bᵀ for x [rows, tokens, in], A [n, r, in], B [n, out, r], y [rows, tokens, out].
 
     One adapter for the whole batch: two plain matmuls. Mixed: gather each row's A/B and run two
     batched matmuls, so cost grows with rows × rank, never with a Python loop over rows or adapters.
     The scale is applied to the small rank-r intermediate and the second product accumulates into y
     (addmm), so no output-sized temporary is made — it matters for the 49k-wide lm_head.
+
+    Experts (groups given): x [P, in] / y [P, out] are token→expert pairs sorted into `groups`,
+    A [n, E, r, in], B [n, E, out, r]; each pair gets its own adapter's own expert's A/B.
     """
+    if groups is not None:
+        return _add_expert_lora(y, x, A, B, batch, groups)
     rows, tokens, out = y.shape
     if batch.uniform is not None:
         u = batch.uniform
@@ -109,18 +209,54 @@ def add_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Te
     return torch.baddbmm(y, xa, b.transpose(1, 2))
 
 
+def _add_expert_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch, groups: ExpertGroups) -> Tensor:
+    if all(a < 0 for a in groups.group_adapter):
+        return y
+    P, r = x.shape[0], A.shape[-2]
+    if P * r * (A.shape[-1] + B.shape[-2]) <= EXPERT_GATHER_LIMIT:
+        # Few pairs: gather each pair's (adapter, expert) A/B; base pairs get scale 0.
+        a = groups.adapter.clamp(min=0)
+        s = torch.where(groups.adapter >= 0, batch.scale[a], torch.zeros_like(batch.scale[:1])).to(x.dtype)
+        xa = torch.bmm(A[a, groups.expert], x[:, :, None]) * s[:, None, None]  # [P, r, 1]
+        return torch.baddbmm(y[:, :, None], B[a, groups.expert], xa).squeeze(-1)
+    # Many pairs: one matmul pair per (expert, adapter) group. One gather of the groups' A/B and
+    # unbind/split/cat keep autograd's backward to a single scatter per weight, not one per group.
+    lora = [g for g, a in enumerate(groups.group_adapter) if a >= 0]
+    dev = A.device
+    ga = torch.tensor([groups.group_adapter[g] for g in lora], device=dev)
+    ge = torch.tensor([groups.group_expert[g] for g in lora], device=dev)
+    As, Bs = A[ga, ge].unbind(0), B[ga, ge].unbind(0)
+    scales = batch.scale[ga].to(x.dtype).unbind(0)
+    parts = list(y.split(groups.group_sizes))
+    xs = x.split(groups.group_sizes)
+    for j, g in enumerate(lora):
+        xa = (xs[g] @ As[j].transpose(0, 1)) * scales[j]
+        parts[g] = torch.addmm(parts[g], xa, Bs[j].transpose(0, 1))
+    return torch.cat(parts)
+
+
 def init_lora_weights(
-    shapes: dict[str, tuple[int, int, int]], targets: Sequence[str], rank: int, seed: int, dtype: torch.dtype
+    shapes: dict[str, tuple[int, int, int]],
+    targets: Sequence[str],
+    rank: int,
+    seed: int,
+    dtype: torch.dtype,
+    experts: dict[str, int] | None = None,
 ) -> dict[str, tuple[Tensor, Tensor]]:
-    """PEFT's default init (A kaiming-uniform with a=√5, B zero), deterministic in `seed`. On CPU."""
+    """PEFT's default init (A kaiming-uniform with a=√5, B zero), deterministic in `seed`. On CPU.
+
+    Targets the model does not have (not in `shapes`) are skipped; experts[t] adds an expert axis.
+    """
     gen = torch.Generator().manual_seed(seed)
     out = {}
     for t in targets:
-        layers, fan_in, fan_out = shapes[t]
+        if t not in shapes:
+            continue
+        a_shape, b_shape = lora_shapes(shapes[t], (experts or {}).get(t, 0), rank)
         # kaiming_uniform_(a=sqrt(5)) on [r, in]: bound = sqrt(6 / ((1 + a²) · fan_in)) = 1/sqrt(fan_in)
-        bound = 1.0 / math.sqrt(fan_in)
-        a = (torch.rand(layers, rank, fan_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
-        out[t] = (a.to(dtype), torch.zeros(layers, fan_out, rank, dtype=dtype))
+        bound = 1.0 / math.sqrt(a_shape[-1])
+        a = (torch.rand(a_shape, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+        out[t] = (a.to(dtype), torch.zeros(b_shape, dtype=dtype))
     return out
 
 
@@ -132,18 +268,19 @@ class LoraBank:
     ) -> None:
         self.num_slots, self.max_rank = num_slots, max_rank
         self.shapes = target_shapes(cfg)
-        self.A = {
-            t: torch.zeros(num_slots, L, max_rank, fi, device=device, dtype=dtype) for t, (L, fi, _) in self.shapes.items()
-        }
-        self.B = {
-            t: torch.zeros(num_slots, L, fo, max_rank, device=device, dtype=dtype) for t, (L, _, fo) in self.shapes.items()
-        }
+        self.experts = target_experts(cfg)
+        self.A: dict[str, Tensor] = {}
+        self.B: dict[str, Tensor] = {}
+        for t, shape in self.shapes.items():
+            a_shape, b_shape = lora_shapes(shape, self.experts.get(t, 0), max_rank)
+            self.A[t] = torch.zeros(num_slots, *a_shape, device=device, dtype=dtype)
+            self.B[t] = torch.zeros(num_slots, *b_shape, device=device, dtype=dtype)
         self.scale = torch.zeros(num_slots, device=device, dtype=torch.float32)
         self.rank = [0] * num_slots
         self.targets: list[tuple[str, ...]] = [()] * num_slots
 
     def write(self, slot: int, weights: dict[str, tuple[Tensor, Tensor]], rank: int, alpha: float) -> None:
-        """Fill a slot: weights[target] = (A [layers, r, in], B [layers, out, r]); other targets zeroed."""
+        """Fill a slot: weights[target] = (A [layers, (E,) r, in], B [layers, (E,) out, r]); other targets zeroed."""
         if not 0 < rank <= self.max_rank:
             raise ValueError(f"rank {rank} is outside 1..{self.max_rank} (the bank's max_rank)")
         for t in weights:
@@ -151,12 +288,16 @@ class LoraBank:
                 raise ValueError(f"unknown LoRA target {t!r}")
         with torch.no_grad():
             for t in self.shapes:
-                self.A[t][slot].zero_()
-                self.B[t][slot].zero_()
-                if t in weights:
+                A, B = self.A[t][slot], self.B[t][slot]
+                if t in weights:  # copy in, zero only the rank padding (one pass over the slot, not two)
                     a, b = weights[t]
-                    self.A[t][slot, :, :rank].copy_(a)
-                    self.B[t][slot, :, :, :rank].copy_(b)
+                    A[..., :rank, :].copy_(a)
+                    B[..., :rank].copy_(b)
+                    A[..., rank:, :].zero_()
+                    B[..., rank:].zero_()
+                else:
+                    A.zero_()
+                    B.zero_()
             self.scale[slot] = alpha / rank
         self.rank[slot] = rank
         self.targets[slot] = tuple(t for t in self.shapes if t in weights)
@@ -173,13 +314,13 @@ class LoraBank:
     def read(self, slot: int) -> dict[str, tuple[Tensor, Tensor]]:
         """A copy of the slot's weights at its own rank (for export)."""
         r = self.rank[slot]
-        return {t: (self.A[t][slot, :, :r].clone(), self.B[t][slot, :, :, :r].clone()) for t in self.targets[slot]}
+        return {t: (self.A[t][slot][..., :r, :].clone(), self.B[t][slot][..., :r].clone()) for t in self.targets[slot]}
 
     def batch(self, row_slots: Sequence[int], device: torch.device | str | None = None) -> LoraBatch:
         """A LoraBatch over the whole bank (no copies) for rows given as slot ids (-1 = base)."""
         used = {s for s in row_slots if s >= 0}
         rank = max((self.rank[s] for s in used), default=0)
         targets = {t for s in used for t in self.targets[s]}
-        weights = {t: (self.A[t][:, :, :rank], self.B[t][:, :, :, :rank]) for t in targets} if rank else {}
+        weights = {t: (self.A[t][..., :rank, :], self.B[t][..., :rank]) for t in targets} if rank else {}
         rows = torch.tensor(list(row_slots), dtype=torch.long, device=device or self.scale.device)
         return LoraBatch(weights=weights, rows=rows, scale=self.scale)

@@ -1,9 +1,21 @@
-"""LoRA adapters on disk in PEFT layout: adapter_config.json + adapter_model.safetensors."""
+"""LoRA adapters on disk in PEFT layout: adapter_config.json + adapter_model.safetensors.
+
+Expert LoRA (MoE bases) has two layouts, told apart by the keys (and named in adapter_config.json
+as "mint_moe_layout"); see docs/moe.md:
+
+- packed (what MinT writes and the catalog stores): one tensor pair per projection per layer,
+  `...layers.{l}.mlp.experts.{proj}.lora_A.weight` [E, r, in] and `...lora_B.weight` [E, out, r];
+- per-expert (PEFT's module layout): `...layers.{l}.mlp.experts.{e}.{proj}.lora_A.weight` [r, in]
+  and `...lora_B.weight` [out, r] for every expert e.
+
+Both load; either can be written, and `convert_moe_layout` turns one into the other bit-exactly.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,8 +23,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mint_server.fsutil import atomic_write_dir
-from mint_server.model.config import ModelError
-from mint_server.model.lora import ALL_TARGETS, ATTN_TARGETS, UNEMBED_TARGET
+from mint_server.model.config import ModelConfig, ModelError
+from mint_server.model.lora import ALL_TARGETS, ATTN_TARGETS, EXPERT_PREFIX, UNEMBED_TARGET, target_layers
+from mint_server.model.moe_layout import (
+    MOE_LAYOUT_KEY,
+    MOE_LAYOUTS,
+    PACKED_KEY,
+    PER_EXPERT_KEY,
+    moe_layout_of,
+)
 from mint_server.model.peft_archive import (  # archives' name, read as lm_head
     LM_HEAD_PREFIX,
     TINKER_UNEMBED_PREFIX,
@@ -20,32 +39,74 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
 
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
-_KEY = re.compile(r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(\w+)\.lora_([AB])\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?)?(\w+)\.lora_([AB])\.weight$"
+)
 
 
 @dataclass
 class LoraWeights:
-    """One adapter: weights[target] = (A [layers, r, in], B [layers, out, r]) on CPU or device."""
+    """One adapter: weights[target] = (A [layers, (E,) r, in], B [layers, (E,) out, r]) on CPU or device
+    (expert targets carry the expert axis E)."""
 
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
     rank: int
     alpha: float = DEFAULT_LORA_ALPHA
 
 
-def peft_key(target: str, layer: int, which: str) -> str:
+def peft_key(target: str, layer: int, which: str, expert: int | None = None) -> str:
+    """The PEFT tensor name; expert targets: packed without `expert`, per-expert with it."""
     if target == UNEMBED_TARGET:
         return f"base_model.model.lm_head.lora_{which}.weight"
+    if target.startswith(EXPERT_PREFIX):
+        proj = target[len(EXPERT_PREFIX):]
+        experts = "experts." if expert is None else f"experts.{expert}."
+        return f"base_model.model.model.layers.{layer}.mlp.{experts}{proj}.lora_{which}.weight"
     block = "self_attn" if target in ATTN_TARGETS else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{which}.weight"
 
 
-def save_peft(adapter: LoraWeights, dest: str | Path, base_model: str) -> None:
-    """Write a PEFT adapter dir atomically (fp32 tensors on disk, whatever the compute dtype)."""
+def _layers_of(cfg: ModelConfig | int, target: str) -> tuple[int, ...]:
+    """The model layers a target's layer axis lists (a plain layer count: a dense model)."""
+    if isinstance(cfg, ModelConfig):
+        layers = target_layers(cfg).get(target)
+        if layers is None:
+            raise ModelError(f"adapter target {target!r} does not exist in this base model")
+        return layers
+    if target.startswith(EXPERT_PREFIX):
+        raise ModelError("expert LoRA needs the base model's config (which layers are sparse)")
+    return (0,) if target == UNEMBED_TARGET else tuple(range(cfg))
+
+
+def peft_tensors(adapter: LoraWeights, cfg: ModelConfig | int, moe_layout: str = "packed") -> dict[str, torch.Tensor]:
+    """The adapter's PEFT-named tensors (fp32, CPU, contiguous) in the given expert layout."""
+    if moe_layout not in MOE_LAYOUTS:
+        raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {moe_layout!r}")
     tensors = {}
     for t, (a, b) in adapter.weights.items():
-        for layer in range(a.shape[0]):
-            tensors[peft_key(t, layer, "A")] = a[layer].detach().to("cpu", torch.float32).contiguous()
-            tensors[peft_key(t, layer, "B")] = b[layer].detach().to("cpu", torch.float32).contiguous()
+        a, b = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
+        per_expert = t.startswith(EXPERT_PREFIX) and moe_layout == "per-expert"
+        for i, layer in enumerate(_layers_of(cfg, t)):
+            if per_expert:
+                for e in range(a.shape[1]):
+                    tensors[peft_key(t, layer, "A", e)] = a[i, e].contiguous()
+                    tensors[peft_key(t, layer, "B", e)] = b[i, e].contiguous()
+            else:
+                tensors[peft_key(t, layer, "A")] = a[i].contiguous()
+                tensors[peft_key(t, layer, "B")] = b[i].contiguous()
+    return tensors
+
+
+def save_peft(
+    adapter: LoraWeights, dest: str | Path, base_model: str, cfg: ModelConfig | None = None, moe_layout: str = "packed"
+) -> None:
+    """Write a PEFT adapter dir atomically (fp32 tensors on disk, whatever the compute dtype).
+
+    cfg (needed for expert LoRA) maps each target's layer axis to model layers; without it the
+    model is taken to be dense. Expert LoRA is written in `moe_layout` (packed by default).
+    """
+    tensors = peft_tensors(adapter, cfg if cfg is not None else _num_layers(adapter), moe_layout)
+    modules = sorted({t[len(EXPERT_PREFIX):] if t.startswith(EXPERT_PREFIX) else t for t in adapter.weights})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -54,7 +115,7 @@ def save_peft(adapter: LoraWeights, dest: str | Path, base_model: str) -> None:
         "lora_alpha": adapter.alpha,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted(adapter.weights),
+        "target_modules": modules,
         "fan_in_fan_out": False,
         "use_rslora": False,
         "use_dora": False,
@@ -62,7 +123,16 @@ def save_peft(adapter: LoraWeights, dest: str | Path, base_model: str) -> None:
         "inference_mode": True,
         "modules_to_save": None,
     }
+    if any(t.startswith(EXPERT_PREFIX) for t in adapter.weights):
+        config[MOE_LAYOUT_KEY] = moe_layout
+    _write_dir(dest, tensors, config)
 
+
+def _num_layers(adapter: LoraWeights) -> int:
+    return max((a.shape[0] for t, (a, _) in adapter.weights.items() if t != UNEMBED_TARGET), default=1)
+
+
+def _write_dir(dest: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
     def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -70,34 +140,111 @@ def save_peft(adapter: LoraWeights, dest: str | Path, base_model: str) -> None:
     atomic_write_dir(dest, fill)
 
 
-def load_peft(src: str | Path, num_layers: int) -> LoraWeights:
-    """Read a PEFT LoRA dir; clear errors for anything we cannot represent exactly."""
+def _read_dir(src: str | Path) -> tuple[dict, Path]:
     src = Path(src)
     cfg_file, weights_file = src / "adapter_config.json", src / "adapter_model.safetensors"
     for f in (cfg_file, weights_file):
         if not f.is_file():
             raise ModelError(f"PEFT adapter dir {str(src)!r} lacks {f.name}")
-    cfg = json.loads(cfg_file.read_text())
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise ModelError(f"adapter peft_type {cfg.get('peft_type')!r} is not supported (only LORA)")
+    try:
+        return json.loads(cfg_file.read_text()), weights_file
+    except json.JSONDecodeError as e:
+        raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
+
+
+def load_peft(src: str | Path, cfg: ModelConfig | int) -> LoraWeights:
+    """Read a PEFT LoRA dir (expert LoRA packed or per-expert); clear errors for anything we cannot
+    represent exactly. cfg: the base model's config (a plain layer count for a dense model)."""
+    config, weights_file = _read_dir(src)
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ModelError(f"adapter peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
-        if cfg.get(flag):
+        if config.get(flag):
             raise ModelError(f"adapter_config {flag}=true is not supported")
-    rank = int(cfg["r"])
-    alpha = float(cfg.get("lora_alpha", rank))
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
+    rank = int(config["r"])
+    alpha = float(config.get("lora_alpha", rank))
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ModelError("adapter_config rank_pattern/alpha_pattern are not supported")
-    found: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    # target → layer → expert (None: dense or packed) → "A"/"B" → tensor
+    found: dict[str, dict[int, dict[int | None, dict[str, torch.Tensor]]]] = {}
     for key, tensor in load_file(str(weights_file)).items():
         m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
-        if m is None or m.group(2) not in ALL_TARGETS:
+        target = None if m is None else (EXPERT_PREFIX + m.group(4) if m.group(2) else m.group(4))
+        if m is None or target not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_file.name}")
-        layer = int(m.group(1) or 0)
-        found.setdefault(m.group(2), {}).setdefault(layer, {})[m.group(3)] = tensor.float()
+        layer, expert = int(m.group(1) or 0), (int(m.group(3)) if m.group(3) is not None else None)
+        found.setdefault(target, {}).setdefault(layer, {}).setdefault(expert, {})[m.group(5)] = tensor.float()
     weights = {}
-    for t, layers in found.items():
-        n = num_layers if t != UNEMBED_TARGET else 1
-        if sorted(layers) != list(range(n)) or any(len(ab) != 2 for ab in layers.values()):
-            raise ModelError(f"adapter target {t!r} does not cover layers 0..{n - 1} with both lora_A and lora_B")
-        weights[t] = (torch.stack([layers[i]["A"] for i in range(n)]), torch.stack([layers[i]["B"] for i in range(n)]))
+    for t, by_layer in found.items():
+        layers = _layers_of(cfg, t)
+        if sorted(by_layer) != list(layers):
+            raise ModelError(f"adapter target {t!r} covers layers {sorted(by_layer)}, this base model has it "
+                             f"in layers {list(layers)}")
+        per_layer = [_layer_pair(t, layer, by_layer[layer], cfg) for layer in layers]
+        weights[t] = (torch.stack([a for a, _ in per_layer]), torch.stack([b for _, b in per_layer]))
     return LoraWeights(weights=weights, rank=rank, alpha=alpha)
+
+
+def _layer_pair(
+    target: str, layer: int, by_expert: dict[int | None, dict[str, torch.Tensor]], cfg: ModelConfig | int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's (A, B) of a target; per-expert tensors are stacked into the packed form."""
+    where = f"adapter target {target!r} layer {layer}"
+    if list(by_expert) == [None]:
+        ab = by_expert[None]
+        if len(ab) != 2:
+            raise ModelError(f"{where} lacks lora_{'B' if 'A' in ab else 'A'}")
+        expect = 3 if target.startswith(EXPERT_PREFIX) else 2
+        if ab["A"].dim() != expect or ab["B"].dim() != expect:
+            raise ModelError(f"{where}: lora_A/lora_B must be {expect}-D, got {list(ab['A'].shape)}/{list(ab['B'].shape)}")
+        return ab["A"], ab["B"]
+    E = cfg.num_experts if isinstance(cfg, ModelConfig) else 0
+    if None in by_expert or sorted(by_expert) != list(range(E)) or any(len(ab) != 2 for ab in by_expert.values()):
+        raise ModelError(f"{where} must hold lora_A and lora_B for each of experts 0..{E - 1} "
+                         "(or one packed pair), not a mix")
+    return (torch.stack([by_expert[e]["A"] for e in range(E)]), torch.stack([by_expert[e]["B"] for e in range(E)]))
+
+
+def convert_moe_layout(tensors: dict[str, torch.Tensor], layout: str) -> dict[str, torch.Tensor]:
+    """Re-lay a PEFT tensor dict's expert LoRA as `layout` (packed | per-expert); other tensors pass
+    through. Bit-exact both ways: only slicing and stacking, no arithmetic."""
+    if layout not in MOE_LAYOUTS:
+        raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {layout!r}")
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        if layout == "per-expert" and (m := PACKED_KEY.match(key)):
+            for e in range(t.shape[0]):
+                out[f"{m.group(1)}.{e}.{m.group(2)}"] = t[e].contiguous()
+        elif layout == "packed" and (m := PER_EXPERT_KEY.match(key)):
+            stacks.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = t
+        else:
+            out[key] = t
+    for key, by_expert in stacks.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ModelError(f"{key}: experts {sorted(by_expert)[:5]}... are not 0..{len(by_expert) - 1}")
+        out[key] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
+def convert_peft_dir(src: str | Path, dest: str | Path, layout: str) -> None:
+    """Copy a PEFT adapter dir to dest (atomically) with its expert LoRA in `layout`; every other
+    file, and the whole dir when it has no expert LoRA or is already in `layout`, is copied as is."""
+    if layout not in MOE_LAYOUTS:
+        raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {layout!r}")
+    src = Path(src)
+    config, weights_file = _read_dir(src)
+    convert = moe_layout_of(src) not in (None, layout)
+    tensors = convert_moe_layout(load_file(str(weights_file)), layout) if convert else {}
+    if convert:
+        config[MOE_LAYOUT_KEY] = layout
+
+    def fill(tmp: Path) -> None:
+        for f in src.iterdir():
+            if f.is_file() and not (convert and f.name in (weights_file.name, "adapter_config.json")):
+                shutil.copy2(f, tmp / f.name)
+        if convert:
+            save_file(tensors, str(tmp / weights_file.name), metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+    atomic_write_dir(dest, fill)

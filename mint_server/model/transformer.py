@@ -1,4 +1,4 @@
-"""Decoder-only transformer for the dense Llama and Qwen3 families, with multi-LoRA built in.
+"""Decoder-only transformer for the Llama, Qwen3 and Qwen3-MoE families, with multi-LoRA built in.
 
 gpt-fast style: small modules, no framework. Every forward takes an optional `LoraBatch` (which
 adapter each row uses) and an optional `KVCache` view (which cache blocks each row writes and reads).
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import LoraBatch
+from mint_server.model.moe import SparseMoE
 
 
 class RMSNorm(nn.Module):
@@ -168,7 +169,7 @@ def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, l
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.layer = layer
+        self.layer = layer  # index among the dense-MLP layers (== layer number in a dense model)
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -185,7 +186,10 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, layer)
+        self.mlp: MLP | SparseMoE = (
+            SparseMoE(cfg, cfg.sparse_layers.index(layer)) if cfg.is_sparse(layer)
+            else MLP(cfg, cfg.dense_layers.index(layer))
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, lora, cache)

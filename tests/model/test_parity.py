@@ -6,17 +6,20 @@ from transformers import AutoModelForCausalLM
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.loader import load_model
-from mint_server.model.lora import ALL_TARGETS, LoraBank, target_shapes
+from mint_server.model.lora import ALL_TARGETS, LoraBank, lora_shapes, target_experts, target_shapes
 from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
 
 
 def random_adapter(cfg: ModelConfig, rank: int, seed: int, targets=ALL_TARGETS) -> LoraWeights:
+    """Random nonzero A and B on every target of `targets` the model has (experts: one pair each)."""
     g = torch.Generator().manual_seed(seed)
-    shapes = target_shapes(cfg)
+    shapes, experts = target_shapes(cfg), target_experts(cfg)
     weights = {}
     for t in targets:
-        L, fi, fo = shapes[t]
-        weights[t] = (torch.randn(L, rank, fi, generator=g) * 0.1, torch.randn(L, fo, rank, generator=g) * 0.1)
+        if t not in shapes:
+            continue
+        a_shape, b_shape = lora_shapes(shapes[t], experts.get(t, 0), rank)
+        weights[t] = (torch.randn(a_shape, generator=g) * 0.1, torch.randn(b_shape, generator=g) * 0.1)
     return LoraWeights(weights=weights, rank=rank, alpha=16.0)
 
 

@@ -1,0 +1,229 @@
+"""Mixture-of-experts LoRA benchmarks (a script, not a test). Final stdout line: a JSON summary.
+
+1. Load: one adapter with Qwen3-30B-A3B shapes (hidden 2048, 128 experts, expert intermediate
+   768, 32×128 query / 4×128 KV heads, vocab 151936; rank 4 on attention, every expert's
+   gate/up/down and lm_head; --layers of the 48, reduced to fit memory) read from a PEFT dir into
+   a device LoRA bank slot (load_peft + LoraBank.write, synchronised): packed layout (one
+   [E, r, in] / [E, out, r] pair per projection per layer) vs per-expert tensors. Wall-time ratio.
+   Both files are read warm from the page cache, so the ratio is the per-tensor overhead, not disk.
+2. Throughput on a tiny-but-wide random MoE (built in code): a decode step of 8 rows that use 8
+   different adapters vs 8 rows on one adapter (the sampler, greedy, after a short prefill), and a
+   fused training pass (one Trainer.run over 8 adapters' requests, 8 rows × 64 tokens) vs the same
+   rows on one adapter.
+3. Bytes per adapter (attention + experts + lm_head, all layers) for Qwen3-30B-A3B and a
+   Kimi-K2-class config at ranks 1, 8, 32 — the table in docs/moe.md.
+
+    python -m benchmarks.moe [--layers 8] [--repeats 5] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mint_server.model.config import ModelConfig
+
+QWEN3_30B_A3B = dict(
+    architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+    num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+    tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+    norm_topk_prob=True,
+)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def median_of(fn, repeats: int, device: str) -> float:
+    fn()  # warm-up (and page cache)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# --- 1. load ----------------------------------------------------------------------------------------
+
+
+def bench_load(layers: int, repeats: int, device: str) -> dict:
+    from safetensors import safe_open
+
+    from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
+    from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
+
+    cfg = ModelConfig(**{**QWEN3_30B_A3B, "num_layers": layers})
+    bank = LoraBank(cfg, num_slots=1, max_rank=4, device=device, dtype=torch.float32)
+    weights = init_lora_weights(bank.shapes, select_targets(), 4, seed=0, dtype=torch.float32, experts=bank.experts)
+    weights = {t: (a, torch.randn_like(b) * 0.01) for t, (a, b) in weights.items()}
+    adapter = LoraWeights(weights, rank=4, alpha=32.0)
+    out: dict = {"layers": layers, "rank": 4}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in ("packed", "per-expert"):
+            d = Path(tmp) / layout
+            save_peft(adapter, d, base_model="qwen3-30b-a3b-shapes", cfg=cfg, moe_layout=layout)
+            with safe_open(str(d / "adapter_model.safetensors"), "pt") as f:
+                n = len(list(f.keys()))
+            size = (d / "adapter_model.safetensors").stat().st_size
+
+            def load(d: Path = d) -> None:
+                w = load_peft(d, cfg)
+                bank.write(0, {t: (a.to(device), b.to(device)) for t, (a, b) in w.weights.items()}, w.rank, w.alpha)
+
+            out[layout] = {"tensors": n, "bytes": size, "seconds": median_of(load, repeats, device)}
+            print(f"load {layout:>10}: {n:6d} tensors, {size / 2**20:7.1f} MiB, "
+                  f"{out[layout]['seconds'] * 1e3:8.1f} ms (median of {repeats})", flush=True)
+    out["ratio"] = out["per-expert"]["seconds"] / out["packed"]["seconds"]
+    print(f"load: packed is {out['ratio']:.2f}x faster than per-expert (MinT: 8.5-8.7x)", flush=True)
+    return out
+
+
+# --- 2. throughput ----------------------------------------------------------------------------------
+
+
+def wide_moe(device: str) -> torch.nn.Module:
+    from mint_server.model.transformer import Transformer, rope_inv_freq
+
+    cfg = ModelConfig(
+        architecture="Qwen3MoeForCausalLM", vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4,
+        num_heads=8, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=1024,
+        tie_word_embeddings=False, eos_token_ids=(), num_experts=64, num_experts_per_tok=8,
+        moe_intermediate_size=256, norm_topk_prob=True,
+    )
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.randn_like(p) * 0.05)
+    model.inv_freq = rope_inv_freq(cfg)
+    return model.to(device).requires_grad_(False).eval()
+
+
+def bench_throughput(device: str, repeats: int) -> dict:
+    from tinker import types
+
+    from mint_server.engine.records import SamplingRecords
+
+    # the unit-test harness: the engine's parser in front of the trainer and sampler
+    from tests.engine.helpers import AdapterRegistry, TrainRequest
+    from tests.engine.helpers import SamplerHarness as Sampler
+    from tests.engine.helpers import TrainerHarness as Trainer
+
+    model = wide_moe(device)
+    cfg = model.config
+    registry = AdapterRegistry(cfg, num_slots=8, max_rank=8, device=device, dtype=torch.float32)
+    trainer = Trainer(model, registry, base_model="wide-moe")
+    ids = [trainer.create_adapter(types.LoraConfig(rank=8, seed=i)) for i in range(8)]
+    for aid in ids:  # nonzero B, so every adapter's expert LoRA does real work
+        w = registry.weights(aid)
+        registry.set_weights(aid, type(w)({t: (a, torch.randn_like(b) * 0.01) for t, (a, b) in w.weights.items()},
+                                          w.rank, w.alpha))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(8)]
+    new_tokens = 16
+
+    def decode(adapters: list[str]) -> float:
+        s = Sampler(model, registry, kv_slots=8, max_seq_len=64, block_size=16, records=SamplingRecords())
+        p = types.SamplingParams(stop=[], max_tokens=new_tokens, temperature=0.0)
+        for a, pr in zip(adapters, prompts, strict=True):
+            s.submit(a, pr, 1, p)
+        s.step()  # the prefill
+        sync(device)
+        t0 = time.perf_counter()
+        while s.has_work():
+            s.step()
+        sync(device)
+        return (time.perf_counter() - t0) / (new_tokens - 1)
+
+    out: dict = {}
+    for name, adapters in (("single", [ids[0]] * 8), ("mixed8", ids)):
+        decode(adapters)
+        out[f"decode_{name}_s"] = statistics.median(decode(adapters) for _ in range(repeats))
+    out["decode_mixed_over_single"] = out["decode_mixed8_s"] / out["decode_single_s"]
+    print(f"decode step, 8 rows: one adapter {out['decode_single_s'] * 1e3:.1f} ms, 8 adapters "
+          f"{out['decode_mixed8_s'] * 1e3:.1f} ms ({out['decode_mixed_over_single']:.2f}x)", flush=True)
+
+    def datums(seed: int, n: int) -> list:
+        gg = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(n):
+            seq = torch.randint(0, cfg.vocab_size, (65,), generator=gg)
+            out.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1].tolist()),
+                                   loss_fn_inputs={"target_tokens": seq[1:], "weights": torch.ones(64)}))
+        return out
+
+    fused = [TrainRequest(a, datums(i, 1), "cross_entropy") for i, a in enumerate(ids)]
+    single = [TrainRequest(ids[0], [d for r in fused for d in r.datums], "cross_entropy")]
+    for name, reqs in (("single", single), ("fused8", fused)):
+        out[f"train_{name}_s"] = median_of(lambda reqs=reqs: trainer.run(reqs), repeats, device)
+    for aid in ids:
+        registry.get(aid).grads.clear()
+    out["train_fused_over_single"] = out["train_fused8_s"] / out["train_single_s"]
+    print(f"training pass, 8 rows x 64 tokens: one adapter {out['train_single_s']:.2f} s, 8 adapters fused "
+          f"{out['train_fused8_s']:.2f} s ({out['train_fused_over_single']:.2f}x)", flush=True)
+    return out
+
+
+# --- 3. bytes per adapter ---------------------------------------------------------------------------
+
+
+def params_per_rank(cfg: dict) -> dict[str, int]:
+    """LoRA parameters per unit of rank: r·(in + out) per projection, summed."""
+    layers, h = cfg["layers"], cfg["hidden"]
+    attn = layers * sum(i + o for i, o in cfg["attn"])
+    sparse = layers - cfg["dense_layers"]
+    experts = sparse * cfg["experts"] * 3 * (h + cfg["expert_inter"])
+    shared = sparse * cfg.get("shared_experts", 0) * 3 * (h + cfg["expert_inter"])
+    dense = cfg["dense_layers"] * 3 * (h + cfg["dense_inter"])
+    unembed = h + cfg["vocab"]
+    return {"attention": attn, "experts": experts, "other": shared + dense + unembed,
+            "total": attn + experts + shared + dense + unembed}
+
+
+CONFIGS = {
+    "Qwen3-30B-A3B": dict(layers=48, hidden=2048, vocab=151936, experts=128, expert_inter=768, dense_layers=0,
+                          dense_inter=6144, attn=[(2048, 4096), (2048, 512), (2048, 512), (4096, 2048)]),
+    # Kimi-K2 / DeepSeek-V3 shapes: 61 layers (first dense), 384 routed + 1 shared expert, MLA attention
+    "Kimi-K2-class": dict(layers=61, hidden=7168, vocab=163840, experts=384, shared_experts=1, expert_inter=2048,
+                          dense_layers=1, dense_inter=18432,
+                          attn=[(7168, 1536), (1536, 64 * 192), (7168, 512 + 64), (512, 64 * 256), (64 * 128, 7168)]),
+}
+
+
+def bytes_table() -> dict:
+    rows = {}
+    for name, cfg in CONFIGS.items():
+        p = params_per_rank(cfg)
+        rows[name] = {"params_per_rank": p, **{f"r{r}_bf16_bytes": 2 * r * p["total"] for r in (1, 8, 32)}}
+        print(f"{name}: {p['total']:,} LoRA params per rank ({p['experts'] / p['total']:.1%} experts); "
+              + ", ".join(f"r={r}: {2 * r * p['total'] / 1e9:.2f} GB bf16" for r in (1, 8, 32)), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8, help="layers of Qwen3-30B-A3B's 48 in the load benchmark")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--skip-throughput", action="store_true")
+    args = ap.parse_args()
+    summary = {"device": args.device, "bytes_per_adapter": bytes_table(),
+               "load": bench_load(args.layers, args.repeats, args.device)}
+    if not args.skip_throughput:
+        summary["throughput"] = bench_throughput(args.device, args.repeats)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
