@@ -23,14 +23,14 @@ import time
 from pathlib import Path
 
 import torch
-from mint_server.engine.adapters import AdapterRegistry
 from tinker import types
 
 from benchmarks.common import smollm2_dir
-from mint_server.engine.sampling import Sampler
 from mint_server.model.loader import load_model
 from mint_server.model.lora import ALL_TARGETS, target_shapes
 from mint_server.model.peft_io import LoraWeights, save_peft
+from tests.engine.helpers import AdapterRegistry
+from tests.engine.helpers import SamplerHarness as Sampler
 
 
 def random_adapter(cfg, rank: int, seed: int) -> LoraWeights:

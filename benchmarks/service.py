@@ -68,7 +68,7 @@ def bench_forward_backward(server: LiveServer, base: str, repeats: int) -> dict:
         return tc.forward_backward(data, "cross_entropy").result()
 
     def direct() -> object:
-        return engine.forward_backward(direct_adapter, data, "cross_entropy").result()
+        return engine.submit(engine.prepare_train(data, "cross_entropy", None).on(direct_adapter)).result()
 
     via_sdk(), direct()  # warm-up: allocator, first-call paths, SDK connection pool
     sdk_s, direct_s = [], []
@@ -110,7 +110,7 @@ def bench_sampling(server: LiveServer, base: str, n: int, max_tokens: int) -> di
         return len(res.sequences[0].tokens)
 
     def direct(prompt: list[int]) -> int:
-        return len(engine.sample(None, prompt, 1, params).result().sequences[0].tokens)
+        return len(engine.submit(engine.prepare_sample(None, prompt, 1, params)).result().sequences[0].tokens)
 
     via_sdk(prompts[0])  # warm-up
     sdk = burst(via_sdk)
@@ -127,8 +127,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny random Llama instead of SmolLM2")
     args = ap.parse_args()
 
-    from mint_server.cli import serve
-    from mint_server.engine.local import EngineSettings, LocalEngine
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.settings import EngineSettings
 
     work = Path(tempfile.mkdtemp(prefix="mint-bench-"))
     if args.tiny:
@@ -139,10 +139,7 @@ def main() -> None:
         from mint_server.model.prepare import DEFAULT_BASE_MODEL, resolve_base_model
 
         model_dir, base = resolve_base_model(None, None), DEFAULT_BASE_MODEL
-    settings = EngineSettings(
-        adapter_slots=serve.DEFAULT_ADAPTER_SLOTS, max_rank=serve.DEFAULT_MAX_RANK,
-        kv_slots=serve.DEFAULT_KV_SLOTS, max_seq_len=serve.DEFAULT_MAX_SEQ_LEN,
-    )
+    settings = EngineSettings()  # what `mint serve` runs with by default
     server = LiveServer(LocalEngine(model_dir, base_model=base, settings=settings), work / "data").start()
     try:
         result = {"model": base, "rows": ROWS, "seq": SEQ, "rank": RANK, "samples": args.samples,

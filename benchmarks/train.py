@@ -100,11 +100,11 @@ def worker_peak(args) -> dict:
 
 def worker_ours(args, build_only: bool = False):
     import torch
-    from mint_server.engine.adapters import AdapterRegistry
     from tinker import types
 
-    from mint_server.engine.training import Trainer, TrainRequest
     from mint_server.model.loader import load_model
+    from tests.engine.helpers import AdapterRegistry, TrainRequest
+    from tests.engine.helpers import TrainerHarness as Trainer
 
     dtype = getattr(torch, args.dtype)
     model = load_model(model_dir(args.model_dir), device=args.device, dtype=dtype)
