@@ -7,7 +7,8 @@
   `tinker://NAME@3`, `tinker://NAME@<sha prefix>`) resolves to one revision when it is given, so a
   sampling session keeps its revision however the alias moves afterwards.
 
-Catalog calls block (SQL; blob copies with fsync). Publishing and checkouts run in a thread;
+Catalog calls block (SQL; blob copies with fsync). Publishing runs in a thread, revision reads on
+the engine's loader threads;
 resolving is a couple of indexed reads and runs inline, like the run registry's lookups. Catalog
 errors become the service's own here: NotFound → 404, bad names and references → 400.
 """
@@ -98,16 +99,16 @@ class Policies:
                 f"this server serves {self.base_model!r}"
             )
 
-    def checkout_fn(self, revision: Revision) -> Callable[[], Path]:
-        """What the engine's loader calls (on its own thread) for a verified PEFT dir of the revision."""
+    def reader(self, revision: Revision) -> Callable[[], dict[str, bytes]]:
+        """What the engine's loader calls (on its own thread) for the revision's verified files."""
 
-        def checkout() -> Path:
+        def read() -> dict[str, bytes]:
             try:
-                return self.catalog.checkout(revision)
+                return self.catalog.read_payload(revision)
             except IntegrityError as e:
                 raise IntegrityFailure(
                     f"revision {revision.ref} (sha256:{revision.sha256[:12]}) failed its integrity check "
                     f"and was not loaded: {e}"
                 ) from None
 
-        return checkout
+        return read

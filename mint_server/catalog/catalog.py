@@ -662,6 +662,15 @@ class Catalog:
         verified before `dest_dir` appears; on IntegrityError nothing is left behind."""
         return payload.write_peft_dir(self.blobs, self.manifest(revision), revision.sha256, dest_dir)
 
+    def read_payload(self, revision: Revision) -> dict[str, bytes]:
+        """The revision's files, read straight from the blob store and verified (no copy on disk):
+        what the engine's residency manager loads a revision from."""
+        entries = self.manifest(revision)
+        if payload.manifest_sha256(entries) != revision.sha256:
+            raise IntegrityError(f"revision {revision.ref!r}: its file list does not hash to its sha256",
+                                 field="sha256")
+        return {e.name: self.blobs.read(e.sha256) for e in entries}
+
     def checkout(self, revision: Revision) -> Path:
         """A materialized copy of the revision under <data_dir>/checkouts/<sha256>, made once and
         reused (content-addressed, so it never goes stale); what the engine loads adapters from."""
@@ -702,8 +711,9 @@ class Catalog:
         prefix: str = "synthetic-",
         batch_size: int = 10_000,
         progress: Callable[[int], None] | None = None,
+        **servable: Any,
     ) -> SeedResult:
-        """Bulk-insert synthetic policies (see seed.py)."""
+        """Bulk-insert synthetic policies (see seed.py; `servable` = payload_for, base_model, lora_config)."""
         from mint_server.catalog.seed import seed
 
         return seed(
@@ -714,6 +724,7 @@ class Catalog:
             prefix=prefix,
             batch_size=batch_size,
             progress=progress,
+            **servable,
         )
 
 

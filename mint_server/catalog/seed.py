@@ -22,7 +22,7 @@ from mint_server.catalog import payload
 from mint_server.catalog.errors import InvalidArgument
 from mint_server.catalog.records import SeedResult
 from mint_server.catalog.refs import check_owner, check_policy_name
-from mint_server.catalog.schema import AliasEventRow, AliasRow, PolicyRow, RevisionRow
+from mint_server.catalog.schema import AliasEventRow, AliasRow, ManifestEntryRow, PolicyRow, RevisionRow
 
 if TYPE_CHECKING:
     from mint_server.catalog.catalog import Catalog
@@ -64,7 +64,12 @@ def seed(
     prefix: str,
     batch_size: int,
     progress: Callable[[int], None] | None,
+    payload_for: Callable[[int], dict[str, bytes]] | None = None,
+    base_model: str = SYNTHETIC_BASE_MODEL,
+    lora_config: dict[str, Any] | None = None,
 ) -> SeedResult:
+    """`payload_for(index)`, when given, makes each policy's own payload (servable policies: real,
+    distinct adapters for the served base); otherwise every revision shares one tiny payload."""
     check_owner(owner)
     check_policy_name(f"{prefix}{0:0{DIGITS}d}", "prefix")
     for field, value, low in (
@@ -108,6 +113,9 @@ def seed(
                 raise InvalidArgument(
                     f"prefix {prefix!r} has no room for {count} more policies", field="prefix"
                 )
+            payloads = [(sha256, size)] * count
+            if payload_for is not None:
+                payloads = _own_payloads(catalog, conn, payload_for, start, count)
             _insert_batch(
                 conn,
                 start,
@@ -115,8 +123,9 @@ def seed(
                 revisions_per_policy,
                 owner,
                 prefix,
-                sha256,
-                size,
+                payloads,
+                base_model,
+                lora_config or SYNTHETIC_LORA,
                 policy_id=_max_id(s, PolicyRow) + 1,
                 revision_id=_max_id(s, RevisionRow) + 1,
                 event_id=_max_id(s, AliasEventRow) + 1,
@@ -140,6 +149,23 @@ def seed(
         last_name=None if last is None else f"{prefix}{last:0{DIGITS}d}",
         seconds=time.perf_counter() - started,
     )
+
+
+def _own_payloads(
+    catalog: Catalog, conn: Any, payload_for: Callable[[int], dict[str, bytes]], start: int, count: int
+) -> list[tuple[str, int]]:
+    """Store each policy's payload (blobs, then manifest rows in bulk); its (sha256, size) per policy."""
+    out, rows = [], []
+    for i in range(start, start + count):
+        entries = []
+        for name, data in sorted(payload_for(i).items()):
+            info = catalog.blobs.put_bytes(data)
+            entries.append(payload.ManifestEntry(name, info.sha256, info.size))
+        sha = payload.manifest_sha256(entries)
+        out.append((sha, sum(e.size for e in entries)))
+        rows += [(sha, e.name, e.sha256, e.size) for e in entries]
+    _insert(conn, ManifestEntryRow.__table__, ["manifest_sha256", "name", "blob_sha256", "size"], rows)
+    return out
 
 
 def _max_id(s: Any, row: type) -> int:
@@ -194,8 +220,9 @@ def _insert_batch(
     k: int,
     owner: str,
     prefix: str,
-    sha256: str,
-    size: int,
+    payloads: list[tuple[str, int]],
+    base_model: str,
+    lora_config: dict[str, Any],
     *,
     policy_id: int,
     revision_id: int,
@@ -206,7 +233,7 @@ def _insert_batch(
     now = datetime.now(UTC)
     # Every row shares these, so convert them for the driver once, not per row.
     policy_now = _db_value(conn, policies_t, "created_at", now)
-    lora = _db_value(conn, policies_t, "lora_config", SYNTHETIC_LORA)
+    lora = _db_value(conn, policies_t, "lora_config", lora_config)
     meta = _db_value(conn, policies_t, "metadata", {})
     revision_now = _db_value(conn, revisions_t, "created_at", now)
     alias_now = _db_value(conn, aliases_t, "updated_at", now)
@@ -216,13 +243,14 @@ def _insert_batch(
     for i in range(count):
         pid = policy_id + i
         policies.append(
-            (pid, owner, f"{prefix}{first + i:0{DIGITS}d}", SYNTHETIC_BASE_MODEL, lora, meta, policy_now)
+            (pid, owner, f"{prefix}{first + i:0{DIGITS}d}", base_model, lora, meta, policy_now)
         )
         base = revision_id + i * k
         for n in range(k):
             # Each revision's parent is the previous one, so lineage has depth.
             revisions.append(
-                (base + n, pid, n + 1, sha256, size, 1, base + n - 1 if n else None, n, revision_now)
+                (base + n, pid, n + 1, payloads[i][0], payloads[i][1], lora_config["rank"],
+                 base + n - 1 if n else None, n, revision_now)
             )
         last = base + k - 1
         aliases.append((pid, SEED_ALIAS, last, alias_now))

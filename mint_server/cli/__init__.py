@@ -6,12 +6,14 @@ from mint_server.cli import catalog as catalog_cli
 from mint_server.cli import generate as generate_cli
 from mint_server.cli import model as model_cli
 from mint_server.cli import serve as serve_cli
+from mint_server.cli import sweep as sweep_cli
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="MinT: LoRA post-training and serving.")
 model_cli.register(app)
 generate_cli.register(app)
 catalog_cli.register(app)
 serve_cli.register(app)
+sweep_cli.register(app)
 
 
 def main() -> None:

@@ -642,18 +642,36 @@ def catalog_seed(
     prefix: Annotated[
         str, typer.Option("--prefix", help="Name prefix of the synthetic policies.")
     ] = "synthetic-",
+    servable: Annotated[
+        bool, typer.Option("--servable", help="Real, distinct adapters for --base-model (local catalogs only).")
+    ] = False,
+    base_model: Annotated[
+        Path | None, typer.Option("--base-model", help="The served base model's dir (with --servable).")
+    ] = None,
+    rank: Annotated[int, typer.Option("--rank", min=1, help="LoRA rank of servable adapters.")] = 1,
 ) -> None:
     """Bulk-load synthetic policies (each with a revision chain and a `prod` alias)."""
     client = target.open()
+    extra: dict[str, Any] = {}
+    if servable:
+        from mint_server.catalog.client import LocalClient
+        from mint_server.cli.sweep import servable_payloads
+        from mint_server.model.prepare import resolve_base_model
+
+        if not isinstance(client, LocalClient):
+            raise InvalidArgument("--servable seeds a local catalog (--data-dir / --db-url), not --server")
+        name, lora, payload_for = servable_payloads(resolve_base_model(str(base_model) if base_model else None,
+                                                                       target.data_dir), rank)
+        extra = {"payload_for": payload_for, "base_model": name, "lora_config": lora}
     columns = (TextColumn("seeding"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=True, disable=target.json) as progress:
         task = progress.add_task("seed", total=policies)
-        result = client.seed(
-            policies,
-            revisions_per_policy,
-            prefix=prefix,
-            progress=lambda done: progress.update(task, completed=done),
-        )
+        update = lambda done: progress.update(task, completed=done)  # noqa: E731
+        if extra:
+            result = client.catalog.seed(policies, revisions_per_policy, client.owner, prefix=prefix,  # type: ignore[attr-defined]
+                                         batch_size=1000, progress=update, **extra)
+        else:
+            result = client.seed(policies, revisions_per_policy, prefix=prefix, progress=update)
     rate = result.policies / result.seconds if result.seconds else 0.0
     data = {**to_dict(result), "policies_per_second": rate}
     _emit(

@@ -3,7 +3,7 @@
 1. device: a slot of the LoRA bank, what a forward can read;
 2. host:   decoded weights in host memory (for a training adapter also its fp32 masters, AdamW
            moments and pending gradients), within a byte budget;
-3. store:  durable — a sampler adapter's source (a PEFT dir, a verified catalog checkout, a
+3. store:  durable — a sampler adapter's source (a PEFT dir, a catalog revision's verified blobs, a
            training state) is re-read from there; a training adapter, or any adapter with no
            source, is written to the engine's page dir first (atomically), so paging never loses
            work and is bit-exact: the same tensors come back.
@@ -35,7 +35,7 @@ from mint_server.engine.interface import EngineError
 from mint_server.engine.settings import EngineSettings
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
-from mint_server.model.peft_io import DEFAULT_LORA_ALPHA, LoraWeights, load_peft
+from mint_server.model.peft_io import DEFAULT_LORA_ALPHA, LoraWeights, load_peft, load_peft_files
 
 log = logging.getLogger(__name__)
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A [L, r, in], B [L, out, r])
@@ -52,14 +52,15 @@ class AdamState:
 class AdapterSource:
     """Where a read-only adapter is read from. `key` names its content: equal keys share one adapter.
 
-    Exactly one of: a PEFT dir; a training-state dir (its weights); `checkout`, a callable returning a
-    verified PEFT dir (a catalog revision: it runs on a loader thread, never on the event loop).
+    Exactly one of: a PEFT dir; a training-state dir (its weights); `read`, a callable returning a
+    PEFT payload's verified files (a catalog revision read from its blobs: it runs on a loader
+    thread, never on the event loop or the engine worker).
     """
 
     key: str
     peft_dir: Path | None = None
     state_dir: Path | None = None
-    checkout: Callable[[], Path] | None = None
+    read: Callable[[], dict[str, bytes]] | None = None
 
 
 @dataclass(eq=False)
@@ -413,9 +414,10 @@ class Residency:
             try:
                 if source.state_dir is not None:
                     out = state_io.load_state(source.state_dir, include_optimizer=False).weights
+                elif source.read is not None:
+                    out = load_peft_files(source.read(), self.cfg)
                 else:
-                    peft_dir = source.checkout() if source.checkout is not None else source.peft_dir
-                    out = load_peft(peft_dir, self.cfg)  # type: ignore[arg-type]
+                    out = load_peft(source.peft_dir, self.cfg)  # type: ignore[arg-type]
             except ModelError as e:
                 raise EngineError(f"adapter {source.key!r}: {e}") from None
             state_io.check_shapes(out, self.bank, f"adapter {source.key!r}")  # type: ignore[arg-type]

@@ -156,6 +156,24 @@ def load_peft(src: str | Path, cfg: ModelConfig | int) -> LoraWeights:
     """Read a PEFT LoRA dir (expert LoRA packed or per-expert); clear errors for anything we cannot
     represent exactly. cfg: the base model's config (a plain layer count for a dense model)."""
     config, weights_file = _read_dir(src)
+    return _parse(config, load_file(str(weights_file)), weights_file.name, cfg)
+
+
+def load_peft_files(files: dict[str, bytes], cfg: ModelConfig | int) -> LoraWeights:
+    """The same from a payload's files in memory (a catalog revision read straight from its blobs)."""
+    from safetensors.torch import load as load_bytes
+
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if name not in files:
+            raise ModelError(f"PEFT adapter payload lacks {name}")
+    try:
+        config = json.loads(files["adapter_config.json"])
+    except json.JSONDecodeError as e:
+        raise ModelError(f"adapter_config.json is not valid JSON: {e}") from None
+    return _parse(config, load_bytes(files["adapter_model.safetensors"]), "adapter_model.safetensors", cfg)
+
+
+def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cfg: ModelConfig | int) -> LoraWeights:
     if config.get("peft_type", "LORA") != "LORA":
         raise ModelError(f"adapter peft_type {config.get('peft_type')!r} is not supported (only LORA)")
     for flag in ("use_dora", "use_rslora", "fan_in_fan_out"):
@@ -167,11 +185,11 @@ def load_peft(src: str | Path, cfg: ModelConfig | int) -> LoraWeights:
         raise ModelError("adapter_config rank_pattern/alpha_pattern are not supported")
     # target → layer → expert (None: dense or packed) → "A"/"B" → tensor
     found: dict[str, dict[int, dict[int | None, dict[str, torch.Tensor]]]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
+    for key, tensor in tensors.items():
         m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
         target = None if m is None else (EXPERT_PREFIX + m.group(4) if m.group(2) else m.group(4))
         if m is None or target not in ALL_TARGETS:
-            raise ModelError(f"unsupported tensor {key!r} in {weights_file.name}")
+            raise ModelError(f"unsupported tensor {key!r} in {weights_name}")
         layer, expert = int(m.group(1) or 0), (int(m.group(3)) if m.group(3) is not None else None)
         found.setdefault(target, {}).setdefault(layer, {}).setdefault(expert, {})[m.group(5)] = tensor.float()
     weights = {}

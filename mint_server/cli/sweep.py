@@ -1,0 +1,170 @@
+"""`mint sweep`: the single-engine sweep — every selected policy's current revision sampled on a
+prompt set through one engine, each result stored as an eval record; and the servable payloads
+`mint catalog seed --servable` fills a catalog with (distinct real adapters for a base model).
+
+The sweep is resumable: a revision that already has this sweep's metric is skipped. Outputs go to
+`<out>/<policy>.json` (atomic), the score (mean logprob of the sampled tokens) to the catalog.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import typer
+
+log = logging.getLogger(__name__)
+TARGETS = ("q_proj", "v_proj")
+
+
+def servable_payloads(model_dir: Path, rank: int) -> tuple[str, dict[str, Any], Callable[[int], dict[str, bytes]]]:
+    """(base model name, LoRA config, index → PEFT payload): deterministic, distinct per index."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    from mint_server.cli.serve import base_model_name
+    from mint_server.model.config import ModelConfig
+    from mint_server.model.lora import target_shapes
+    from mint_server.model.peft_io import peft_key
+
+    cfg = ModelConfig.from_hf_dir(model_dir)
+    name = base_model_name(str(model_dir), model_dir)
+    shapes = target_shapes(cfg)
+    config = json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": name, "r": rank,
+        "lora_alpha": 2.0 * rank, "lora_dropout": 0.0, "bias": "none", "target_modules": list(TARGETS),
+    }, sort_keys=True).encode()
+    lora = {"rank": rank, "train_attn": True, "train_mlp": False, "train_unembed": False}
+
+    def payload(index: int) -> dict[str, bytes]:
+        g = np.random.default_rng(index)
+        tensors = {}
+        for t in TARGETS:
+            layers, fan_in, fan_out = shapes[t]
+            for layer in range(layers):
+                tensors[peft_key(t, layer, "A")] = (g.standard_normal((rank, fan_in)) * 0.05).astype(np.float32)
+                tensors[peft_key(t, layer, "B")] = (g.standard_normal((fan_out, rank)) * 0.05).astype(np.float32)
+        return {"adapter_config.json": config, "adapter_model.safetensors": save(tensors, metadata={"format": "pt"})}
+
+    return name, lora, payload
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def sweep(
+        prompts: Path = typer.Option(..., "--prompts", help="A text file: one prompt per line."),
+        policy_prefix: str = typer.Option(None, "--policy-prefix", help="Only policies whose name starts so."),
+        all_policies: bool = typer.Option(False, "--all", help="Every policy of the owner."),
+        alias: str = typer.Option("prod", "--alias", help="The alias to sweep (a policy without it: its latest)."),
+        max_tokens: int = typer.Option(16, "--max-tokens", min=1),
+        name: str = typer.Option("sweep", "--name", help="The eval metric the scores are stored under."),
+        out_dir: Path = typer.Option(None, "--out", help="Where outputs are written (default <data dir>/sweeps/NAME)."),
+        base_model: str = typer.Option(None, "--base-model", help="HF checkpoint dir (default: the embedded model)."),
+        data_dir: Path = typer.Option(None, "--data-dir", help="Data dir (default $MINT_HOME or ~/.mint)."),
+        db_url: str = typer.Option(None, "--db-url", envvar="MINT_DB_URL"),
+        owner: str = typer.Option(None, "--owner", help="Whose policies (default: the data dir's key owner)."),
+        window: int = typer.Option(64, "--window", min=1, help="Policies in flight at once."),
+    ) -> None:
+        """Sample every selected policy's current revision on a prompt set; store outputs and scores."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        if bool(policy_prefix) == all_policies:
+            raise typer.BadParameter("give exactly one of --policy-prefix and --all", param_hint="--all")
+        try:
+            lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise typer.BadParameter(str(e), param_hint="--prompts") from None
+        if not lines:
+            raise typer.BadParameter("no prompts in the file", param_hint="--prompts")
+        from mint_server.catalog.catalog import Catalog
+        from mint_server.cli.catalog import Target
+        from mint_server.cli.serve import base_model_name
+        from mint_server.engine.local import LocalEngine
+        from mint_server.model.prepare import resolve_base_model
+        from mint_server.paths import data_dir as resolve_data_dir
+
+        logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+        root = resolve_data_dir(data_dir)
+        who = Target(root, db_url, None, None, owner, False).local_owner()
+        model_dir = resolve_base_model(base_model, root)
+        engine = LocalEngine(model_dir, base_model_name(base_model, model_dir))
+        catalog = Catalog.open(db_url, data_dir=root)
+        out = out_dir or root / "sweeps" / name
+        columns = (TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        try:
+            with Progress(*columns, transient=True) as progress:
+                task = progress.add_task("sweep", total=None)
+                done = run_sweep(engine, catalog, who, lines, policy_prefix or "", alias, max_tokens, name, out,
+                                 window, lambda n: progress.update(task, completed=n))
+        finally:
+            engine.shutdown()
+            catalog.close()
+        typer.echo(json.dumps(done))
+
+
+def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix: str, alias: str,
+              max_tokens: int, metric: str, out: Path, window: int,
+              progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+    """The sweep loop (see the module doc); returns counts of swept, skipped and failed policies."""
+    from tinker import types
+
+    from mint_server.catalog.errors import NotFound
+    from mint_server.engine.residency import AdapterSource
+    from mint_server.fsutil import atomic_write_json
+
+    tok = engine.tokenizer
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    counts = {"swept": 0, "skipped": 0, "failed": 0}
+    inflight: deque[tuple[Any, Any, list[Any]]] = deque()
+
+    def finish() -> None:
+        policy, revision, futures = inflight.popleft()
+        try:
+            results = [f.result() for f in futures]
+        except Exception as e:  # noqa: BLE001 - one bad revision does not stop the sweep
+            log.warning("sweep: %s failed: %s", revision.ref, e)
+            counts["failed"] += 1
+            return
+        seqs = [r.sequences[0] for r in results]
+        lps = [lp for s in seqs for lp in (s.logprobs or [])]
+        score = sum(lps) / len(lps) if lps else 0.0
+        atomic_write_json(out / f"{policy.name}.json", {
+            "revision": revision.ref, "sha256": revision.sha256, "score": score,
+            "outputs": [tok.decode(s.tokens, skip_special_tokens=True) for s in seqs],
+        })
+        catalog.record_eval(owner, revision.ref, metric, score, dataset=f"prompts:{len(prompts)}")
+        counts["swept"] += 1
+
+    cursor = None
+    seen = 0
+    while True:
+        page = catalog.list_policies(owner, cursor=cursor, limit=500)
+        for policy in page.items:
+            if not policy.name.startswith(prefix):
+                continue
+            seen += 1
+            try:
+                revision = catalog.resolve(owner, f"{policy.name}@{alias}")
+            except NotFound:
+                revision = catalog.resolve(owner, policy.name)
+            if catalog.list_evals(owner, revision.ref, metric=metric, limit=1).items:
+                counts["skipped"] += 1  # resumed: swept before
+                continue
+            source = AdapterSource(f"rev:{revision.sha256}", read=lambda r=revision: catalog.read_payload(r))
+            futures = [engine.submit(engine.prepare_sample(source, ids, 1, params, key="sweep")) for ids in encoded]
+            inflight.append((policy, revision, futures))
+            if len(inflight) >= window:
+                finish()
+            progress(seen)
+        if (cursor := page.next_cursor) is None:
+            break
+    while inflight:
+        finish()
+    progress(seen)
+    return counts
