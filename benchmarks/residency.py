@@ -150,28 +150,33 @@ def part_rotation(path: Path, work: Path, clients: int, steps: int) -> dict:
 
 
 def part_sweep(path: Path, work: Path, sizes: list[int], slots: int) -> dict:
+    """Seed N servable policies into a catalog (`mint catalog seed --servable`'s code), then sweep
+    them (`mint sweep`'s loop): per-adapter cost, and how much of it is reading from the store."""
+    from mint_server.catalog.catalog import Catalog
+    from mint_server.cli.sweep import run_sweep, servable_payloads
+
     results = {}
+    name, lora, payload_for = servable_payloads(path, rank=1)
     for n in sizes:
-        e = engine(path, work / f"sweep{n}", device_slots=slots, host_cache_mb=256.0)
-        try:
-            t_write = time.perf_counter()
-            dirs = write_adapters(e.model.config, work / "sweep", n)
-            t_write = time.perf_counter() - t_write
-            t0 = time.perf_counter()
-            window = 4 * slots  # keep the loaders busy without queueing everything at once
-            pending: list = []
-            for i, d in enumerate(dirs):
-                pending.append(sample(e, AdapterSource(f"s{i}", peft_dir=d), [5, 6, 7, 8], 4))
-                if len(pending) >= window:
-                    pending.pop(0).result()
-            for f in pending:
-                f.result()
-            wall = time.perf_counter() - t0
-            load_s = sum(e.registry.stats.load_seconds)
-            results[n] = {"adapters_per_s": n / wall, "ms_per_adapter": 1000 * wall / n,
-                          "store_read_ms_per_adapter": 1000 * load_s / n, "written_s": t_write}
-        finally:
-            e.shutdown()
+        data = work / f"sweep-{n}"
+        with Catalog.open(data_dir=data) as catalog:
+            have = len(catalog.list_policies("bench", limit=1).items)
+            t_seed = time.perf_counter()
+            if not have:
+                catalog.seed(n, 1, "bench", prefix="sv-", batch_size=1000, payload_for=payload_for,
+                             base_model=name, lora_config=lora)
+            t_seed = time.perf_counter() - t_seed
+            e = engine(path, data, device_slots=slots, host_cache_mb=256.0)
+            try:
+                t0 = time.perf_counter()
+                counts = run_sweep(e, catalog, "bench", ["hello world"], "sv-", "prod", 4,
+                                   f"bench-{time.time_ns()}", data / "out", 4 * slots)
+                wall = time.perf_counter() - t0
+                load_s = sum(e.registry.stats.load_seconds)
+            finally:
+                e.shutdown()
+        results[n] = {"adapters_per_s": n / wall, "ms_per_adapter": 1000 * wall / n,
+                      "store_read_ms_per_adapter": 1000 * load_s / n, "seed_s": t_seed, "counts": counts}
     lo, hi = min(sizes), max(sizes)
     return {"sizes": results, "cost_ratio_largest_vs_smallest": results[hi]["ms_per_adapter"] / results[lo]["ms_per_adapter"]}
 
