@@ -298,9 +298,6 @@ class Residency:
         self._fit_host(keep={a.id for a in wanted[: 2 * len(self._slots)]})
         return {a.id for a in wanted if a.slot is not None}
 
-    def loads_pending(self) -> bool:
-        return bool(self._loading)
-
     def take_load_error(self, a: Adapter) -> BaseException | None:
         err, a.load_error = a.load_error, None
         self.failed.discard(a)

@@ -34,9 +34,8 @@ from mint_server.engine.losses import KLRow, TargetLogprobs, pad_inputs
 from mint_server.engine.optim import Pairs, adamw_step
 from mint_server.engine.residency import AdamState, Adapter, Residency
 from mint_server.engine.state_io import check_shapes
-from mint_server.model.config import ModelError
 from mint_server.model.lora import LoraBatch, lora_shapes
-from mint_server.model.peft_io import LoraWeights, load_peft, save_peft
+from mint_server.model.peft_io import LoraWeights, save_peft
 from mint_server.model.transformer import Transformer
 
 Output = types.ForwardBackwardOutput
@@ -439,15 +438,6 @@ class Trainer:
     def export_peft(self, adapter_id: str, dest: Path) -> None:
         """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
         save_peft(self.registry.weights(adapter_id), dest, self.base_model, self.model.config)
-
-    def import_peft(self, src: Path) -> str:
-        """A new trainable adapter from a PEFT LoRA dir; returns its id."""
-        try:
-            weights = load_peft(src, self.model.config)
-        except ModelError as e:
-            raise EngineError(f"path: {e}") from None
-        check_shapes(weights, self.registry.bank, "path")
-        return self.registry.install(weights, trainable=True).id
 
     # --- interpolation --------------------------------------------------------------------------
     def interpolate(self, adapter_ids: list[str], coefficients: list[float], trainable: bool = False) -> str:
