@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
@@ -14,6 +13,7 @@ from tinker.types.try_again_response import TryAgainResponse
 from mint_server.api import codec
 from mint_server.api.auth import Principal
 from mint_server.api.http import parse, principal, service
+from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
 from mint_server.engine.interface import EngineError
 
 router = APIRouter(prefix="/api/v1")

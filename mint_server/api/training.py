@@ -157,6 +157,19 @@ class TrainingService:
         )
 
     # --- ordered operations -------------------------------------------------------------------------
+    def give_up_seq(self, p: Principal, model_id: str, seq_id: int) -> None:
+        """A request for `model_id` with this seq_id was refused before it could be queued (its body
+        could not be decoded): later requests must not wait for it. Unknown models, other owners'
+        models and seq_ids that could never run are ignored: the refusal already answers them."""
+        model = self.core.models.get(model_id)
+        if model is None or model.owner != p.owner:
+            return
+        try:
+            model.sequencer.check(seq_id)
+        except SeqError:
+            return
+        model.sequencer.skip(seq_id)
+
     def sequenced(
         self, p: Principal, model_id: str, seq_id: int | None, op: str, check: Callable[[TrainingModel], Op]
     ) -> types.UntypedAPIFuture:

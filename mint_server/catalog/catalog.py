@@ -36,11 +36,9 @@ from mint_server.catalog.records import (
     Alias,
     AliasEvent,
     EvalRecord,
-    GcReport,
     Page,
     Policy,
     Revision,
-    SeedResult,
 )
 from mint_server.catalog.refs import Ref, check_alias_name, check_owner, check_policy_name, parse_ref
 from mint_server.catalog.schema import (
@@ -51,8 +49,6 @@ from mint_server.catalog.schema import (
     PolicyRow,
     RevisionRow,
 )
-
-DEFAULT_GC_GRACE_S = 3600.0
 
 _FromRev = aliased(RevisionRow, name="from_rev")
 _ToRev = aliased(RevisionRow, name="to_rev")
@@ -684,37 +680,6 @@ class Catalog:
             with self.blobs.open(entry.sha256) as stream:
                 while stream.read(1 << 20):
                     pass
-
-    # -- maintenance ----------------------------------------------------------------------
-    def gc(self, *, grace_seconds: float = DEFAULT_GC_GRACE_S, dry_run: bool = False) -> GcReport:
-        """Delete blobs no revision references and untouched for `grace_seconds` (see gc.py for why
-        this never races a publish)."""
-        from mint_server.catalog import gc
-
-        return gc.collect(self, grace_seconds, dry_run)
-
-    def seed(
-        self,
-        n_policies: int,
-        revisions_per_policy: int = 1,
-        owner: str = "synthetic",
-        *,
-        prefix: str = "synthetic-",
-        batch_size: int = 10_000,
-        progress: Callable[[int], None] | None = None,
-    ) -> SeedResult:
-        """Bulk-insert synthetic policies (see seed.py)."""
-        from mint_server.catalog.seed import seed
-
-        return seed(
-            self,
-            n_policies,
-            revisions_per_policy,
-            owner,
-            prefix=prefix,
-            batch_size=batch_size,
-            progress=progress,
-        )
 
 
 # -- row → record helpers -------------------------------------------------------------------

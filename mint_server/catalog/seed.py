@@ -58,12 +58,12 @@ def synthetic_payload() -> dict[str, bytes]:
 def seed(
     catalog: Catalog,
     n_policies: int,
-    revisions_per_policy: int,
-    owner: str,
+    revisions_per_policy: int = 1,
+    owner: str = "synthetic",
     *,
-    prefix: str,
-    batch_size: int,
-    progress: Callable[[int], None] | None,
+    prefix: str = "synthetic-",
+    batch_size: int = 10_000,
+    progress: Callable[[int], None] | None = None,
 ) -> SeedResult:
     check_owner(owner)
     check_policy_name(f"{prefix}{0:0{DIGITS}d}", "prefix")

@@ -27,7 +27,7 @@ from mint_server.catalog.errors import CatalogError, InvalidArgument
 from mint_server.catalog.records import Page, Revision, page_to_dict, to_dict
 
 if TYPE_CHECKING:
-    from mint_server.catalog.client import CatalogClient
+    from mint_server.cli.catalog_client import CatalogClient
 
 T = TypeVar("T")
 PANEL = "Catalog location"
@@ -49,7 +49,7 @@ class Target:
 
     def open(self, actor: str | None = None) -> "CatalogClient":
         from mint_server.catalog.catalog import Catalog
-        from mint_server.catalog.client import HttpClient, LocalClient
+        from mint_server.cli.catalog_client import HttpClient, LocalClient
 
         if self.server:
             if self.db_url:
