@@ -171,8 +171,14 @@ async def json_body(request: Request) -> dict[str, Any]:
     if cached is not None:
         return cached
     body = await request.body()
-    # Big bodies (0.22's JSON forward_backward) are parsed off the event loop.
-    obj = (await asyncio.to_thread(jsonsafe.loads, body) if len(body) > 1 << 20 else jsonsafe.loads(body)) if body else {}
+    try:
+        # Big bodies (0.22's JSON forward_backward) are parsed off the event loop.
+        obj = (await asyncio.to_thread(jsonsafe.loads, body) if len(body) > 1 << 20 else jsonsafe.loads(body)) if body else {}
+    except JSONInputError as e:
+        if isinstance(e.document, dict):  # parsed, then refused: an ordered request still gives up its seq_id
+            model_id, seq_id = ordered_ids(e.document)
+            raise DecodeError(str(e), model_id=model_id, seq_id=seq_id) from None
+        raise
     if not isinstance(obj, dict):
         raise DecodeError("request body must be a JSON object")
     request.state.json_body = obj

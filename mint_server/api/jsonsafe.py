@@ -29,23 +29,31 @@ class JSONInputError(ValueError):
     def __init__(self, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.document: Any = None  # the parsed document, when the refusal came after parsing
 
 
-def _refuse_constant(name: str) -> Any:
-    raise JSONInputError(f"non-finite number {name} is not allowed in JSON")
+class _NonFinite:
+    """Stands in for a NaN / Infinity literal until the walk can name the field that holds it."""
+
+    def __init__(self, literal: str) -> None:
+        self.literal = literal
 
 
 def loads(body: bytes | str) -> Any:
     """Parse and check a JSON document (see module doc); JSONInputError names what is wrong."""
     try:
-        obj = json.loads(body, parse_constant=_refuse_constant)
+        obj = json.loads(body, parse_constant=_NonFinite)
     except JSONInputError:
         raise
     except RecursionError:
         raise JSONInputError(f"request body is nested deeper than {MAX_DEPTH} levels") from None
     except (ValueError, UnicodeDecodeError):
         raise JSONInputError("request body is not valid JSON") from None
-    check_value(obj)
+    try:
+        check_value(obj)
+    except JSONInputError as e:
+        e.document = obj
+        raise
     return obj
 
 
@@ -82,6 +90,10 @@ def check_value(obj: Any, path: str = "") -> None:
             continue
         elif isinstance(value, int):
             check_int(value, _where(where))
+        elif isinstance(value, _NonFinite):
+            raise JSONInputError(
+                f"invalid field {_where(where)!r}: non-finite number {value.literal} is not allowed", _where(where)
+            )
         elif isinstance(value, float):
             if not math.isfinite(value):
                 raise JSONInputError(f"invalid field {_where(where)!r}: number must be finite", _where(where))

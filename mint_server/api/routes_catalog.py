@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
@@ -32,24 +32,11 @@ from mint_server.catalog.records import page_to_dict, to_dict
 DEFAULT_MAX_UPLOAD_BYTES = 8 << 30
 
 
-class LoraConfigBody(BaseModel):
-    """A policy's LoRA settings: what training records (rank, train_*) or a PEFT import implies
-    (rank, alpha, target_modules, dropout)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-    rank: int | None = Field(default=None, ge=1, le=4096)
-    alpha: float | None = Field(default=None, gt=0, le=1e6, allow_inf_nan=False)
-    dropout: float | None = Field(default=None, ge=0, lt=1, allow_inf_nan=False)
-    target_modules: list[Annotated[str, Field(min_length=1, max_length=128)]] | None = Field(default=None, max_length=64)
-    train_mlp: bool | None = None
-    train_attn: bool | None = None
-    train_unembed: bool | None = None
-
-
 class CreatePolicyBody(BaseModel):
     name: str = Field(max_length=128)
     base_model: str = Field(max_length=512)
-    lora_config: LoraConfigBody = Field(default_factory=LoraConfigBody)
+    # Checked by the catalog (rank, alpha, dropout, target_modules, train_*: typed and in range).
+    lora_config: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     exist_ok: bool = False  # return the existing policy instead of 409
 
@@ -119,8 +106,7 @@ def make_catalog_router(
     def create_policy(owner: Owner, body: CreatePolicyBody) -> dict[str, Any]:
         check_base_model(body.base_model)
         create = get_catalog().get_or_create_policy if body.exist_ok else get_catalog().create_policy
-        lora = body.lora_config.model_dump(exclude_none=True)
-        return to_dict(create(owner, body.name, body.base_model, lora, body.metadata))
+        return to_dict(create(owner, body.name, body.base_model, body.lora_config, body.metadata))
 
     @router.get("/policies/{name}")
     def get_policy(owner: Owner, name: str) -> dict[str, Any]:

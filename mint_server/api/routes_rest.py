@@ -23,7 +23,7 @@ from mint_server.model.peft_archive import write_archive_dir
 
 router = APIRouter(prefix="/api/v1")
 Limit = Query(20, ge=1, le=1000)
-Offset = Query(0, ge=0)
+Offset = Query(0, ge=0, le=(1 << 63) - 1)
 
 
 @router.get("/training_runs")

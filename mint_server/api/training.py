@@ -125,17 +125,24 @@ class TrainingService:
         async def create() -> Any:
             try:
                 model.adapter_id = await make_adapter()
-            except BaseException as e:
-                model.failed = f"creation failed: {e}"
-                raise
-            now = time.time()
-            self.core.runs.create_run(
-                RunRecord(
-                    run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
-                    optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
-                    last_request_time=now, user_metadata=user_metadata,
+                now = time.time()
+                self.core.runs.create_run(
+                    RunRecord(
+                        run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
+                        optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
+                        last_request_time=now, user_metadata=user_metadata,
+                    )
                 )
-            )
+            except BaseException as e:
+                # A failed creation leaves nothing behind: no listed model without a run, no adapter.
+                model.failed = f"creation failed: {e}"
+                self.core.models.pop(model_id, None)
+                if model_id in session.model_ids:
+                    session.model_ids.remove(model_id)
+                if model.adapter_id is not None:
+                    adapter_id, model.adapter_id = model.adapter_id, None
+                    await self.core.call(self.engine.release_adapter(adapter_id))
+                raise
             return respond(model_id)
 
         future = model.sequencer.submit(None, create)
