@@ -59,5 +59,5 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         ),
         prefix=CATALOG_PREFIX,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app

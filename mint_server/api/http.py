@@ -87,7 +87,9 @@ def status_for(error: BaseException) -> int:
 def error_response(
     status: int, detail: str, *, error: str | None = None, field: str | None = None, retry_after: float = 1
 ) -> JSONResponse:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if status in (429, 503) else None
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if status in (429, 503) else {}
+    if status == 408:
+        headers["Connection"] = "close"  # the rest of a stalled body may still come: do not read it as a request
     body: dict[str, object] = {"detail": detail}
     if error is not None:
         body["error"] = error  # the exception class: the catalog's HTTP client raises the same one
@@ -130,11 +132,14 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Refuse request bodies over `max_bytes` (413) without reading them into memory first."""
+    """Refuse request bodies over `max_bytes` (413) without reading them into memory first, and
+    bodies that stall: each piece must arrive within `timeout_s` of the last (408), so a client
+    trickling its body cannot hold a request open for ever."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -144,13 +149,20 @@ class BodyLimit:
                 response = error_response(413, f"request body exceeds the {self.max_bytes}-byte limit")
                 return await response(scope, receive, send)
         seen = 0
+        body_done = False
 
         async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect can come: wait for it as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                raise RequestTimeout(f"request body stalled: nothing received for {self.timeout_s:g}s") from None
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise BodyTooLarge(f"request body exceeds the {self.max_bytes}-byte limit")
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         await self.app(scope, limited, send)

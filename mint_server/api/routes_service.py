@@ -92,7 +92,14 @@ async def retrieve_future(request: Request, p: Principal = Depends(principal)) -
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
-        return JSONResponse(TryAgainResponse(request_id=req.request_id, queue_state="active").model_dump(mode="json"))
+        state = svc.core.queue_state(p.owner)
+        body = TryAgainResponse(request_id=req.request_id, queue_state=state).model_dump(mode="json")  # type: ignore[arg-type]
+        if state != "active":
+            body["queue_state_reason"] = (
+                "this API key has reached its limit of pending requests" if state == "paused_rate_limit"
+                else "the server is at its sampling capacity"
+            )
+        return JSONResponse(body)
     if entry.future.cancelled():
         return JSONResponse({"error": "request was cancelled", "category": "server"})
     if (error := entry.future.exception()) is not None:

@@ -54,7 +54,8 @@ class BoundedH11Protocol(H11Protocol):
     def data_received(self, data: bytes) -> None:
         if self.conn.their_state is h11.IDLE:  # between requests: these bytes start a request head
             pending = self.conn.trailing_data[0] + data
-            if b"\r\n\r\n" not in pending and len(pending) > self.limits.max_header_bytes:
+            end = pending.find(b"\r\n\r\n")
+            if (end if end >= 0 else len(pending)) > self.limits.max_header_bytes:
                 self._refuse(431, "Request Header Fields Too Large",
                              f"request headers exceed the {self.limits.max_header_bytes}-byte limit")  # fmt: skip
                 return

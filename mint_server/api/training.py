@@ -59,7 +59,7 @@ class TrainingService:
 
     # --- creation -----------------------------------------------------------------------------------
     def create_model(self, p: Principal, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
-        self.core.check_accepting()
+        self.core.admit(p.owner)
         session = self.core.sessions.live(req.session_id, p.owner)
         self.core.check_base_model(req.base_model)
         if req.lora_config is None:
@@ -78,7 +78,7 @@ class TrainingService:
 
     def create_from_state(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         """load_weights addressed by session_id + model_seq_id: a new model starting from a checkpoint."""
-        self.core.check_accepting()
+        self.core.admit(p.owner)
         if req.model_seq_id is None:
             raise InvalidInput("model_seq_id is required with session_id")
         session = self.core.sessions.live(req.session_id or "", p.owner)
@@ -185,6 +185,7 @@ class TrainingService:
         model = self.core.model(model_id, p.owner)
         if (hit := self.core.seen(model_id, seq_id)) is not None:
             return hit
+        self.core.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
         if seq_id is not None:
             try:
                 model.sequencer.check(seq_id)

@@ -364,7 +364,7 @@ CASES: list[Case] = [
     Case("rkl-temperature-0", "POST", "mint/forward_backward_reverse_kl", lambda c: rkl(c, temperature=0.0), names="temperature"),
     Case("rkl-temperature-nan", "POST", "mint/forward_backward_reverse_kl",
          lambda c: json.dumps(rkl(c, temperature=0.25)).replace("0.25", "NaN"), names="NaN"),
-    Case("rkl-empty", "POST", "mint/forward_backward_reverse_kl", lambda c: rkl(c, data=[]), names="data"),
+    Case("rkl-empty", "POST", "mint/forward_backward_reverse_kl", lambda c: rkl(c, data=[]), names="datums"),
     Case("rkl-reference-base", "POST", "mint/forward_backward_reverse_kl",
          lambda c: rkl(c, reference_model_path="other/model"), names="reference_model_path"),
     Case("rkl-reference-vocab", "POST", "mint/forward_backward_reverse_kl",
