@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from mint_server.api import CATALOG_PREFIX, routes_rest, routes_service, routes_training
+from mint_server.api import CATALOG_PREFIX, openapi, routes_rest, routes_service, routes_training
 from mint_server.api.auth import Authenticator, Principal, Signer
 from mint_server.api.http import BodyLimit, install_error_handlers, principal
 from mint_server.api.jsonsafe import SafeJSONResponse
@@ -42,12 +42,14 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         catalog.close()  # after the drain: accepted saves still publish their revisions
 
     app = FastAPI(
-        title="MinT", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan,
+        title="MinT", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+        lifespan=lifespan,
         default_response_class=SafeJSONResponse,
     )
     app.state.service = svc
     app.state.authenticator = authenticator
     install_error_handlers(app)
+    openapi.install(app)
     app.include_router(routes_service.router)
     app.include_router(routes_service.metrics_router)
     app.include_router(routes_training.router)

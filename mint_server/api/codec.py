@@ -63,7 +63,7 @@ def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
                 sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
             )
         return types.TensorData(data=np.frombuffer(msg.dense, dtype=np_dtype).copy(), dtype=dtype, shape=shape)
-    except ValueError as e:  # byte count not a multiple of the itemsize, or shape mismatch
+    except (ValueError, OverflowError, TypeError) as e:  # byte count not a multiple of the itemsize, shape mismatch
         raise DecodeError(f"{where}: {e}") from None
 
 
@@ -110,7 +110,7 @@ def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
     )
 
 
-def public_tensor(t: WireTensorData) -> types.TensorData:
+def public_tensor(t: WireTensorData, where: str = "tensor") -> types.TensorData:
     try:
         return types.TensorData(
             data=t.data,
@@ -119,8 +119,8 @@ def public_tensor(t: WireTensorData) -> types.TensorData:
             sparse_crow_indices=t.sparse_crow_indices,
             sparse_col_indices=t.sparse_col_indices,
         )
-    except ValueError as e:
-        raise DecodeError(f"tensor: {e}") from None
+    except (ValueError, OverflowError, TypeError) as e:  # e.g. a shape no array can have
+        raise DecodeError(f"{where}: {e}") from None
 
 
 def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float | str] | None, list[types.Datum]]:
@@ -132,8 +132,11 @@ def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float |
     except ValidationError as e:
         raise DecodeError(describe_validation_error(e, prefix=field)) from None
     data = [
-        types.Datum(model_input=d.model_input, loss_fn_inputs={k: public_tensor(v) for k, v in d.loss_fn_inputs.items()})
-        for d in wire.data
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={k: public_tensor(v, f"{field}.data[{i}].loss_fn_inputs.{k}") for k, v in d.loss_fn_inputs.items()},
+        )
+        for i, d in enumerate(wire.data)
     ]
     return wire.loss_fn, dict(wire.loss_fn_config) if wire.loss_fn_config else None, data
 

@@ -34,7 +34,7 @@ def _tensor(t: WireTensor, field: str) -> types.TensorData:
     data = t.data if isinstance(t.data, list) else [t.data]
     try:
         return types.TensorData(data=data, dtype=t.dtype, shape=t.shape or [len(data)])
-    except ValueError as e:
+    except (ValueError, OverflowError, TypeError) as e:
         raise InvalidInput(f"{field}: {e}") from None
 
 

@@ -118,7 +118,13 @@ def make_catalog_router(
     ) -> dict[str, Any]:
         return page_to_dict(get_catalog().list_revisions(owner, name, cursor=cursor, limit=limit))
 
-    @router.post("/policies/{name}/revisions", status_code=201)
+    archive_body = {"type": "string", "format": "binary", "description": "a tar or zip of a PEFT directory"}
+
+    @router.post(
+        "/policies/{name}/revisions", status_code=201,
+        openapi_extra={"requestBody": {"required": True, "content": {
+            media: {"schema": archive_body} for media in ("application/octet-stream", "application/x-tar")}}},
+    )
     async def import_revision(
         owner: Owner,
         name: str,
