@@ -40,6 +40,7 @@ from sqlalchemy.engine import make_url
 
 from mint_server.catalog import Catalog
 from mint_server.catalog import cursor as cursors
+from mint_server.catalog import seed as seeding
 from mint_server.catalog.seed import DIGITS
 
 OWNER = "bench"
@@ -115,7 +116,7 @@ def run_backend(
         for size, url in urls.items():
             catalog = stack.enter_context(Catalog.open(url, data_dir=workdir / f"data-{size}"))
             started = time.perf_counter()
-            catalog.seed(size, k, OWNER, prefix=PREFIX, batch_size=20_000)
+            seeding.seed(catalog, size, k, OWNER, prefix=PREFIX, batch_size=20_000)
             rates[size] = size / (time.perf_counter() - started)
             catalogs[size] = catalog
         samples: dict[int, dict[str, list[int]]] = {size: {} for size in urls}

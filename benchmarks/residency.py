@@ -153,6 +153,7 @@ def part_sweep(path: Path, work: Path, sizes: list[int], slots: int) -> dict:
     """Seed N servable policies into a catalog (`mint catalog seed --servable`'s code), then sweep
     them (`mint sweep`'s loop): per-adapter cost, and how much of it is reading from the store."""
     from mint_server.catalog.catalog import Catalog
+    from mint_server.catalog.seed import seed
     from mint_server.cli.sweep import run_sweep, servable_payloads
 
     results = {}
@@ -163,8 +164,8 @@ def part_sweep(path: Path, work: Path, sizes: list[int], slots: int) -> dict:
             have = len(catalog.list_policies("bench", limit=1).items)
             t_seed = time.perf_counter()
             if not have:
-                catalog.seed(n, 1, "bench", prefix="sv-", batch_size=1000, payload_for=payload_for,
-                             base_model=name, lora_config=lora)
+                seed(catalog, n, 1, "bench", prefix="sv-", batch_size=1000, payload_for=payload_for,
+                     base_model=name, lora_config=lora)
             t_seed = time.perf_counter() - t_seed
             e = engine(path, data, device_slots=slots, host_cache_mb=256.0)
             try:

@@ -8,15 +8,15 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 
-from mint_server.api import routes_rest, routes_service, routes_training
+from mint_server.api import CATALOG_PREFIX, openapi, routes_rest, routes_service, routes_training
 from mint_server.api.auth import Authenticator, Principal, Signer
 from mint_server.api.http import BodyLimit, install_error_handlers, principal
+from mint_server.api.jsonsafe import SafeJSONResponse
 from mint_server.api.metrics import Metrics
+from mint_server.api.routes_catalog import make_catalog_router
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
 from mint_server.catalog.catalog import Catalog
-from mint_server.catalog.client import API_PREFIX as CATALOG_PREFIX
-from mint_server.catalog.rest import make_catalog_router
 from mint_server.engine.interface import Engine
 
 log = logging.getLogger(__name__)
@@ -41,17 +41,25 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
         await svc.shutdown()
         catalog.close()  # after the drain: accepted saves still publish their revisions
 
-    app = FastAPI(title="MinT", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(
+        title="MinT", version="0.1.0", docs_url="/docs", redoc_url=None, openapi_url="/openapi.json",
+        lifespan=lifespan,
+        default_response_class=SafeJSONResponse,
+    )
     app.state.service = svc
     app.state.authenticator = authenticator
     install_error_handlers(app)
+    openapi.install(app)
     app.include_router(routes_service.router)
     app.include_router(routes_service.metrics_router)
     app.include_router(routes_training.router)
     app.include_router(routes_rest.router)
     app.include_router(
-        make_catalog_router(lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes),
+        make_catalog_router(
+            lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes,
+            served_base_models=[engine.base_model],
+        ),
         prefix=CATALOG_PREFIX,
     )
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
     return app

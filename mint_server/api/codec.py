@@ -23,7 +23,16 @@ _STOP_REASON = {"stop": pb.STOP_REASON_STOP, "length": pb.STOP_REASON_LENGTH}
 
 
 class DecodeError(ValueError):
-    """A body we cannot turn into a request; the message names the field."""
+    """A body we cannot turn into a request; the message names the field.
+
+    `model_id` and `seq_id` are set when the body got far enough to name them: a refused ordered
+    request still gives up its seq_id, or the client's next request would wait for it forever.
+    """
+
+    def __init__(self, message: str, *, model_id: str | None = None, seq_id: int | None = None) -> None:
+        super().__init__(message)
+        self.model_id = model_id
+        self.seq_id = seq_id
 
 
 @dataclass(frozen=True)
@@ -54,7 +63,7 @@ def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
                 sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
             )
         return types.TensorData(data=np.frombuffer(msg.dense, dtype=np_dtype).copy(), dtype=dtype, shape=shape)
-    except ValueError as e:  # byte count not a multiple of the itemsize, or shape mismatch
+    except (ValueError, OverflowError, TypeError) as e:  # byte count not a multiple of the itemsize, shape mismatch
         raise DecodeError(f"{where}: {e}") from None
 
 
@@ -79,21 +88,29 @@ def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
         raise DecodeError(f"body is not a ForwardBackwardRequest protobuf: {e}") from None
     if not msg.model_id:
         raise DecodeError("missing field 'model_id'")
-    config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
-    for k, v in msg.loss_fn_config_v2.items():  # v2 carries strings too and wins when present
-        config[k] = v.text if v.WhichOneof("value") == "text" else v.number
+    # proto3 has no "unset" for ints: the SDK always sends seq_id >= 1, so 0 means missing.
+    seq_id = msg.seq_id or None
+    try:
+        config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
+        for k, v in msg.loss_fn_config_v2.items():  # v2 carries strings too and wins when present
+            config[k] = v.text if v.WhichOneof("value") == "text" else v.number
+        for k, v in config.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise DecodeError(f"invalid field 'loss_fn_config.{k}': must be finite")
+        data = [_datum_from_proto(d, i) for i, d in enumerate(msg.data)]
+    except DecodeError as e:
+        raise DecodeError(str(e), model_id=msg.model_id, seq_id=seq_id) from None
     return FwdBwdCall(
         model_id=msg.model_id,
-        # proto3 has no "unset" for ints: the SDK always sends seq_id >= 1, so 0 means missing.
-        seq_id=msg.seq_id or None,
+        seq_id=seq_id,
         loss_fn=msg.loss_fn,
         loss_fn_config=config or None,
-        data=[_datum_from_proto(d, i) for i, d in enumerate(msg.data)],
+        data=data,
         forward_only=msg.forward_only,
     )
 
 
-def public_tensor(t: WireTensorData) -> types.TensorData:
+def public_tensor(t: WireTensorData, where: str = "tensor") -> types.TensorData:
     try:
         return types.TensorData(
             data=t.data,
@@ -102,8 +119,8 @@ def public_tensor(t: WireTensorData) -> types.TensorData:
             sparse_crow_indices=t.sparse_crow_indices,
             sparse_col_indices=t.sparse_col_indices,
         )
-    except ValueError as e:
-        raise DecodeError(f"tensor: {e}") from None
+    except (ValueError, OverflowError, TypeError) as e:  # e.g. a shape no array can have
+        raise DecodeError(f"{where}: {e}") from None
 
 
 def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float | str] | None, list[types.Datum]]:
@@ -115,8 +132,11 @@ def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float |
     except ValidationError as e:
         raise DecodeError(describe_validation_error(e, prefix=field)) from None
     data = [
-        types.Datum(model_input=d.model_input, loss_fn_inputs={k: public_tensor(v) for k, v in d.loss_fn_inputs.items()})
-        for d in wire.data
+        types.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={k: public_tensor(v, f"{field}.data[{i}].loss_fn_inputs.{k}") for k, v in d.loss_fn_inputs.items()},
+        )
+        for i, d in enumerate(wire.data)
     ]
     return wire.loss_fn, dict(wire.loss_fn_config) if wire.loss_fn_config else None, data
 

@@ -40,7 +40,12 @@ class ShuttingDown(Exception):
 
 
 class Busy(Exception):
-    """Too much sampling in flight (HTTP 429: the SDK backs off and resubmits)."""
+    """Too much work in flight, for the server or for one key (HTTP 429 with Retry-After: the SDK
+    backs off and resubmits the same request, seq_id and all)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Core:
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
         self.sampling_inflight = 0
+        self.pending_by_owner: dict[str, int] = {}  # unfinished requests per key (see admit)
         self.accepting = True
         # Snapshots behind save_weights_and_get_sampling_client live only as long as their session.
         self.ephemeral_root = settings.data_dir / "ephemeral"
@@ -100,6 +106,24 @@ class Core:
     def check_accepting(self) -> None:
         if not self.accepting:
             raise ShuttingDown("server is shutting down")
+
+    def admit(self, owner: str) -> None:
+        """Take new work from `owner`? One key may hold at most `max_pending_per_key` unfinished
+        requests: beyond that it gets 429 (and its pending futures report "paused_rate_limit"),
+        so one key cannot queue without bound in front of everyone else."""
+        self.check_accepting()
+        limit = self.settings.max_pending_per_key
+        if self.pending_by_owner.get(owner, 0) >= limit:
+            raise Busy(f"this API key already has {limit} requests pending (the per-key limit); retry when some finish",
+                       retry_after=2.0)  # fmt: skip
+
+    def queue_state(self, owner: str) -> str:
+        """Tinker's queue_state for a pending request of `owner` (see retrieve_future)."""
+        if self.pending_by_owner.get(owner, 0) >= self.settings.max_pending_per_key:
+            return "paused_rate_limit"
+        if self.sampling_inflight >= self.settings.max_inflight_samples:
+            return "paused_capacity"
+        return "active"
 
     def model(self, model_id: str, owner: str) -> TrainingModel:
         model = self.models.get(model_id)
@@ -122,11 +146,17 @@ class Core:
     ) -> types.UntypedAPIFuture:
         """Track `future` under a new request id, with metrics, and answer the submit call."""
         request_id = self.futures.add(owner, op, future)
+        self.pending_by_owner[owner] = self.pending_by_owner.get(owner, 0) + 1
         start = time.monotonic()
         queue = "sampling" if op == "sample" else "training"
         self.metrics.queue_depth.labels(queue).inc()
 
         def finished(f: asyncio.Future[Any]) -> None:
+            left = self.pending_by_owner[owner] - 1
+            if left:
+                self.pending_by_owner[owner] = left
+            else:
+                del self.pending_by_owner[owner]
             self.metrics.queue_depth.labels(queue).dec()
             elapsed = time.monotonic() - start
             (self.metrics.sample_latency if op == "sample" else self.metrics.op_latency.labels(op)).observe(elapsed)

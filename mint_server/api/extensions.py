@@ -34,7 +34,7 @@ def _tensor(t: WireTensor, field: str) -> types.TensorData:
     data = t.data if isinstance(t.data, list) else [t.data]
     try:
         return types.TensorData(data=data, dtype=t.dtype, shape=t.shape or [len(data)])
-    except ValueError as e:
+    except (ValueError, OverflowError, TypeError) as e:
         raise InvalidInput(f"{field}: {e}") from None
 
 
@@ -77,7 +77,7 @@ class MintService:
         return self.training.sequenced(p, req.model_id, req.seq_id, "forward_backward_reverse_kl", check)
 
     def interpolate(self, p: Principal, req: InterpolateCheckpointsRequest) -> types.UntypedAPIFuture:
-        self.core.check_accepting()
+        self.core.admit(p.owner)
         if not req.source_paths:
             raise InvalidInput("source_paths: at least one checkpoint is required")
         if len(req.coefficients) != len(req.source_paths):

@@ -9,28 +9,31 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import zstandard
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mint_server.api import jsonsafe
 from mint_server.api.auth import AuthError, Principal
 from mint_server.api.codec import DecodeError, describe_validation_error
 from mint_server.api.core import Busy, ShuttingDown
+from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
 from mint_server.api.ordering import SeqError
 from mint_server.api.paths import PathError
 from mint_server.api.runs import NotFound
 from mint_server.api.service import Service
 from mint_server.api.sessions import SessionGone
-from mint_server.catalog.errors import CatalogError
-from mint_server.catalog.rest import status_for
+from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
+from mint_server.catalog.errors import NotFound as CatalogNotFound
 from mint_server.engine.interface import EngineError
 
 log = logging.getLogger(__name__)
@@ -42,64 +45,101 @@ class BodyTooLarge(Exception):
     pass
 
 
-# Exception type → HTTP status. Order matters only for subclasses (none overlap here).
-_STATUS: list[tuple[type[Exception], int]] = [
+class HeadersTooLarge(Exception):
+    pass
+
+
+class RequestTimeout(Exception):
+    pass
+
+
+# The one mapping from exception type to HTTP status, for every route (Tinker, MinT extensions,
+# catalog). The first match wins, so subclasses come before their bases.
+STATUS_OF: list[tuple[type[BaseException], int]] = [
     (AuthError, 401),
     (NotFound, 404),
+    (CatalogNotFound, 404),
+    (RequestTimeout, 408),
+    (AlreadyExists, 409),
     (SessionGone, 410),
     (BodyTooLarge, 413),
+    (HeadersTooLarge, 431),
     (Busy, 429),
     (ShuttingDown, 503),
     (EngineError, 400),
     (PathError, 400),
     (DecodeError, 400),
+    (JSONInputError, 400),
     (SeqError, 400),
+    (InvalidArgument, 400),
+    (RequestValidationError, 400),
+    (IntegrityError, 500),  # stored data is corrupt: the server is at fault, and says which blob
 ]
 
 
-def error_response(status: int, detail: str) -> JSONResponse:
-    headers = {"Retry-After": "1"} if status in (429, 503) else None
-    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+def status_for(error: BaseException) -> int:
+    for exc_type, status in STATUS_OF:
+        if isinstance(error, exc_type):
+            return status
+    return 500
+
+
+def error_response(
+    status: int, detail: str, *, error: str | None = None, field: str | None = None, retry_after: float = 1
+) -> JSONResponse:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if status in (429, 503) else {}
+    if status == 408:
+        headers["Connection"] = "close"  # the rest of a stalled body may still come: do not read it as a request
+    body: dict[str, object] = {"detail": detail}
+    if error is not None:
+        body["error"] = error  # the exception class: the catalog's HTTP client raises the same one
+    if field is not None:
+        body["field"] = field
+    return SafeJSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+        parts.append(f"invalid field {loc or 'request'!r}: {err.get('msg')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def exception_response(exc: BaseException) -> JSONResponse:
+    status = status_for(exc)
+    if status == 500 and not isinstance(exc, IntegrityError):
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}")
+    detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
+    return error_response(
+        status, detail, error=type(exc).__name__, field=getattr(exc, "field", None),
+        retry_after=getattr(exc, "retry_after", 1),
+    )
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    for exc_type, status in _STATUS:
-
-        async def handler(_request: Request, exc: Exception, status: int = status) -> JSONResponse:
-            return error_response(status, str(exc))
-
-        app.add_exception_handler(exc_type, handler)
-
-    async def validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(p) for p in err.get("loc", ()))
-            parts.append(f"invalid {loc}: {err.get('msg')}")
-        return error_response(400, "; ".join(parts) or "invalid request")
+    async def handler(_request: Request, exc: Exception) -> JSONResponse:
+        return exception_response(exc)
 
     async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
-    async def unexpected(_request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}")
-
-    async def catalog_error(_request: Request, exc: CatalogError) -> JSONResponse:
-        # The catalog routes answer their own errors; this catches any that reach the service's.
-        return error_response(status_for(exc), str(exc))
-
-    app.add_exception_handler(CatalogError, catalog_error)
-    app.add_exception_handler(RequestValidationError, validation)
+    for exc_type, _status in STATUS_OF:
+        app.add_exception_handler(exc_type, handler)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, unexpected)
+    app.add_exception_handler(Exception, handler)
 
 
 class BodyLimit:
-    """Refuse request bodies over `max_bytes` (413) without reading them into memory first."""
+    """Refuse request bodies over `max_bytes` (413) without reading them into memory first, and
+    bodies that stall: each piece must arrive within `timeout_s` of the last (408), so a client
+    trickling its body cannot hold a request open for ever."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -109,13 +149,20 @@ class BodyLimit:
                 response = error_response(413, f"request body exceeds the {self.max_bytes}-byte limit")
                 return await response(scope, receive, send)
         seen = 0
+        body_done = False
 
         async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect can come: wait for it as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except TimeoutError:
+                raise RequestTimeout(f"request body stalled: nothing received for {self.timeout_s:g}s") from None
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:
                 raise BodyTooLarge(f"request body exceeds the {self.max_bytes}-byte limit")
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         await self.app(scope, limited, send)
@@ -131,15 +178,32 @@ def principal(request: Request) -> Principal:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
+    """The body as a checked JSON object (see jsonsafe); an empty body is `{}`."""
+    cached = getattr(request.state, "json_body", None)
+    if cached is not None:
+        return cached
     body = await request.body()
     try:
         # Big bodies (0.22's JSON forward_backward) are parsed off the event loop.
-        obj = (await asyncio.to_thread(json.loads, body) if len(body) > 1 << 20 else json.loads(body)) if body else {}
-    except ValueError:
-        raise DecodeError("request body is not valid JSON") from None
+        obj = (await asyncio.to_thread(jsonsafe.loads, body) if len(body) > 1 << 20 else jsonsafe.loads(body)) if body else {}
+    except JSONInputError as e:
+        if isinstance(e.document, dict):  # parsed, then refused: an ordered request still gives up its seq_id
+            model_id, seq_id = ordered_ids(e.document)
+            raise DecodeError(str(e), model_id=model_id, seq_id=seq_id) from None
+        raise
     if not isinstance(obj, dict):
         raise DecodeError("request body must be a JSON object")
+    request.state.json_body = obj
     return obj
+
+
+def ordered_ids(obj: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The model_id and seq_id a (maybe invalid) body names, where it names them plainly."""
+    model_id, seq_id = obj.get("model_id"), obj.get("seq_id")
+    return (
+        model_id if isinstance(model_id, str) else None,
+        seq_id if isinstance(seq_id, int) and not isinstance(seq_id, bool) else None,
+    )
 
 
 async def parse(request: Request, model: type[M]) -> M:
@@ -147,7 +211,8 @@ async def parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as e:
-        raise DecodeError(describe_validation_error(e)) from None
+        model_id, seq_id = ordered_ids(obj)
+        raise DecodeError(describe_validation_error(e), model_id=model_id, seq_id=seq_id) from None
 
 
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -167,3 +232,22 @@ def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
     except zstandard.ZstdError as e:
         raise DecodeError(f"body is not valid zstd: {e}") from None
     return b"".join(chunks)
+
+
+class CheckedRoute(APIRoute):
+    """A route whose JSON body FastAPI parses itself (a declared body model) gets the same input
+    checks as the routes that call `json_body` (see jsonsafe): no NaN, no integer beyond int64,
+    no lone surrogate, bounded nesting — a 400 naming the field before the model sees it."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def route(request: Request) -> Response:
+            body = await request.body()
+            if body and "json" in request.headers.get("content-type", "application/json"):
+                jsonsafe.loads(body)
+            return await handler(request)
+
+        return route

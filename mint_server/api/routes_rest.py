@@ -17,13 +17,14 @@ from starlette.background import BackgroundTask
 from mint_server.api.auth import Principal
 from mint_server.api.codec import DecodeError
 from mint_server.api.http import json_body, principal, service
+from mint_server.api.openapi import TtlBody, WeightsInfoBody, body_doc
 from mint_server.api.paths import CheckpointRef
 from mint_server.api.runs import NotFound
 from mint_server.model.peft_archive import write_archive_dir
 
 router = APIRouter(prefix="/api/v1")
 Limit = Query(20, ge=1, le=1000)
-Offset = Query(0, ge=0)
+Offset = Query(0, ge=0, le=(1 << 63) - 1)
 
 
 @router.get("/training_runs")
@@ -69,7 +70,7 @@ async def unpublish(run_id: str, kind: str, name: str, request: Request, p: Prin
     return Response(status_code=204)
 
 
-@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204)
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204, openapi_extra=body_doc(TtlBody))
 async def set_ttl(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
     body = await json_body(request)
     ttl = body.get("ttl_seconds")
@@ -131,7 +132,7 @@ def _tar_gz(src: Path) -> str:
     return path
 
 
-@router.post("/weights_info")
+@router.post("/weights_info", openapi_extra=body_doc(WeightsInfoBody))
 async def weights_info(request: Request, p: Principal = Depends(principal)) -> Any:
     body = await json_body(request)
     path = body.get("tinker_path")

@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
-from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
@@ -14,6 +13,8 @@ from tinker.types.try_again_response import TryAgainResponse
 from mint_server.api import codec
 from mint_server.api.auth import Principal
 from mint_server.api.http import parse, principal, service
+from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
+from mint_server.api.openapi import body_doc
 from mint_server.engine.interface import EngineError
 
 router = APIRouter(prefix="/api/v1")
@@ -25,7 +26,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.post("/client/config")
+@router.post("/client/config", openapi_extra=body_doc(types.ClientConfigRequest))
 async def client_config(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     await parse(request, types.ClientConfigRequest)
     # Advertise only what this server implements; every other flag keeps the SDK default.
@@ -40,7 +41,7 @@ async def client_config(request: Request, p: Principal = Depends(principal)) -> 
     ).model_dump(mode="json")
 
 
-@router.post("/client/dynamic_config")
+@router.post("/client/dynamic_config", openapi_extra=body_doc(types.ClientConfigRequest))
 async def client_dynamic_config(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
     await parse(request, types.ClientConfigRequest)
     return types.ClientDynamicConfigResponse(sample_cancel_enabled=False).model_dump(mode="json")
@@ -60,14 +61,14 @@ async def capabilities(request: Request, _p: Principal = Depends(principal)) -> 
     return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json")
 
 
-@router.post("/create_session")
+@router.post("/create_session", openapi_extra=body_doc(types.CreateSessionRequest))
 async def create_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.CreateSessionRequest)
     session_id = service(request).create_session(p, req.user_metadata, req.display_name)
     return types.CreateSessionResponse(session_id=session_id).model_dump(mode="json")
 
 
-@router.post("/session_heartbeat")
+@router.post("/session_heartbeat", openapi_extra=body_doc(types.SessionHeartbeatRequest))
 async def session_heartbeat(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.SessionHeartbeatRequest)
     service(request).core.sessions.heartbeat(req.session_id, p.owner)
@@ -86,13 +87,20 @@ async def telemetry(_p: Principal = Depends(principal)) -> dict[str, str]:
     return {"status": "accepted"}
 
 
-@router.post("/retrieve_future")
+@router.post("/retrieve_future", openapi_extra=body_doc(types.FutureRetrieveRequest))
 async def retrieve_future(request: Request, p: Principal = Depends(principal)) -> Response:
     req = await parse(request, types.FutureRetrieveRequest)
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
-        return JSONResponse(TryAgainResponse(request_id=req.request_id, queue_state="active").model_dump(mode="json"))
+        state = svc.core.queue_state(p.owner)
+        body = TryAgainResponse(request_id=req.request_id, queue_state=state).model_dump(mode="json")  # type: ignore[arg-type]
+        if state != "active":
+            body["queue_state_reason"] = (
+                "this API key has reached its limit of pending requests" if state == "paused_rate_limit"
+                else "the server is at its sampling capacity"
+            )
+        return JSONResponse(body)
     if entry.future.cancelled():
         return JSONResponse({"error": "request was cancelled", "category": "server"})
     if (error := entry.future.exception()) is not None:

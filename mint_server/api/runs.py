@@ -124,8 +124,9 @@ class RunStore:
 
     # --- runs -------------------------------------------------------------------------------------
     def create_run(self, run: RunRecord) -> None:
-        self._runs[run.run_id] = run
+        # Durable first: a record that cannot be written must not be listed (no phantom run).
         atomic_write_json(self.run_dir(run.run_id) / "run.json", asdict(run))
+        self._runs[run.run_id] = run
 
     def touch(self, run_id: str) -> None:
         """Note activity in memory; it is written out with the next record change."""
@@ -153,8 +154,8 @@ class RunStore:
 
     def register_checkpoint(self, rec: CheckpointRecord) -> CheckpointRecord:
         """Make published data a checkpoint: write its record (this is the commit point)."""
-        self._checkpoints[rec.ref] = rec
         atomic_write_json(self._record_path(rec.ref), asdict(rec))
+        self._checkpoints[rec.ref] = rec
         if run := self._runs.get(rec.run_id):
             run.last_request_time = time.time()
             atomic_write_json(self.run_dir(run.run_id) / "run.json", asdict(run))

@@ -86,6 +86,7 @@ class SamplingService:
         sampler = self.sampler(p, req.sampling_session_id)
         if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
             return hit
+        self.core.admit(p.owner)
         for name, used in _UNSUPPORTED.items():
             if used(req):
                 raise InvalidInput(f"{name} is not supported by this server")

@@ -14,6 +14,8 @@ class Settings:
     db_url: str | None = None
     no_auth: bool = False
     max_body_bytes: int = 256 * 1024 * 1024
+    # A request body must keep arriving: a pause longer than this answers 408.
+    body_timeout_s: float = 60.0
     # The SDK heartbeats every 10 s and warns after 2 min without one; past this we reclaim the session.
     session_ttl_s: float = 180.0
     # retrieve_future holds a pending request this long before answering try_again (SDK timeout is 45 s).
@@ -24,6 +26,8 @@ class Settings:
     max_resident_samplers: int = 8
     # In-flight sample requests before asample answers 429 (the SDK backs off and resubmits).
     max_inflight_samples: int = 512
+    # Unfinished requests one API key may have at once (every kind); beyond it, 429 + Retry-After.
+    max_pending_per_key: int = 256
     # How often expired sessions, results and checkpoints are swept.
     upkeep_interval_s: float = 5.0
     # How long shutdown waits for in-flight work before giving up on it.

@@ -59,7 +59,7 @@ class TrainingService:
 
     # --- creation -----------------------------------------------------------------------------------
     def create_model(self, p: Principal, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
-        self.core.check_accepting()
+        self.core.admit(p.owner)
         session = self.core.sessions.live(req.session_id, p.owner)
         self.core.check_base_model(req.base_model)
         if req.lora_config is None:
@@ -78,7 +78,7 @@ class TrainingService:
 
     def create_from_state(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         """load_weights addressed by session_id + model_seq_id: a new model starting from a checkpoint."""
-        self.core.check_accepting()
+        self.core.admit(p.owner)
         if req.model_seq_id is None:
             raise InvalidInput("model_seq_id is required with session_id")
         session = self.core.sessions.live(req.session_id or "", p.owner)
@@ -125,17 +125,24 @@ class TrainingService:
         async def create() -> Any:
             try:
                 model.adapter_id = await make_adapter()
-            except BaseException as e:
-                model.failed = f"creation failed: {e}"
-                raise
-            now = time.time()
-            self.core.runs.create_run(
-                RunRecord(
-                    run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
-                    optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
-                    last_request_time=now, user_metadata=user_metadata,
+                now = time.time()
+                self.core.runs.create_run(
+                    RunRecord(
+                        run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
+                        optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
+                        last_request_time=now, user_metadata=user_metadata,
+                    )
                 )
-            )
+            except BaseException as e:
+                # A failed creation leaves nothing behind: no listed model without a run, no adapter.
+                model.failed = f"creation failed: {e}"
+                self.core.models.pop(model_id, None)
+                if model_id in session.model_ids:
+                    session.model_ids.remove(model_id)
+                if model.adapter_id is not None:
+                    adapter_id, model.adapter_id = model.adapter_id, None
+                    await self.core.call(self.engine.release_adapter(adapter_id))
+                raise
             return respond(model_id)
 
         future = model.sequencer.submit(None, create)
@@ -157,6 +164,19 @@ class TrainingService:
         )
 
     # --- ordered operations -------------------------------------------------------------------------
+    def give_up_seq(self, p: Principal, model_id: str, seq_id: int) -> None:
+        """A request for `model_id` with this seq_id was refused before it could be queued (its body
+        could not be decoded): later requests must not wait for it. Unknown models, other owners'
+        models and seq_ids that could never run are ignored: the refusal already answers them."""
+        model = self.core.models.get(model_id)
+        if model is None or model.owner != p.owner:
+            return
+        try:
+            model.sequencer.check(seq_id)
+        except SeqError:
+            return
+        model.sequencer.skip(seq_id)
+
     def sequenced(
         self, p: Principal, model_id: str, seq_id: int | None, op: str, check: Callable[[TrainingModel], Op]
     ) -> types.UntypedAPIFuture:
@@ -165,6 +185,7 @@ class TrainingService:
         model = self.core.model(model_id, p.owner)
         if (hit := self.core.seen(model_id, seq_id)) is not None:
             return hit
+        self.core.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
         if seq_id is not None:
             try:
                 model.sequencer.check(seq_id)

@@ -36,11 +36,9 @@ from mint_server.catalog.records import (
     Alias,
     AliasEvent,
     EvalRecord,
-    GcReport,
     Page,
     Policy,
     Revision,
-    SeedResult,
 )
 from mint_server.catalog.refs import Ref, check_alias_name, check_owner, check_policy_name, parse_ref
 from mint_server.catalog.schema import (
@@ -51,8 +49,6 @@ from mint_server.catalog.schema import (
     PolicyRow,
     RevisionRow,
 )
-
-DEFAULT_GC_GRACE_S = 3600.0
 
 _FromRev = aliased(RevisionRow, name="from_rev")
 _ToRev = aliased(RevisionRow, name="to_rev")
@@ -193,7 +189,7 @@ class Catalog:
             owner=check_owner(owner),
             name=check_policy_name(name),
             base_model=_text(base_model, "base_model", 512, required=True),
-            lora_config=_json_object(lora_config, "lora_config"),
+            lora_config=_lora_config(lora_config),
             meta=_json_object(metadata, "metadata"),
             created_at=_now(),
         )
@@ -694,39 +690,6 @@ class Catalog:
                 while stream.read(1 << 20):
                     pass
 
-    # -- maintenance ----------------------------------------------------------------------
-    def gc(self, *, grace_seconds: float = DEFAULT_GC_GRACE_S, dry_run: bool = False) -> GcReport:
-        """Delete blobs no revision references and untouched for `grace_seconds` (see gc.py for why
-        this never races a publish)."""
-        from mint_server.catalog import gc
-
-        return gc.collect(self, grace_seconds, dry_run)
-
-    def seed(
-        self,
-        n_policies: int,
-        revisions_per_policy: int = 1,
-        owner: str = "synthetic",
-        *,
-        prefix: str = "synthetic-",
-        batch_size: int = 10_000,
-        progress: Callable[[int], None] | None = None,
-        **servable: Any,
-    ) -> SeedResult:
-        """Bulk-insert synthetic policies (see seed.py; `servable` = payload_for, base_model, lora_config)."""
-        from mint_server.catalog.seed import seed
-
-        return seed(
-            self,
-            n_policies,
-            revisions_per_policy,
-            owner,
-            prefix=prefix,
-            batch_size=batch_size,
-            progress=progress,
-            **servable,
-        )
-
 
 # -- row → record helpers -------------------------------------------------------------------
 def _revision(row: Any) -> Revision:
@@ -796,6 +759,10 @@ def _text(value: str | None, field: str, max_len: int, *, required: bool = False
         return None
     if not isinstance(value, str) or len(value) > max_len:
         raise InvalidArgument(f"{field} must be a string of at most {max_len} characters", field=field)
+    try:
+        value.encode("utf-8")  # a lone surrogate would be stored, then break every read of it
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{field} is not valid Unicode text", field=field) from None
     return value
 
 
@@ -805,7 +772,43 @@ def _json_object(value: dict[str, Any] | None, field: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise InvalidArgument(f"{field} must be a JSON object", field=field)
     try:
-        json.dumps(value, allow_nan=False)
+        # ensure_ascii=False + encode: a lone surrogate fails here, not in every later read.
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"{field} is not JSON-serializable: {e}", field=field) from None
     return value
+
+
+# What a policy's LoRA config may hold: the fields training records (rank, train_*) and those a PEFT
+# import implies (rank, alpha, target_modules, dropout), each typed and in range.
+MAX_LORA_RANK = 65536
+
+
+def _lora_config(value: dict[str, Any] | None) -> dict[str, Any]:
+    config = _json_object(value, "lora_config")
+    for key, v in config.items():
+        field = f"lora_config.{key}"
+        number = isinstance(v, int | float) and not isinstance(v, bool)
+        if key == "rank":
+            ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LORA_RANK
+            expected = f"an integer between 1 and {MAX_LORA_RANK}"
+        elif key == "alpha":
+            ok, expected = number and 0 < v <= 1e6, "a number in (0, 1e6]"
+        elif key == "dropout":
+            ok, expected = number and 0 <= v < 1, "a number in [0, 1)"
+        elif key == "target_modules":
+            ok = (isinstance(v, str) and 0 < len(v) <= 1024) or (
+                isinstance(v, list) and len(v) <= 256 and all(isinstance(m, str) and 0 < len(m) <= 128 for m in v)
+            )
+            expected = "a list of module names (or a PEFT regex string)"
+        elif key in ("train_mlp", "train_attn", "train_unembed"):
+            ok, expected = isinstance(v, bool), "true or false"
+        else:
+            raise InvalidArgument(
+                f"{field}: unknown field (known: rank, alpha, dropout, target_modules, train_mlp, train_attn, "
+                "train_unembed)",
+                field=field,
+            )
+        if not ok:
+            raise InvalidArgument(f"{field} must be {expected}, got {v!r}", field=field)
+    return config

@@ -34,6 +34,15 @@ def decode(tag: str, cursor: str | None, key_type: type) -> Any:
         raise InvalidArgument(f"cursor {cursor!r} is malformed", field="cursor") from None
     if got_tag != tag or not isinstance(key, key_type) or isinstance(key, bool):
         raise InvalidArgument(f"cursor {cursor!r} does not belong to this listing", field="cursor")
+    # A forged cursor must not carry a key the database cannot compare (SQL integers are 64-bit;
+    # text must be valid Unicode).
+    if isinstance(key, int) and not -(1 << 63) <= key < (1 << 63):
+        raise InvalidArgument(f"cursor {cursor!r} is malformed", field="cursor")
+    if isinstance(key, str):
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"cursor {cursor!r} is malformed", field="cursor") from None
     return key
 
 

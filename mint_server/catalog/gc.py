@@ -25,10 +25,13 @@ from mint_server.catalog.schema import ManifestEntryRow
 if TYPE_CHECKING:
     from mint_server.catalog.catalog import Catalog
 
+DEFAULT_GRACE_S = 3600.0
 BATCH = 500  # candidates checked per transaction, so the write lock is held only briefly
 
 
-def collect(catalog: Catalog, grace_seconds: float, dry_run: bool) -> GcReport:
+def collect(catalog: Catalog, grace_seconds: float = DEFAULT_GRACE_S, dry_run: bool = False) -> GcReport:
+    """Delete blobs no revision references and untouched for `grace_seconds` (see the module doc
+    for why this never races a publish)."""
     blobs = catalog.blobs
     cutoff = datetime.now(UTC).timestamp() - grace_seconds
     temp_removed = 0 if dry_run else blobs.remove_stale_temp(cutoff)

@@ -27,7 +27,7 @@ from mint_server.catalog.errors import CatalogError, InvalidArgument
 from mint_server.catalog.records import Page, Revision, page_to_dict, to_dict
 
 if TYPE_CHECKING:
-    from mint_server.catalog.client import CatalogClient
+    from mint_server.cli.catalog_client import CatalogClient
 
 T = TypeVar("T")
 PANEL = "Catalog location"
@@ -49,7 +49,7 @@ class Target:
 
     def open(self, actor: str | None = None) -> "CatalogClient":
         from mint_server.catalog.catalog import Catalog
-        from mint_server.catalog.client import HttpClient, LocalClient
+        from mint_server.cli.catalog_client import HttpClient, LocalClient
 
         if self.server:
             if self.db_url:
@@ -654,7 +654,8 @@ def catalog_seed(
     client = target.open()
     extra: dict[str, Any] = {}
     if servable:
-        from mint_server.catalog.client import LocalClient
+        from mint_server.catalog.seed import seed
+        from mint_server.cli.catalog_client import LocalClient
         from mint_server.cli.sweep import servable_payloads
         from mint_server.model.prepare import resolve_base_model
 
@@ -668,8 +669,8 @@ def catalog_seed(
         task = progress.add_task("seed", total=policies)
         update = lambda done: progress.update(task, completed=done)  # noqa: E731
         if extra:
-            result = client.catalog.seed(policies, revisions_per_policy, client.owner, prefix=prefix,  # type: ignore[attr-defined]
-                                         batch_size=1000, progress=update, **extra)
+            result = seed(client.catalog, policies, revisions_per_policy, client.owner,  # type: ignore[attr-defined]
+                          prefix=prefix, batch_size=1000, progress=update, **extra)
         else:
             result = client.seed(policies, revisions_per_policy, prefix=prefix, progress=update)
     rate = result.policies / result.seconds if result.seconds else 0.0

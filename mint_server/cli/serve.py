@@ -140,6 +140,7 @@ def register(app: typer.Typer) -> None:
 
         from mint_server.api.app import create_app
         from mint_server.api.auth import check_key_form
+        from mint_server.api.server import ConnectionLimits, uvicorn_config
         from mint_server.api.settings import Settings
         from mint_server.engine.local import LocalEngine
         from mint_server.model.config import ModelError
@@ -182,4 +183,9 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"cannot open the policy catalog: {detail}", param_hint="--db-url") from None
         auth = "no auth" if no_auth else f"{len(keys)} API key(s)"
         typer.echo(f"MinT serving {name} on http://{host}:{port} (data dir {root}; {auth})")
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=settings.drain_timeout_s)
+        # Bounded request heads (431), slow heads and bodies timed out (408): see api/server.py.
+        config = uvicorn_config(
+            app, ConnectionLimits(), host=host, port=port, log_level=log_level,
+            timeout_graceful_shutdown=settings.drain_timeout_s,
+        )
+        uvicorn.Server(config).run()

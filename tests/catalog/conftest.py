@@ -14,9 +14,10 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Header, HTTPException
 
+from mint_server.api import CATALOG_PREFIX as API_PREFIX
+from mint_server.api.http import install_error_handlers
+from mint_server.api.routes_catalog import make_catalog_router
 from mint_server.catalog import Catalog
-from mint_server.catalog.client import API_PREFIX
-from mint_server.catalog.rest import make_catalog_router
 from tests.pg import fresh_pg_schema
 
 
@@ -53,6 +54,7 @@ def owner_from_key(x_api_key: Annotated[str | None, Header()] = None) -> str:
 def app(catalog: Catalog) -> FastAPI:
     """A service stand-in: the catalog router mounted where the service will mount it."""
     app = FastAPI()
+    install_error_handlers(app)
     app.include_router(
         make_catalog_router(lambda: catalog, owner_from_key, enable_seed=True), prefix=API_PREFIX
     )

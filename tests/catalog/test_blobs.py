@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_server.catalog import Catalog, IntegrityError, InvalidArgument, LocalBlobStore
+from mint_server.catalog import Catalog, IntegrityError, InvalidArgument, LocalBlobStore, gc
 from tests.catalog.helpers import BASE_MODEL, write_peft
 
 
@@ -81,10 +81,10 @@ def test_gc_removes_only_unreferenced_blobs(catalog: Catalog, tmp_path: Path) ->
     young_tmp.write_bytes(b"y")
     _age(stale_tmp, 7200)
 
-    dry = catalog.gc(grace_seconds=3600, dry_run=True)
+    dry = gc.collect(catalog, grace_seconds=3600, dry_run=True)
     assert (dry.removed, dry.temp_removed) == (1, 0) and store.exists(orphan)
 
-    report = catalog.gc(grace_seconds=3600)
+    report = gc.collect(catalog, grace_seconds=3600)
     assert (report.removed, report.temp_removed) == (1, 1)
     assert report.freed_bytes == len(b"left behind by a crashed publish")
     assert not store.exists(orphan) and store.exists(in_flight)
@@ -93,4 +93,4 @@ def test_gc_removes_only_unreferenced_blobs(catalog: Catalog, tmp_path: Path) ->
         catalog.verify(revision)
     # Re-putting an old blob restarts its grace period.
     store.put_bytes(b"left behind by a crashed publish")
-    assert catalog.gc(grace_seconds=3600).removed == 0
+    assert gc.collect(catalog, grace_seconds=3600).removed == 0

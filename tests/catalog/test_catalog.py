@@ -20,6 +20,7 @@ from mint_server.catalog import (
     Revision,
     db,
 )
+from mint_server.catalog import seed as seeding
 from mint_server.catalog.schema import Base, RevisionRow
 from tests.catalog.helpers import BASE_MODEL, LORA, read_dir, write_peft
 
@@ -315,7 +316,7 @@ def walk(fetch, limit: int) -> list:
 
 
 def test_pagination_walks_every_item_once(catalog: Catalog, tmp_path: Path) -> None:
-    catalog.seed(23, 12, OWNER, prefix="s-")
+    seeding.seed(catalog, 23, 12, OWNER, prefix="s-")
     names = [p.name for p in walk(lambda **kw: catalog.list_policies(OWNER, **kw), 5)]
     assert names == sorted(names) and len(set(names)) == 23
     numbers = [r.number for r in walk(lambda **kw: catalog.list_revisions(OWNER, "s-000000007", **kw), 5)]
@@ -337,7 +338,7 @@ def test_pagination_walks_every_item_once(catalog: Catalog, tmp_path: Path) -> N
 
 
 def test_keyset_pages_are_stable_under_inserts(catalog: Catalog) -> None:
-    catalog.seed(10, 1, OWNER, prefix="k-")
+    seeding.seed(catalog, 10, 1, OWNER, prefix="k-")
     first = catalog.list_policies(OWNER, limit=5)
     catalog.create_policy(OWNER, "a-earlier", BASE_MODEL)  # sorts before the cursor
     second = catalog.list_policies(OWNER, cursor=first.next_cursor, limit=5)
@@ -346,7 +347,7 @@ def test_keyset_pages_are_stable_under_inserts(catalog: Catalog) -> None:
 
 
 def test_cursor_from_another_listing_is_rejected(catalog: Catalog) -> None:
-    catalog.seed(3, 3, OWNER, prefix="c-")
+    seeding.seed(catalog, 3, 3, OWNER, prefix="c-")
     cursor = catalog.list_revisions(OWNER, "c-000000000", limit=1).next_cursor
     with pytest.raises(InvalidArgument, match="does not belong") as e:
         catalog.list_policies(OWNER, cursor=cursor)
@@ -354,9 +355,9 @@ def test_cursor_from_another_listing_is_rejected(catalog: Catalog) -> None:
 
 
 def test_seed(catalog: Catalog, tmp_path: Path) -> None:
-    result = catalog.seed(50, 3, OWNER, batch_size=20)
+    result = seeding.seed(catalog, 50, 3, OWNER, batch_size=20)
     assert (result.policies, result.revisions, result.first_name) == (50, 150, "synthetic-000000000")
-    again = catalog.seed(5, 1, OWNER)  # continues the numbering
+    again = seeding.seed(catalog, 5, 1, OWNER)  # continues the numbering
     assert again.first_name == "synthetic-000000050"
     assert catalog.resolve(OWNER, "synthetic-000000049@prod").number == 3
     assert [r.number for r in catalog.lineage(OWNER, "synthetic-000000049").items] == [3, 2, 1]

@@ -9,7 +9,7 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
-from mint_server.catalog import Catalog
+from mint_server.catalog import Catalog, gc
 from tests.catalog.helpers import BASE_MODEL, LORA, WORKER, python, subprocess_env, write_peft
 from tests.catalog.test_catalog import walk
 from tests.catalog.worker import OWNER
@@ -54,7 +54,7 @@ def test_kill_during_publish_leaves_no_half_visible_revision(
         chain = walk(lambda **kw: catalog.lineage(OWNER, "victim", **kw), 100)
         assert [r.number for r in chain] == numbers[::-1]  # one unbroken parent chain across the crashes
         # Blobs of killed publishes are unreferenced: GC takes them and nothing that is referenced.
-        catalog.gc(grace_seconds=0)
+        gc.collect(catalog, grace_seconds=0)
         for revision in revisions:
             catalog.verify(revision)
         referenced = {e.sha256 for r in revisions for e in catalog.manifest(r)}
@@ -130,7 +130,7 @@ def test_gc_racing_publishes_never_loses_a_referenced_blob(catalog: Catalog, tmp
     thread = threading.Thread(target=publisher)
     thread.start()
     while not done.is_set():
-        catalog.gc(grace_seconds=0)
+        gc.collect(catalog, grace_seconds=0)
     thread.join()
     assert len(published) == 12
     for revision in published:

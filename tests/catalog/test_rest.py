@@ -12,9 +12,10 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from mint_server.api import CATALOG_PREFIX as API_PREFIX
 from mint_server.catalog import AlreadyExists, Catalog, IntegrityError, InvalidReference, NotFound
 from mint_server.catalog.archive import pack
-from mint_server.catalog.client import API_PREFIX, HttpClient
+from mint_server.cli.catalog_client import HttpClient
 from tests.catalog.helpers import BASE_MODEL, read_dir, write_peft
 
 
@@ -105,9 +106,9 @@ def test_rest_errors(http: TestClient, app: FastAPI, catalog: Catalog, tmp_path:
     body = error(http.get("/revisions/p@0"), 400, "'p@0'")
     assert (body["field"], body["error"]) == ("ref", "InvalidReference")
     error(http.get("/revisions/p@prod"), 404, "no alias 'prod'")
-    error(http.get("/policies", params={"limit": 0}), 422, "limit")
+    error(http.get("/policies", params={"limit": 0}), 400, "limit")
     error(http.get("/policies", params={"cursor": "garbage"}), 400, "cursor")
-    error(http.post("/policies", json={"name": "x"}), 422, "base_model")
+    error(http.post("/policies", json={"name": "x"}), 400, "base_model")
     error(http.put("/policies/p/aliases/prod", json={"revision": 1}), 404, "no revision 1")
     error(http.post("/revisions/p/evals", json={"metric": "m", "value": 1}), 404, "no revisions")
 

@@ -14,6 +14,7 @@ import uvicorn
 from tinker import types
 
 from mint_server.api.app import create_app
+from mint_server.api.server import ConnectionLimits, uvicorn_config
 from mint_server.api.settings import Settings
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
@@ -56,7 +57,7 @@ def train(tc: Any, steps: int, data: list[types.Datum] | None = None) -> list[fl
 
 
 class LiveServer:
-    def __init__(self, engine: Any, data_dir: Path, **settings: Any) -> None:
+    def __init__(self, engine: Any, data_dir: Path, limits: ConnectionLimits | None = None, **settings: Any) -> None:
         self.engine = engine
         self.settings = Settings(data_dir=data_dir, api_keys=(KEY_A, KEY_B, KEY_SK), **settings)
         self.app = create_app(engine, self.settings)
@@ -65,7 +66,9 @@ class LiveServer:
         self._sock.bind(("127.0.0.1", 0))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=30)
+        config = uvicorn_config(
+            self.app, limits or ConnectionLimits(), log_level="warning", lifespan="on", timeout_graceful_shutdown=30
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 

@@ -73,10 +73,12 @@ def test_bad_policy_name_is_refused_at_create_model(client_a: tinker.ServiceClie
 def test_failed_publish_fails_the_save_and_leaves_no_checkpoint(
     server: LiveServer, client_a: tinker.ServiceClient
 ) -> None:
-    # A policy of that name already exists, for another base model: the revision cannot be added.
+    # The REST face refuses a policy for a base model this server does not serve...
     r = httpx.post(f"{server.url}/api/v1/mint/catalog/policies", headers={"X-API-Key": KEY_A},
                    json={"name": "taken", "base_model": "some/other-model"})  # fmt: skip
-    assert r.status_code == 201, r.text
+    assert r.status_code == 400 and r.json()["field"] == "base_model", r.text
+    # ...but a catalog shared with another server may hold one (created there): the revision cannot be added.
+    server.service.core.policies.catalog.create_policy(owner_id(KEY_A), "taken", "some/other-model")
     tc = client_a.create_lora_training_client(base_model=BASE, rank=2, user_metadata={"policy": "taken"}).result()
     train(tc, 1)
     with pytest.raises(tinker.RequestFailedError, match="cannot publish to policy 'taken'"):

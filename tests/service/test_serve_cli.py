@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -105,27 +106,35 @@ def test_shutdown_drains_in_flight_work(tiny_dir: Path, tmp_path: Path) -> None:
                                               "lora_config": {"rank": 2}}))["model_id"]
     sampler = api.post("create_sampling_session", json={"session_id": session_id, "sampling_session_seq_id": 0,
                                                         "base_model": BASE}).json()["sampling_session_id"]
-    # Real work that keeps the engine busy for a good while: long samples (which never stop early)
-    # and a queue of full-length training steps, the optimizer step last.
-    tokens = [(7 * i) % 300 + 10 for i in range(201)]
+    # The engine is held (an explicit gate, not slow work): everything below is accepted and queued,
+    # none of it can finish until the server is shutting down.
+    engine.pause()
+    tokens = [(7 * i) % 300 + 10 for i in range(33)]
     fb_input = {"loss_fn": "cross_entropy", "data": [{
         "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
-        "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64"}}}] * 8}
-    sample = submit("asample", {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 8,
+        "loss_fn_inputs": {"target_tokens": {"data": tokens[1:], "dtype": "int64"}}}] * 2}
+    sample = submit("asample", {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 2,
                                 "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
-                                "sampling_params": {"max_tokens": 250, "stop": []}})
-    for seq in range(1, 5):
+                                "sampling_params": {"max_tokens": 20, "stop": []}})
+    for seq in range(1, 3):
         submit("forward_backward", {"model_id": model_id, "seq_id": seq, "forward_backward_input": fb_input})
-    step = submit("optim_step", {"model_id": model_id, "seq_id": 5, "adam_params": {"learning_rate": 0.01}})
+    step = submit("optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.01}})
     futures = server.service.core.futures
     pending = [futures.get(rid, owner_id(KEY_A)).future for rid in (sample, step)]
-    assert not any(f.done() for f in pending)  # still running when the server is told to stop
+    assert not any(f.done() for f in pending)
     api.close()
-    server.stop()
-    # Accepted work finished (not cancelled) before the engine stopped: 8 full samples, and the
+    stopping = threading.Thread(target=server.stop)
+    stopping.start()
+    # Once the service has stopped accepting work (the drain has begun), let the engine go.
+    while server.service.core.accepting:
+        time.sleep(0.01)
+    assert not any(f.done() for f in pending)
+    engine.resume()
+    stopping.join()
+    # Accepted work finished (not cancelled) before the engine stopped: full samples, and the
     # optimizer step, which ran last, applied the queued steps' gradient.
     done_sample, done_step = (f.result() for f in pending)
-    assert [len(s.tokens) for s in done_sample.sequences] == [250] * 8
+    assert [len(s.tokens) for s in done_sample.sequences] == [20] * 2
     assert done_step.metrics["grad_norm:mean"] > 0
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/api/v1/healthz")

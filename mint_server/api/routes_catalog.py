@@ -1,79 +1,41 @@
 """HTTP routes for the catalog: `make_catalog_router(...)` returns an APIRouter that the service
-mounts (under /api/v1/mint/catalog). The service supplies the owner (from the API key) through a
-FastAPI dependency; every route is scoped to that owner.
+mounts under CATALOG_PREFIX. The service supplies the owner (from the API key) through a FastAPI
+dependency; every route is scoped to that owner.
 
-Errors come back as JSON `{"detail": "...", "field": ..., "error": "<exception class>"}`:
-404 NotFound, 409 AlreadyExists, 400 InvalidArgument/InvalidReference, 422 request validation,
-500 IntegrityError (stored data is corrupt; the message names the blob).
+Errors are answered by the app's handlers (http.py) as JSON `{"detail", "error", "field"}`; the
+CLI's HTTP client (cli/catalog_client.py) raises the same exception class from "error".
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the real Annotated types of the
 # route parameters, which are built inside make_catalog_router.
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from fastapi.routing import APIRoute
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
+from mint_server.api.http import BodyTooLarge, CheckedRoute
+from mint_server.api.jsonsafe import INT64_MAX
 from mint_server.catalog import archive
+from mint_server.catalog import seed as seeding
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.cursor import DEFAULT_LIMIT, MAX_LIMIT
-from mint_server.catalog.errors import AlreadyExists, CatalogError, InvalidArgument, NotFound
+from mint_server.catalog.errors import InvalidArgument
 from mint_server.catalog.records import page_to_dict, to_dict
 
 DEFAULT_MAX_UPLOAD_BYTES = 8 << 30
 
 
-def status_for(error: CatalogError) -> int:
-    if isinstance(error, NotFound):
-        return 404
-    if isinstance(error, AlreadyExists):
-        return 409
-    if isinstance(error, InvalidArgument):
-        return 400
-    return 500  # IntegrityError (corrupt or missing blob) and anything unforeseen
-
-
-def _validation_message(error: RequestValidationError) -> str:
-    parts = []
-    for e in error.errors():
-        loc = ".".join(str(p) for p in e.get("loc", ()) if p not in ("body", "query", "path"))
-        parts.append(f"{loc or 'request'}: {e.get('msg', 'invalid')}")
-    return "; ".join(parts)
-
-
-class _CatalogRoute(APIRoute):
-    """Turns catalog errors (and request validation errors) into `{"detail": "..."}` responses here,
-    because an APIRouter cannot install exception handlers on the app that mounts it."""
-
-    def get_route_handler(self) -> Callable:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Any:
-            try:
-                return await handler(request)
-            except CatalogError as e:
-                body = {"detail": str(e), "field": e.field, "error": type(e).__name__}
-                return JSONResponse(body, status_code=status_for(e))
-            except RequestValidationError as e:
-                return JSONResponse(
-                    {"detail": _validation_message(e), "error": "RequestValidationError"}, status_code=422
-                )
-
-        return route
-
-
 class CreatePolicyBody(BaseModel):
-    name: str
-    base_model: str
+    name: str = Field(max_length=128)
+    base_model: str = Field(max_length=512)
+    # Checked by the catalog (rank, alpha, dropout, target_modules, train_*: typed and in range).
     lora_config: dict[str, Any] = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     exist_ok: bool = False  # return the existing policy instead of 409
@@ -90,7 +52,7 @@ class RollbackBody(BaseModel):
 
 class EvalBody(BaseModel):
     metric: str
-    value: float
+    value: float = Field(allow_inf_nan=False)
     dataset: str | None = None
 
 
@@ -107,6 +69,7 @@ def make_catalog_router(
     actor_dependency: Callable[..., Any] | None = None,
     enable_seed: bool = False,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
+    served_base_models: Collection[str] | None = None,
 ) -> APIRouter:
     """Routes for every catalog operation.
 
@@ -114,8 +77,17 @@ def make_catalog_router(
     owner_dependency: FastAPI dependency returning the owner id (raises 401 itself).
     actor_dependency: who is recorded on alias moves; defaults to the owner.
     enable_seed: expose POST /seed (bulk synthetic load) — for test and benchmark deployments only.
+    served_base_models: the base models a policy may be created for (None: any); a policy for a
+    model this server does not serve could never be sampled.
     """
-    router = APIRouter(route_class=_CatalogRoute)
+    router = APIRouter(route_class=CheckedRoute)
+
+    def check_base_model(base_model: str | None) -> None:
+        if served_base_models is not None and base_model is not None and base_model not in served_base_models:
+            served = ", ".join(repr(m) for m in served_base_models)
+            raise InvalidArgument(
+                f"base_model {base_model!r} is not served here (this server serves {served})", field="base_model"
+            )
     Owner = Annotated[str, Depends(owner_dependency)]
 
     def _default_actor(owner: Owner) -> str:
@@ -132,6 +104,7 @@ def make_catalog_router(
 
     @router.post("/policies", status_code=201)
     def create_policy(owner: Owner, body: CreatePolicyBody) -> dict[str, Any]:
+        check_base_model(body.base_model)
         create = get_catalog().get_or_create_policy if body.exist_ok else get_catalog().create_policy
         return to_dict(create(owner, body.name, body.base_model, body.lora_config, body.metadata))
 
@@ -145,7 +118,13 @@ def make_catalog_router(
     ) -> dict[str, Any]:
         return page_to_dict(get_catalog().list_revisions(owner, name, cursor=cursor, limit=limit))
 
-    @router.post("/policies/{name}/revisions", status_code=201)
+    archive_body = {"type": "string", "format": "binary", "description": "a tar or zip of a PEFT directory"}
+
+    @router.post(
+        "/policies/{name}/revisions", status_code=201,
+        openapi_extra={"requestBody": {"required": True, "content": {
+            media: {"schema": archive_body} for media in ("application/octet-stream", "application/x-tar")}}},
+    )
     async def import_revision(
         owner: Owner,
         name: str,
@@ -153,10 +132,11 @@ def make_catalog_router(
         base_model: str | None = None,
         parent: str | None = None,
         training_run: str | None = None,
-        step: Annotated[int | None, Query(ge=0)] = None,
+        step: Annotated[int | None, Query(ge=0, le=INT64_MAX)] = None,
         note: str | None = None,
     ) -> dict[str, Any]:
         """Publish a PEFT directory uploaded as the request body: a tar or zip archive."""
+        check_base_model(base_model)
         workdir = Path(tempfile.mkdtemp(prefix="mint-import-"))
         try:
             upload = workdir / "upload"
@@ -165,7 +145,7 @@ def make_catalog_router(
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > max_upload_bytes:
-                        raise InvalidArgument(f"upload exceeds {max_upload_bytes} bytes", field="archive")
+                        raise BodyTooLarge(f"upload exceeds the {max_upload_bytes}-byte limit")
                     out.write(chunk)
             if size == 0:
                 raise InvalidArgument(
@@ -268,7 +248,7 @@ def make_catalog_router(
 
         @router.post("/seed", status_code=201)
         def seed(owner: Owner, body: SeedBody) -> dict[str, Any]:
-            result = get_catalog().seed(body.policies, body.revisions_per_policy, owner, prefix=body.prefix)
+            result = seeding.seed(get_catalog(), body.policies, body.revisions_per_policy, owner, prefix=body.prefix)
             return to_dict(result)
 
     return router

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import quote
 
-from mint_server.catalog import archive, payload
+from mint_server.api import CATALOG_PREFIX as API_PREFIX
+from mint_server.catalog import archive, gc, payload
+from mint_server.catalog import seed as seeding
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.errors import (
     AlreadyExists,
@@ -39,7 +41,6 @@ from mint_server.catalog.records import (
 if TYPE_CHECKING:
     import httpx  # imported where used: local-mode CLI commands need not pay for it
 
-API_PREFIX = "/api/v1/mint/catalog"
 T = TypeVar("T")
 
 
@@ -194,12 +195,13 @@ class LocalClient:
         prefix: str,
         progress: Callable[[int], None] | None,
     ) -> SeedResult:
-        return self.catalog.seed(
+        return seeding.seed(
+            self.catalog,
             n_policies, revisions_per_policy, self.owner, prefix=prefix, progress=progress
         )
 
     def gc(self, *, grace_seconds: float, dry_run: bool) -> GcReport:
-        return self.catalog.gc(grace_seconds=grace_seconds, dry_run=dry_run)
+        return gc.collect(self.catalog, grace_seconds=grace_seconds, dry_run=dry_run)
 
     def close(self) -> None:
         self.catalog.close()

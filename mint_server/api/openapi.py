@@ -1,0 +1,62 @@
+"""The served OpenAPI spec (`/openapi.json`, `/docs`): request schemas for every route.
+
+Most Tinker routes read their body themselves (one checked JSON parse, see jsonsafe; protobuf for
+tinker 0.38's forward_backward), so FastAPI cannot see a body parameter. `body_doc(Model)` declares
+the body for the docs only, from the wire types the handler validates against; `install` puts the
+models those schemas refer to into the spec's components.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, create_model
+from tinker.types._pydantic_types.forward_backward_input import ForwardBackwardInput as WireFwdBwdInput
+
+REF = "#/components/schemas/{model}"
+_COMPONENTS: dict[str, Any] = {}
+
+
+def body_doc(model: type[BaseModel], *, protobuf: bool = False, required: bool = True) -> dict[str, Any]:
+    """`openapi_extra` for a route whose handler reads a `model`-shaped JSON body itself."""
+    schema = model.model_json_schema(ref_template=REF)
+    _COMPONENTS.update(schema.pop("$defs", {}))
+    _COMPONENTS[model.__name__] = schema
+    content: dict[str, Any] = {"application/json": {"schema": {"$ref": REF.format(model=model.__name__)}}}
+    if protobuf:  # tinker 0.38 sends a ForwardBackwardRequest protobuf, maybe zstd-compressed
+        content["application/x-protobuf"] = {"schema": {"type": "string", "format": "binary"}}
+    return {"requestBody": {"required": required, "content": content}}
+
+
+def _fwdbwd_body(name: str, input_field: str) -> type[BaseModel]:
+    """The JSON (tinker 0.22) shape of forward / forward_backward, built from the SDK's own input type."""
+    fields: dict[str, Any] = {"model_id": (str, ...), "seq_id": (int | None, None), input_field: (WireFwdBwdInput, ...)}
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+ForwardBackwardBody = _fwdbwd_body("ForwardBackwardBody", "forward_backward_input")
+ForwardBody = _fwdbwd_body("ForwardBody", "forward_input")
+
+
+class WeightsInfoBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tinker_path: str
+
+
+class TtlBody(BaseModel):
+    ttl_seconds: int | None = None
+
+
+def install(app: FastAPI) -> None:
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+            components = spec.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in _COMPONENTS.items():
+                components.setdefault(name, schema)
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,123 @@
+"""Connection limits: oversized request heads (431), oversized bodies (413), slow heads and stalled
+bodies (408), all answered in JSON; the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mint_server.api.server import ConnectionLimits
+from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, tiny_engine
+
+LIMITS = ConnectionLimits(max_header_bytes=8 * 1024, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=5)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    data = tmp_path_factory.mktemp("limits") / "data"
+    with LiveServer(tiny_engine(tiny_dir), data, limits=LIMITS, max_body_bytes=10_000, body_timeout_s=0.5,
+                    max_pending_per_key=3, long_poll_s=0.1) as s:
+        yield s
+
+
+def _raw(server: LiveServer, *parts: bytes) -> tuple[int, dict]:
+    """Send `parts` on one connection (stopping early if the server hangs up), read the answer."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        for part in parts:
+            try:
+                sock.sendall(part)
+            except OSError:
+                break
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    head, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, json.loads(body)
+
+
+def _still_serves(server: LiveServer) -> None:
+    r = httpx.get(f"{server.url}/api/v1/training_runs", headers={"X-API-Key": KEY_A}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_oversized_headers_431(server: LiveServer) -> None:
+    head = b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\nX-Junk: " + b"a" * 20_000 + b"\r\n\r\n"
+    status, body = _raw(server, head)
+    assert status == 431 and "header" in body["detail"]
+    r = httpx.get(f"{server.url}/api/v1/healthz", headers={"X-Junk": "a" * 4000})  # under the limit: fine
+    assert r.status_code == 200
+    _still_serves(server)
+
+
+def test_oversized_body_413(server: LiveServer) -> None:
+    r = httpx.post(f"{server.url}/api/v1/create_session", headers={"X-API-Key": KEY_A}, content=b"x" * 20_000)
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+    r = httpx.post(f"{server.url}/api/v1/create_session", headers={"X-API-Key": KEY_A},
+                   content=iter([b"y" * 1000] * 20))  # chunked: no Content-Length  # fmt: skip
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+    _still_serves(server)
+
+
+def test_slow_head_408(server: LiveServer) -> None:
+    # Half a request head, then nothing: the server answers and hangs up instead of waiting for ever.
+    status, body = _raw(server, b"GET /api/v1/healthz HTTP/1.1\r\nHost: x\r\n")
+    assert status == 408 and "headers" in body["detail"]
+    _still_serves(server)
+
+
+def test_stalled_body_408(server: LiveServer) -> None:
+    head = (
+        f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    status, body = _raw(server, head, b'{"tags": [')  # 10 of the 100 bytes promised
+    assert status == 408 and "stalled" in body["detail"]
+    _still_serves(server)
+
+
+def test_per_key_pending_limit_429_and_queue_state(server: LiveServer) -> None:
+    """A key at its limit of pending requests gets 429 + Retry-After and its futures report
+    paused_rate_limit; another key is still served; once work finishes the key is admitted again."""
+
+    def api(key: str) -> httpx.Client:
+        return httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": key}, timeout=30)
+
+    def sampler(client: httpx.Client) -> str:
+        sid = client.post("create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}).json()
+        r = client.post("create_sampling_session", json={"session_id": sid["session_id"], "sampling_session_seq_id": 0,
+                                                         "base_model": BASE})  # fmt: skip
+        return r.json()["sampling_session_id"]
+
+    def sample(client: httpx.Client, sampler_id: str, seq: int) -> httpx.Response:
+        return client.post("asample", json={"sampling_session_id": sampler_id, "seq_id": seq, "num_samples": 1,
+                                            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},
+                                            "sampling_params": {"max_tokens": 2}})  # fmt: skip
+
+    def result(client: httpx.Client, request_id: str) -> dict:
+        while (out := client.post("retrieve_future", json={"request_id": request_id}).json()).get("type") == "try_again":
+            pass
+        return out
+
+    a, b = api(KEY_A), api(KEY_B)
+    sa, sb = sampler(a), sampler(b)
+    server.engine.pause()
+    try:
+        held = [sample(a, sa, seq).json()["request_id"] for seq in range(1, 4)]
+        refused = sample(a, sa, 4)
+        assert refused.status_code == 429 and "per-key limit" in refused.json()["detail"]
+        assert int(refused.headers["Retry-After"]) >= 1
+        poll = a.post("retrieve_future", json={"request_id": held[0]}).json()
+        assert poll["type"] == "try_again" and poll["queue_state"] == "paused_rate_limit", poll
+        assert sample(b, sb, 1).status_code == 200  # the other key is not held back by A's limit
+    finally:
+        server.engine.resume()
+    assert all(result(a, rid)["sequences"] for rid in held)
+    assert sample(a, sa, 4).status_code == 200  # the same request, resubmitted, is admitted now
+    a.close()
+    b.close()

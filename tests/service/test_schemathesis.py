@@ -1,0 +1,61 @@
+"""schemathesis over the served OpenAPI spec: requests generated from every route's schema (valid
+and not), sent with a valid key to a live server. None may be answered with a server error.
+
+Bounded: a few examples per operation, no shrinking, so it fits the default suite."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+
+from tests.service.live import KEY_A, LiveServer, tiny_engine
+
+EXAMPLES_PER_OPERATION = 8
+SERVER_ERRORS: list[str] = []
+CALLS: list[int] = []
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    with LiveServer(tiny_engine(tiny_dir), tmp_path_factory.mktemp("schemathesis") / "data") as server:
+        yield server
+
+
+def test_no_server_errors(live: LiveServer) -> None:
+    schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert len(operations) >= 50
+
+    for operation in operations:
+
+        @given(case=operation.as_strategy())
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True, database=None,
+            phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck),
+        )  # fmt: skip
+        def call(case: schemathesis.Case) -> None:
+            response = case.call(base_url=live.url, headers={"X-API-Key": KEY_A}, timeout=60)
+            CALLS.append(response.status_code)
+            if response.status_code >= 500:
+                SERVER_ERRORS.append(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}")
+
+        call()
+    print(f"schemathesis: {len(operations)} operations, {len(CALLS)} requests, "
+          f"{len(SERVER_ERRORS)} server errors")  # fmt: skip
+    assert not SERVER_ERRORS, "\n".join(SERVER_ERRORS[:20])
+
+
+def test_spec_covers_every_route(live: LiveServer) -> None:
+    import httpx
+
+    spec = httpx.get(f"{live.url}/openapi.json").json()
+    for path, operations in spec["paths"].items():
+        for method, op in operations.items():
+            takes_body = path.endswith(("/telemetry", "/finish", "/publish", "/auth/token"))
+            if method in ("post", "put") and not takes_body:
+                assert "requestBody" in op, f"{method.upper()} {path} has no request schema"
+    assert httpx.get(f"{live.url}/docs").status_code == 200
