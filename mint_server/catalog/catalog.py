@@ -595,20 +595,31 @@ class Catalog:
         self, owner: str, ref: str, metric: str, value: float, *, dataset: str | None = None
     ) -> EvalRecord:
         """Attach a metric value to the revision `ref` names."""
-        parsed = parse_ref(ref)
+        (record,) = self.record_evals(owner, [(ref, value)], metric, dataset=dataset)
+        return record
+
+    def record_evals(
+        self, owner: str, values: list[tuple[str, float]], metric: str, *, dataset: str | None = None
+    ) -> list[EvalRecord]:
+        """Attach one metric to many revisions ((ref, value) pairs) in one transaction: all or none."""
         check_owner(owner)
         metric = _text(metric, "metric", 128, required=True)
         dataset = _text(dataset, "dataset", 256)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise InvalidArgument(f"value must be a finite number, got {value!r}", field="value")
+        parsed = [(parse_ref(ref), ref, value) for ref, value in values]
+        for _, _, value in parsed:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise InvalidArgument(f"value must be a finite number, got {value!r}", field="value")
+        out = []
         with self._write() as s:
-            revision = self._resolve(s, owner, parsed, ref)
-            row = EvalRow(
-                revision_id=revision.id, metric=metric, value=float(value), dataset=dataset, created_at=_now()
-            )
-            s.add(row)
-            s.flush()
-            return EvalRecord(row.id, revision.id, revision.ref, metric, row.value, dataset, row.created_at)
+            for ref, text_ref, value in parsed:
+                revision = self._resolve(s, owner, ref, text_ref)
+                row = EvalRow(
+                    revision_id=revision.id, metric=metric, value=float(value), dataset=dataset, created_at=_now()
+                )
+                s.add(row)
+                s.flush()
+                out.append(EvalRecord(row.id, revision.id, revision.ref, metric, row.value, dataset, row.created_at))
+        return out
 
     def list_evals(
         self,

@@ -3,7 +3,8 @@ prompt set through one engine, each result stored as an eval record; and the ser
 `mint catalog seed --servable` fills a catalog with (distinct real adapters for a base model).
 
 The sweep is resumable: a revision that already has this sweep's metric is skipped. Outputs go to
-`<out>/<policy>.json` (atomic), the score (mean logprob of the sampled tokens) to the catalog.
+`<out>/<first policy>--<last policy>.json` a batch at a time (atomic), then the batch's scores (mean
+logprob of the sampled tokens) to the catalog in one transaction.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def register(app: typer.Typer) -> None:
 
 def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix: str, alias: str,
               max_tokens: int, metric: str, out: Path, window: int,
-              progress: Callable[[int], None] = lambda n: None) -> dict[str, int]:
+              progress: Callable[[int], None] = lambda n: None, batch: int = 100) -> dict[str, int]:
     """The sweep loop (see the module doc); returns counts of swept, skipped and failed policies."""
     from tinker import types
 
@@ -122,6 +123,17 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
     params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0)
     counts = {"swept": 0, "skipped": 0, "failed": 0}
     inflight: deque[tuple[Any, Any, list[Any]]] = deque()
+    finished: list[dict[str, Any]] = []  # written (outputs file, then evals) a batch at a time
+
+    def flush() -> None:
+        if not finished:
+            return
+        # Outputs first, then the evals in one transaction: a crash in between re-sweeps the batch.
+        atomic_write_json(out / f"{finished[0]['policy']}--{finished[-1]['policy']}.json", finished)
+        catalog.record_evals(owner, [(r["revision"], r["score"]) for r in finished], metric,
+                             dataset=f"prompts:{len(prompts)}")
+        counts["swept"] += len(finished)
+        finished.clear()
 
     def finish() -> None:
         policy, revision, futures = inflight.popleft()
@@ -133,13 +145,13 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
             return
         seqs = [r.sequences[0] for r in results]
         lps = [lp for s in seqs for lp in (s.logprobs or [])]
-        score = sum(lps) / len(lps) if lps else 0.0
-        atomic_write_json(out / f"{policy.name}.json", {
-            "revision": revision.ref, "sha256": revision.sha256, "score": score,
+        finished.append({
+            "policy": policy.name, "revision": revision.ref, "sha256": revision.sha256,
+            "score": sum(lps) / len(lps) if lps else 0.0,
             "outputs": [tok.decode(s.tokens, skip_special_tokens=True) for s in seqs],
         })
-        catalog.record_eval(owner, revision.ref, metric, score, dataset=f"prompts:{len(prompts)}")
-        counts["swept"] += 1
+        if len(finished) >= batch:
+            flush()
 
     cursor = None
     seen = 0
@@ -166,5 +178,6 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
             break
     while inflight:
         finish()
+    flush()
     progress(seen)
     return counts

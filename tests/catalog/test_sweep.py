@@ -35,7 +35,7 @@ def test_seed_servable_then_sweep_and_resume(tmp_path: Path) -> None:
             "--base-model", str(model), "--out", str(tmp_path / "out"), *common]
     first = json.loads(mint(*args).stdout.strip().splitlines()[-1])
     assert first == {"swept": 12, "skipped": 0, "failed": 0}
-    outputs = {f.stem: json.loads(f.read_text()) for f in (tmp_path / "out").glob("*.json")}
+    outputs = {r["policy"]: r for f in (tmp_path / "out").glob("*.json") for r in json.loads(f.read_text())}
     assert len(outputs) == 12 and all(len(o["outputs"]) == 2 for o in outputs.values())
     assert len({o["score"] for o in outputs.values()}) == 12  # different adapters, different logprobs
     with Catalog.open(data_dir=data) as catalog:

@@ -76,8 +76,8 @@ def test_archive_imports_back_as_the_same_adapter(server: LiveServer, tmp_path: 
     stored = server.settings.data_dir / "runs"
     peft_dirs = [p for p in stored.rglob("adapter_config.json") if name in str(p.parent)]
     assert peft_dirs, "sampler weights are stored as a PEFT dir"
-    ours = load_peft(peft_dirs[0].parent, num_layers=2)
-    archived = load_peft(adapter_dir, num_layers=2)
+    ours = load_peft(peft_dirs[0].parent, 2)
+    archived = load_peft(adapter_dir, 2)
     assert set(ours.weights) == set(archived.weights) and "lm_head" in ours.weights
     for t, (a, b) in ours.weights.items():
         torch.testing.assert_close(archived.weights[t][0], a, rtol=0, atol=0)
