@@ -60,6 +60,10 @@ class TrainingModel:
     failed: str | None = None
     steps: int = 0  # optim_steps applied so far: the `step` recorded on its revisions
     last_revision: Revision | None = None  # the parent of its next revision
+    # What its adapter resumes from if its engine replica dies: (state dir, with optimizer, steps);
+    # None: a fresh adapter from its LoraConfig (same seed, same start).
+    saved: tuple[Path, bool, int] | None = None
+    lost: bool = False  # its adapter died with its replica: the next op resumes from `saved` first
 
     def adapter(self) -> str:
         if self.failed is not None:

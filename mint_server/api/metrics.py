@@ -64,6 +64,9 @@ class Metrics:
         depth = getattr(engine, "queue_depth", None)
         if callable(depth):
             self.engine_queue.set_function(lambda: float(depth()))
+        register = getattr(engine, "register_metrics", None)  # an engine's own families (a fleet's routing)
+        if callable(register):
+            register(self.registry)
 
     def _pull_engine(self) -> None:
         report = getattr(self._engine, "report", None)

@@ -25,6 +25,7 @@ from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
+from mint_server.engine.interface import AdapterLost
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 Op = Callable[[], Awaitable[Any]]
@@ -97,6 +98,7 @@ class TrainingService:
         return self._start_model(
             p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
             lambda model_id: types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model_id), "load_weights",
+            saved=(state_dir, optimizer, 0),
         )
 
     def _start_model(
@@ -109,6 +111,7 @@ class TrainingService:
         user_metadata: dict[str, Any] | None,
         respond: Callable[[str], Any],
         op: str,
+        saved: tuple[Path, bool, int] | None = None,
     ) -> types.UntypedAPIFuture:
         model_id = f"{session.session_id}:train:{model_seq_id}"
         if model_seq_id < 0:
@@ -118,7 +121,8 @@ class TrainingService:
         if model_id in self.core.models or self.core.runs.find_run(model_id) is not None:
             raise InvalidInput(f"model_seq_id {model_seq_id} was already used in this session")
         policy = policy_name(model_id, user_metadata)
-        model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1), policy)
+        model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1), policy,
+                              saved=saved)
         self.core.models[model_id] = model
         session.model_ids.append(model_id)
 
@@ -200,7 +204,13 @@ class TrainingService:
 
         async def touched() -> Any:
             self.core.runs.touch(model_id)
-            return await run()
+            if model.lost:
+                await self._resume(model)
+            try:
+                return await run()
+            except AdapterLost:
+                model.lost = True  # retryable: the client's next call resumes from the saved state
+                raise
 
         future = model.sequencer.submit(seq_id, touched)
         return self.core.register(p.owner, op, future, scope=model_id, seq_id=seq_id)
@@ -237,6 +247,7 @@ class TrainingService:
                     model.owner, ref, expires, req.user_metadata,
                     lambda dest: self.core.call(self.engine.save_state(model.adapter(), dest, True)),
                 )
+                model.saved = (self.core.runs.data_dir(ref), True, model.steps)
                 return types.SaveWeightsResponse(path=ref.tinker_path)
 
             return run
@@ -306,6 +317,7 @@ class TrainingService:
                 if not self.core.runs.exists(rec.ref):
                     raise InvalidInput(f"checkpoint {req.path!r} was deleted")
                 await self.core.call(self.engine.load_state(model.adapter(), src, req.optimizer))
+                model.saved = (src, req.optimizer, model.steps)
                 return types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model.model_id)
 
             return run
@@ -323,6 +335,22 @@ class TrainingService:
         return self.sequenced(p, req.model_id, None, "unload_model", check)
 
     # --- helpers ------------------------------------------------------------------------------------
+    async def _resume(self, model: TrainingModel) -> None:
+        """The model's adapter died with its engine replica: rebuild it from its last saved state
+        (or, never saved, afresh from its LoraConfig) wherever the engine places it now."""
+        if model.saved is None:
+            new_id = await self.core.call(self.engine.create_adapter(model.lora))
+            steps = 0
+        else:
+            path, optimizer, steps = model.saved
+            if not path.exists():
+                raise InvalidInput(f"model {model.model_id!r} lost its live state and its last saved "
+                                   f"state {path.name!r} was deleted; create a new model from a checkpoint")
+            new_id = await self.core.call(self.engine.load_state(None, path, optimizer))
+        old, model.adapter_id, model.steps, model.lost = model.adapter_id, new_id, steps, False
+        if old is not None:
+            await self.core.call(self.engine.release_adapter(old))
+
     def _new_ref(self, model: TrainingModel, kind: Kind, name: str | None, overwrite: bool) -> CheckpointRef:
         if name is None:
             name = f"{kind}-{int(time.time() * 1000)}"

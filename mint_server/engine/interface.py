@@ -31,6 +31,13 @@ class NotSupportedError(EngineError):
     """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
 
 
+class AdapterLost(RuntimeError):
+    """A training adapter's engine replica died and took the adapter's live state with it.
+
+    Retryable: the service resumes the model from its last saved state on the next call (HTTP 503
+    when raised at submit time; a `server` error on a future)."""
+
+
 class Engine(Protocol):
     """Parse with `prepare_*` (pure, thread-safe, EngineError naming the field), then `submit`.
 

@@ -78,3 +78,30 @@ class EngineLimits:
         return cls(base_model=base_model, arch=arch, vocab_size=vocab_size, max_context=context,
                    max_rank=settings.max_rank, max_num_samples=settings.max_num_samples, max_top_k=vocab_size,
                    loss_fns=loss_fns)
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """A fleet of engine replicas on Ray (`mint serve --ray`); each replica gets the EngineSettings."""
+
+    replicas: int = 2
+    ray_address: str | None = None  # None: start a local Ray instance; "auto" or host:port: join one
+    cpus_per_replica: float = 1.0  # Ray CPUs reserved per replica (and its torch threads, at least 1)
+    gpus_per_replica: float = 0.0
+    # Sample requests in flight on a replica beyond which new ones for a policy homed there spill to
+    # the least-loaded replica (so a hot policy is served by several).
+    spill_inflight: int = 64
+    max_restarts: int = -1  # Ray restarts a dead replica this many times (-1: always)
+    sample_retries: int = 3  # re-dispatches of a sample request whose replica died under it
+    pin_cores: bool = False  # pin replica i to core i (benchmarks: one core per replica)
+    local_object_store_mb: int = 256  # object store of a Ray instance the fleet starts itself
+
+    def check(self) -> None:
+        for name in ("replicas", "spill_inflight"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not self.cpus_per_replica > 0:
+            raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica!r}")
+        if not isinstance(self.sample_retries, int) or self.sample_retries < 0:
+            raise ValueError(f"sample_retries must be >= 0, got {self.sample_retries!r}")

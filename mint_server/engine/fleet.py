@@ -1,0 +1,706 @@
+"""FleetEngine: many LocalEngine replicas as Ray actors behind one Engine, routed by adapter affinity.
+
+The service process keeps the whole Engine contract: `prepare_*` parse here against the same limits
+as every replica, and `submit` routes the typed job to a replica and answers with a
+`concurrent.futures.Future`. Each replica is a Ray actor owning its own LocalEngine (its own
+residency tiers, KV cache and worker), so adding replicas adds adapter slots and compute.
+
+Routing:
+- a read-only adapter (an `AdapterSource`: checkpoint, catalog revision) has a home replica, chosen
+  by consistent hashing of its key, so its requests find it hot there; when the home has
+  `spill_inflight` sample requests in flight, new ones spill to the least-loaded replica (a hot
+  policy is then served by several);
+- a training adapter lives on one replica for its life: its fleet id maps to (replica, local id,
+  the replica's incarnation); every op on it goes there;
+- the bare base goes to the least-loaded replica.
+
+Faults: replicas are Ray actors with `max_restarts`, so Ray replaces one that dies. A sample request
+in flight on it is re-dispatched to another replica (same job, same seed: same tokens). A training
+adapter's live state dies with its replica: ops on it fail with `AdapterLost` (retryable), and the
+service resumes the model from its last saved state (see api/training.py). Replicas share nothing
+but the store: checkpoints and catalog blobs on a path every node mounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import dataclasses
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tinker import types
+
+from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
+from mint_server.engine.jobs import AdapterRef, Job, OptimJob, Preparer, ReverseKLJob, SampleJob, TrainJob
+from mint_server.engine.losses import LOSSES
+from mint_server.engine.records import SamplingRecord, SamplingRecords
+from mint_server.engine.residency import AdapterSource
+from mint_server.engine.sampling import SampleFuture
+from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
+from mint_server.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+VNODES = 64  # points per replica on the hash ring: keys spread evenly, and few move when N changes
+
+
+def ray_module() -> Any:
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - depends on the install
+        raise NotSupportedError("the fleet needs Ray: pip install 'mint-server[fleet]'") from None
+    return ray
+
+
+# --- the replica (runs inside a Ray actor) ------------------------------------------------------------
+class ReplicaActor:
+    """One LocalEngine in a Ray actor. `incarnation` changes when Ray restarts it: adapters created by
+    an earlier incarnation are gone, and calls naming one fail with AdapterLost."""
+
+    def __init__(self, index: int, model_dir: str, base_model: str, settings: EngineSettings,
+                 device: str | None, dtype: str | None, threads: int, core: int | None) -> None:
+        import torch
+
+        from mint_server.engine.local import LocalEngine
+
+        if core is not None and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {core % os.cpu_count()})  # type: ignore[operator]
+        torch.set_num_threads(max(1, threads))
+        self.index, self.incarnation = index, uuid.uuid4().hex[:12]
+        self.engine = LocalEngine(model_dir, base_model=base_model, device=device,
+                                  dtype=getattr(torch, dtype) if dtype else None, settings=settings)
+
+    def hello(self) -> tuple[str, int]:
+        return self.incarnation, os.getpid()
+
+    def _check(self, incarnation: str | None) -> None:
+        if incarnation is not None and incarnation != self.incarnation:
+            raise AdapterLost(f"replica {self.index} restarted; the training adapter's live state is gone")
+
+    async def run(self, incarnation: str | None, job: Job) -> Any:
+        self._check(incarnation)
+        if isinstance(job, SampleJob) and job.params.stop.strings and job.params.stop.decode is None:
+            stop = dataclasses.replace(job.params.stop, decode=self.engine.tokenizer.decode)
+            job = dataclasses.replace(job, params=dataclasses.replace(job.params, stop=stop))
+        return await asyncio.wrap_future(self.engine.submit(job))
+
+    async def call(self, incarnation: str | None, name: str, *args: Any) -> Any:
+        self._check(incarnation)
+        return await asyncio.wrap_future(getattr(self.engine, name)(*args))
+
+    def report(self) -> dict[str, Any]:
+        r = self.engine.report()
+        r["queue_depth"] = self.engine.queue_depth()
+        r["incarnation"] = self.incarnation
+        return r
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def shutdown(self, drain: bool) -> None:
+        self.engine.shutdown(drain)
+
+
+# --- routing ------------------------------------------------------------------------------------------
+class HashRing:
+    """Consistent hashing of keys onto replica indices."""
+
+    def __init__(self, replicas: int, vnodes: int = VNODES) -> None:
+        points = sorted((_hash(f"replica-{i}#{v}"), i) for i in range(replicas) for v in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._owners = [i for _, i in points]
+
+    def home(self, key: str) -> int:
+        at = bisect.bisect(self._hashes, _hash(key)) % len(self._hashes)
+        return self._owners[at]
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+@dataclass
+class _Replica:
+    index: int
+    handle: Any
+    incarnation: str = ""
+    pid: int = 0
+    up: bool = True
+    inflight: int = 0  # requests routed to it and not finished (the router's own count: no RPC)
+    restarts: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+    step_count: int = 0
+    step_sum: float = 0.0
+
+
+@dataclass
+class _Placement:
+    """Where a training adapter lives: its replica, its id there, and that replica's incarnation."""
+
+    replica: int
+    local_id: str
+    incarnation: str
+
+
+class FleetEngine:
+    """The Engine protocol over Ray replicas (see the module docstring)."""
+
+    def __init__(self, model_dir: str | Path, base_model: str, settings: EngineSettings | None = None,
+                 fleet: FleetSettings | None = None, device: str | None = None, dtype: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        ray = ray_module()
+        self.settings = s = settings or EngineSettings()
+        self.fleet = f = fleet or FleetSettings()
+        s.check()
+        f.check()
+        self.model_dir, self.base_model = Path(model_dir), base_model
+        cfg = ModelConfig.from_hf_dir(self.model_dir)
+        self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
+                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        # Sampling records live here, where results pass through, so training on any replica can
+        # read the logprobs of a sequence sampled on another (stable_reinforce provenance).
+        self.records = SamplingRecords(ttl_s=s.records_ttl_s)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
+
+        self._started_ray = False
+        if not ray.is_initialized():
+            if f.ray_address:
+                ray.init(address=f.ray_address, include_dashboard=False, log_to_driver=False)
+            else:
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         object_store_memory=f.local_object_store_mb * 1024 * 1024)
+                self._started_ray = True
+        actor_cls = ray.remote(ReplicaActor)
+        self._replicas: list[_Replica] = []
+        for i in range(f.replicas):
+            replica_settings = s if s.store_dir is None else dataclasses.replace(
+                s, store_dir=Path(s.store_dir) / f"replica-{i}")  # page dirs: one per replica
+            handle = actor_cls.options(
+                num_cpus=f.cpus_per_replica, num_gpus=f.gpus_per_replica, max_restarts=f.max_restarts,
+                max_task_retries=0, max_concurrency=1000, name=None,
+            ).remote(i, str(self.model_dir), base_model, replica_settings, device, dtype,
+                     int(max(1, f.cpus_per_replica)), i if f.pin_cores else None)
+            self._replicas.append(_Replica(i, handle))
+        for r in self._replicas:
+            r.incarnation, r.pid = ray.get(r.handle.hello.remote())
+        self._ring = HashRing(f.replicas)
+        self._lock = threading.Lock()
+        self._adapters: dict[str, _Placement] = {}
+        self._ids = itertools.count(1)
+        self._tag = uuid.uuid4().hex[:6]
+        self._checkouts: dict[str, Path] = {}  # source key → the PEFT dir its checkout materialized
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
+        self.routed: Counter[tuple[int, str]] = Counter()  # (replica, decision) → requests
+        self._accepting = True
+
+    # --- limits ---------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.limits.max_context
+
+    @property
+    def arch(self) -> str:
+        return self.limits.arch
+
+    @property
+    def loss_fns(self) -> frozenset[str]:
+        return self.limits.loss_fns
+
+    @property
+    def replicas(self) -> int:
+        return len(self._replicas)
+
+    # --- parse (pure, any thread) ---------------------------------------------------------------
+    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+                      backward: bool = True) -> TrainJob:
+        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
+
+    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
+        return self.prepare.reverse_kl(datums, temperature, reference)
+
+    def prepare_optim(self, params: Any) -> OptimJob:
+        return self.prepare.optim(params)
+
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                       *, record: bool = False, key: str = "") -> SampleJob:
+        return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
+                                   topk_prompt_logprobs, record=record, key=key)
+
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
+        return self.prepare.score(adapter, tokens, key=key)
+
+    # --- routing --------------------------------------------------------------------------------
+    def home_of(self, key: str) -> int:
+        return self._ring.home(key)
+
+    def _up(self) -> list[_Replica]:
+        up = [r for r in self._replicas if r.up]
+        return up or self._replicas  # all down: Ray queues calls until a restart answers
+
+    def _least_loaded(self, exclude: int | None = None) -> _Replica:
+        candidates = [r for r in self._up() if r.index != exclude] or self._up()
+        return min(candidates, key=lambda r: (r.inflight, r.index))
+
+    def _route_key(self, key: str, exclude: int | None = None) -> tuple[_Replica, str]:
+        """The replica for work on a read-only adapter: its home, unless saturated or down."""
+        home = self._replicas[self._ring.home(key)]
+        if exclude is None and home.up and home.inflight < self.fleet.spill_inflight:
+            return home, "home"
+        other = self._least_loaded(exclude)
+        if other.index == home.index:
+            return home, "home"
+        if exclude is None and home.up and other.inflight >= home.inflight:
+            return home, "home"  # everyone is as busy: stay where the adapter is hot
+        return other, "spill" if exclude is None else "retry"
+
+    def _placement(self, fleet_id: str) -> _Placement:
+        with self._lock:
+            p = self._adapters.get(fleet_id)
+        if p is None:
+            raise EngineError(f"unknown adapter {fleet_id!r}")
+        r = self._replicas[p.replica]
+        if p.incarnation != r.incarnation:
+            raise AdapterLost(f"adapter {fleet_id!r}: replica {p.replica} died and was replaced; "
+                              "its live state is gone (retry: the model resumes from its last saved state)")
+        return p
+
+    def _place(self, replica: int, local_id: str) -> str:
+        fleet_id = f"fa-{self._tag}-{next(self._ids)}"
+        with self._lock:
+            self._adapters[fleet_id] = _Placement(replica, local_id, self._replicas[replica].incarnation)
+        return fleet_id
+
+    def _portable(self, ref: AdapterRef) -> AdapterRef:
+        """A source every replica can read: a catalog checkout runs here, once per key, to a PEFT dir
+        in the shared data dir (the closure holds this process's catalog and cannot travel)."""
+        if not isinstance(ref, AdapterSource) or ref.checkout is None:
+            return ref
+        with self._lock:
+            path = self._checkouts.get(ref.key)
+        if path is None:
+            path = ref.checkout()
+            with self._lock:
+                self._checkouts[ref.key] = path
+        return AdapterSource(ref.key, peft_dir=path)
+
+    def _needs_checkout(self, ref: AdapterRef) -> bool:
+        return isinstance(ref, AdapterSource) and ref.checkout is not None and ref.key not in self._checkouts
+
+    # --- submit ---------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Future:
+        if not self._accepting:
+            raise EngineError("engine is shutting down")
+        if isinstance(job, SampleJob):
+            out: Future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
+            if isinstance(job.adapter, str):  # sampling a training adapter: where it lives
+                p = self._placement(job.adapter)
+                self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
+            elif self._needs_checkout(job.adapter):
+                self._pool.submit(self._guard, out, lambda: self._sample(out, job, 0, None))
+            else:
+                self._sample(out, job, 0, None)
+            return out
+        if isinstance(job, TrainJob | OptimJob):
+            p = self._placement(job.adapter_id or "")
+            out = Future()
+            self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
+            return out
+        if isinstance(job, ReverseKLJob):
+            p = self._placement(job.adapter_id or "")
+            reference = job.reference
+            if isinstance(reference, str):
+                ref_p = self._placement(reference)
+                if ref_p.replica != p.replica:
+                    raise NotSupportedError("reference: a training adapter on another replica cannot be the "
+                                            "reference; save it and pass its checkpoint")
+                reference = ref_p.local_id
+            out = Future()
+
+            def go() -> None:
+                moved = dataclasses.replace(job, adapter_id=p.local_id, reference=self._portable(reference))
+                self._dispatch(out, p.replica, "pinned", p.incarnation, moved, None)
+
+            self._pool.submit(self._guard, out, go) if self._needs_checkout(reference) else go()
+            return out
+        raise TypeError(f"not a job: {type(job).__name__}")
+
+    def _sample(self, out: Future, job: SampleJob, attempt: int, failed: int | None) -> None:
+        portable = job.on(self._portable(job.adapter))
+        if isinstance(job.adapter, AdapterSource):
+            replica, decision = self._route_key(job.adapter.key, exclude=failed)
+        else:
+            replica, decision = self._least_loaded(failed), "base" if failed is None else "retry"
+
+        def retry(dead: int) -> bool:
+            if attempt >= self.fleet.sample_retries:
+                return False
+            self._pool.submit(self._guard, out, lambda: self._sample(out, job, attempt + 1, dead))
+            return True
+
+        self._dispatch(out, replica.index, decision, None, portable, retry, record=job if job.record else None)
+
+    def _dispatch(self, out: Future, index: int, decision: str, incarnation: str | None, job: Job,
+                  retry: Callable[[int], bool] | None, record: SampleJob | None = None) -> None:
+        replica = self._replicas[index]
+        self.routed[(index, decision)] += 1
+        with self._lock:
+            replica.inflight += 1
+        ref = replica.handle.run.remote(incarnation, job)
+        ref.future().add_done_callback(lambda f: self._finish(out, replica, f, retry, record))
+
+    def _finish(self, out: Future, replica: _Replica, done: Future, retry: Callable[[int], bool] | None,
+                record: SampleJob | None) -> None:
+        with self._lock:
+            replica.inflight -= 1
+        try:
+            result = done.result()
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried
+            error = self._unwrap(e)
+            if self._is_replica_death(error):
+                self._replica_down(replica)
+                if retry is not None and retry(replica.index):
+                    return
+                error = AdapterLost(f"replica {replica.index} died while running this request; retry it"
+                                    + ("" if retry is not None else
+                                       " (the model resumes from its last saved state)"))
+            if not out.done():
+                out.set_exception(error)
+            return
+        if record is not None and isinstance(result, types.SampleResponse):
+            self._keep_records(record, result)
+        if not out.done():
+            out.set_result(result)
+
+    def _keep_records(self, job: SampleJob, response: types.SampleResponse) -> None:
+        prompt = np.asarray(job.prompt, dtype=np.int32)
+        key = job.adapter.key if isinstance(job.adapter, AdapterSource) else job.adapter
+        for seq in response.sequences:
+            if seq.sequence_id is not None and seq.logprobs is not None:
+                self.records.put(seq.sequence_id, SamplingRecord(
+                    prompt_tokens=prompt, tokens=np.asarray(seq.tokens, dtype=np.int32),
+                    logprobs=np.asarray(seq.logprobs, dtype=np.float32), adapter_id=key))
+
+    @staticmethod
+    def _unwrap(e: BaseException) -> BaseException:
+        ray = ray_module()
+        if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+            return e.cause
+        return e
+
+    @staticmethod
+    def _is_replica_death(e: BaseException) -> bool:
+        ray = ray_module()
+        return isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError)
+
+    def _replica_down(self, replica: _Replica) -> None:
+        """Stop routing to it until Ray's replacement answers; then adopt its new incarnation."""
+        with self._lock:
+            if not replica.up:
+                return
+            replica.up = False
+        log.warning("replica %d died; waiting for Ray to replace it", replica.index)
+        threading.Thread(target=self._await_replacement, args=(replica,), daemon=True,
+                         name=f"mint-fleet-probe-{replica.index}").start()
+
+    def _await_replacement(self, replica: _Replica) -> None:
+        ray = ray_module()
+        delay = 0.1
+        while self._accepting:
+            try:
+                incarnation, pid = ray.get(replica.handle.hello.remote(), timeout=30)
+            except Exception as e:  # noqa: BLE001 - still restarting, or gone for good
+                if isinstance(e, ray.exceptions.ActorDiedError) and not getattr(e, "preempted", False) and \
+                        self.fleet.max_restarts == 0:
+                    return
+                time.sleep(delay)
+                delay = min(2.0, delay * 2)
+                continue
+            with self._lock:
+                if incarnation != replica.incarnation:
+                    replica.restarts += 1
+                replica.incarnation, replica.pid, replica.up = incarnation, pid, True
+            log.warning("replica %d is back (incarnation %s)", replica.index, incarnation)
+            return
+
+    @staticmethod
+    def _guard(out: Future, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - e.g. a catalog checkout that failed its check
+            if not out.done():
+                out.set_exception(e)
+
+    # --- adapter ops ----------------------------------------------------------------------------
+    def _call(self, index: int, incarnation: str | None, name: str, *args: Any,
+              then: Callable[[Any], Any] = lambda x: x) -> Future:
+        out: Future = Future()
+        replica = self._replicas[index]
+        with self._lock:
+            replica.inflight += 1
+        ref = replica.handle.call.remote(incarnation, name, *args)
+
+        def finish(done: Future) -> None:
+            with self._lock:
+                replica.inflight -= 1
+            try:
+                result = then(done.result())
+            except BaseException as e:  # noqa: BLE001
+                error = self._unwrap(e)
+                if self._is_replica_death(error):
+                    self._replica_down(replica)
+                    error = AdapterLost(f"replica {index} died during {name}; retry it")
+                out.set_exception(error)
+                return
+            out.set_result(result)
+
+        ref.future().add_done_callback(finish)
+        return out
+
+    def _new_home(self) -> _Replica:
+        """Where a new training adapter goes: the up replica holding the fewest, then the least busy."""
+        with self._lock:
+            held = Counter(p.replica for p in self._adapters.values())
+        return min(self._up(), key=lambda r: (held[r.index], r.inflight, r.index))
+
+    def create_adapter(self, lora: types.LoraConfig) -> Future[str]:
+        r = self._new_home()
+        return self._call(r.index, None, "create_adapter", lora, then=lambda local: self._place(r.index, local))
+
+    def release_adapter(self, adapter_id: str) -> Future[None]:
+        with self._lock:
+            p = self._adapters.pop(adapter_id, None)
+        replica = None if p is None else self._replicas[p.replica]
+        out: Future = Future()
+        if p is None or replica is None or not replica.up or p.incarnation != replica.incarnation:
+            out.set_result(None)  # already gone with its replica
+            return out
+
+        def finish(f: Future) -> None:
+            error = f.exception()
+            if error is None or isinstance(error, AdapterLost):  # died meanwhile: gone all the same
+                out.set_result(None)
+            else:
+                out.set_exception(error)
+
+        self._call(p.replica, p.incarnation, "release_adapter", p.local_id).add_done_callback(finish)
+        return out
+
+    def forget_source(self, key_prefix: str) -> Future[None]:
+        with self._lock:
+            for key in [k for k in self._checkouts if k.startswith(key_prefix)]:
+                del self._checkouts[key]
+        calls = [self._call(r.index, None, "forget_source", key_prefix) for r in self._replicas if r.up]
+        return _all(calls)
+
+    def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
+        p = self._placement(adapter_id)
+        return self._call(p.replica, p.incarnation, "save_state", p.local_id, Path(dest), include_optimizer)
+
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool) -> Future[str]:
+        if adapter_id is None:
+            r = self._new_home()
+            return self._call(r.index, None, "load_state", None, Path(src), include_optimizer,
+                              then=lambda local: self._place(r.index, local))
+        p = self._placement(adapter_id)
+        return self._call(p.replica, p.incarnation, "load_state", p.local_id, Path(src), include_optimizer,
+                          then=lambda _local: adapter_id)
+
+    def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]:
+        if isinstance(adapter, str):
+            p = self._placement(adapter)
+            return self._call(p.replica, p.incarnation, "export_peft", p.local_id, Path(dest))
+        if isinstance(adapter, AdapterSource):
+            home = self._route_key(adapter.key)[0].index
+            return self._in_pool(lambda: self._call(home, None, "export_peft", self._portable(adapter), Path(dest)))
+        raise EngineError("adapter: export needs an adapter, not the bare base")
+
+    def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]:
+        trained = [self._placement(a) for a in adapters if isinstance(a, str)]
+        if len({p.replica for p in trained}) > 1:
+            raise NotSupportedError("adapters: training adapters on different replicas cannot be interpolated; "
+                                    "save them and interpolate their checkpoints")
+        if trained:
+            index, incarnation = trained[0].replica, trained[0].incarnation
+        else:
+            first = next((a for a in adapters if isinstance(a, AdapterSource)), None)
+            index, incarnation = (self._route_key(first.key)[0].index if first else self._least_loaded().index), None
+
+        def go() -> Future:
+            local = [self._placement(a).local_id if isinstance(a, str) else self._portable(a) for a in adapters]
+            return self._call(index, incarnation, "interpolate", local, list(coefficients),
+                              then=lambda new: self._place(index, new))
+
+        return self._in_pool(go)
+
+    def _in_pool(self, make: Callable[[], Future]) -> Future:
+        """Run `make` (which may check out catalog revisions: blocking) off the caller's thread."""
+        out: Future = Future()
+
+        def go() -> None:
+            inner = make()
+            inner.add_done_callback(lambda f: out.set_exception(e) if (e := f.exception()) else out.set_result(f.result()))
+
+        self._pool.submit(self._guard, out, go)
+        return out
+
+    # --- figures --------------------------------------------------------------------------------
+    def queue_depth(self) -> int:
+        return sum(r.inflight for r in self._replicas)
+
+    def report(self) -> dict[str, Any]:
+        """The replicas' figures summed, in LocalEngine.report's shape; per-replica ones kept for
+        `replica_metrics`. A replica that does not answer within 2 s keeps its last report."""
+        ray = ray_module()
+        refs = [(r, r.handle.report.remote()) for r in self._replicas if r.up]
+        for r, ref in refs:
+            try:
+                r.report = ray.get(ref, timeout=2)
+            except Exception:  # noqa: BLE001 - a dying replica: its figures are stale, not fatal
+                continue
+            r.step_count += len(r.report["step_seconds"])
+            r.step_sum += sum(r.report["step_seconds"])
+        total: dict[str, Any] = {"resident": Counter(), "loads": Counter(), "evictions": Counter(),
+                                 "load_seconds": [], "step_seconds": [], "waiting_for_adapter": 0,
+                                 "kv_blocks_in_use": 0}
+        for r, _ in refs:
+            rep = r.report
+            if not rep:
+                continue
+            for family in ("resident", "loads", "evictions"):
+                total[family].update(rep[family])
+            total["load_seconds"] += rep["load_seconds"]
+            total["step_seconds"] += rep["step_seconds"]
+            total["waiting_for_adapter"] += rep["waiting_for_adapter"]
+            total["kv_blocks_in_use"] += rep["kv_blocks_in_use"]
+            rep["load_seconds"], rep["step_seconds"] = [], []  # handed over once
+        return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}
+
+    def affinity(self) -> dict[str, float]:
+        """Routing decisions so far: requests for a read-only adapter served by its home replica."""
+        by = Counter()
+        for (_i, decision), n in self.routed.items():
+            by[decision] += n
+        keyed = by["home"] + by["spill"]
+        return {**by, "affinity_hit_rate": by["home"] / keyed if keyed else 1.0}
+
+    def register_metrics(self, registry: Any) -> None:
+        registry.register(_FleetCollector(self))
+
+    # --- test and operator hooks ----------------------------------------------------------------
+    def replica_of(self, adapter_id: str) -> int:
+        return self._placement(adapter_id).replica
+
+    def kill_replica(self, index: int) -> None:
+        """Kill a replica's actor as a crash would; Ray restarts it (max_restarts)."""
+        ray_module().kill(self._replicas[index].handle, no_restart=False)
+
+    def pause_replica(self, index: int) -> None:
+        """Hold a replica's worker (LocalEngine.pause): its queued work waits; tests use it as a gate."""
+        ray_module().get(self._replicas[index].handle.pause.remote())
+
+    def replica_pids(self) -> list[int]:
+        return [r.pid for r in self._replicas]
+
+    def wait_up(self, timeout: float = 120.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(r.up for r in self._replicas):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def shutdown(self, drain: bool = True) -> None:
+        ray = ray_module()
+        self._accepting = False
+        for r in self._replicas:
+            try:
+                ray.get(r.handle.shutdown.remote(drain), timeout=120)
+            except Exception:  # noqa: BLE001 - a dead replica has nothing to drain
+                pass
+            ray.kill(r.handle, no_restart=True)
+        self._pool.shutdown(wait=False)
+        if self._started_ray:
+            ray.shutdown()
+
+
+def _all(futures: list[Future]) -> Future:
+    out: Future = Future()
+    if not futures:
+        out.set_result(None)
+        return out
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last and not out.done():
+            errors = [x.exception() for x in futures if x.exception() is not None]
+            out.set_exception(errors[0]) if errors else out.set_result(None)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return out
+
+
+class _FleetCollector:
+    """Per-replica figures and routing decisions, read at scrape time (after the engine's report)."""
+
+    def __init__(self, fleet: FleetEngine) -> None:
+        self.fleet = fleet
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        routed = CounterMetricFamily("mint_fleet_routed", "Requests routed to a replica, by decision "
+                                     "(home: the adapter's home; spill: home saturated; pinned: a training "
+                                     "adapter's replica; base: no adapter; retry: its replica died)",
+                                     labels=["replica", "decision"])
+        for (i, decision), n in sorted(self.fleet.routed.items()):
+            routed.add_metric([str(i), decision], n)
+        yield routed
+        hit = GaugeMetricFamily("mint_fleet_affinity_hit_rate", "Share of read-only-adapter requests served "
+                                "by their home replica")
+        hit.add_metric([], self.fleet.affinity()["affinity_hit_rate"])
+        yield hit
+        up = GaugeMetricFamily("mint_fleet_replica_up", "1 when the replica answers", labels=["replica"])
+        inflight = GaugeMetricFamily("mint_fleet_replica_inflight", "Requests routed and unfinished",
+                                     labels=["replica"])
+        queue = GaugeMetricFamily("mint_fleet_replica_queue_depth", "Work queued inside the replica's engine",
+                                  labels=["replica"])
+        resident = GaugeMetricFamily("mint_fleet_replica_adapters", "Adapters by tier", labels=["replica", "tier"])
+        steps = CounterMetricFamily("mint_fleet_replica_step_seconds", "Engine worker turns (count, seconds)",
+                                    labels=["replica", "stat"])
+        restarts = CounterMetricFamily("mint_fleet_replica_restarts", "Times Ray replaced the replica",
+                                       labels=["replica"])
+        for r in self.fleet._replicas:
+            i = str(r.index)
+            up.add_metric([i], 1.0 if r.up else 0.0)
+            inflight.add_metric([i], r.inflight)
+            queue.add_metric([i], r.report.get("queue_depth", 0))
+            for tier, n in r.report.get("resident", {}).items():
+                resident.add_metric([i, tier], n)
+            steps.add_metric([i, "count"], r.step_count)
+            steps.add_metric([i, "sum"], r.step_sum)
+            restarts.add_metric([i], r.restarts)
+        yield from (up, inflight, queue, resident, steps, restarts)

@@ -1,0 +1,170 @@
+"""The Ray fleet: two LocalEngine replicas as Ray actors behind FleetEngine, on the tiny model.
+
+One local Ray instance and one fleet serve the whole module (starting Ray costs ~10 s on 2 cores).
+The tests drive the real thing: Ray actors, the real service on loopback, the tinker SDK."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import tinker
+from tinker import types
+
+from mint_server.api.metrics import Metrics
+from mint_server.engine.residency import AdapterSource
+from mint_server.engine.settings import FleetSettings
+from mint_server.model.config import ModelConfig
+from mint_server.model.peft_io import save_peft
+from tests.model.test_parity import random_adapter
+from tests.service.live import BASE, ENGINE_SETTINGS, KEY_A, LiveServer, batch, tiny_engine, train
+from tests.tiny import make_tiny_checkpoint
+
+ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'mint-server[fleet]'")
+
+from mint_server.engine.fleet import FleetEngine, HashRing  # noqa: E402 - after the skip
+
+GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+PROMPT = [5, 17, 33, 60]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "llama", family="llama", tie=True)
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_dir: Path) -> Iterator[FleetEngine]:
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=96 * 1024 * 1024, log_to_driver=False)
+    engine = FleetEngine(tiny_dir, BASE, settings=ENGINE_SETTINGS, fleet=FleetSettings(replicas=2),
+                         device="cpu", dtype="float32")
+    try:
+        yield engine
+    finally:
+        engine.shutdown(drain=False)
+        ray.shutdown()
+
+
+class Shared:
+    """The module's fleet for one LiveServer: the server's shutdown leaves it running for the next test."""
+
+    def __init__(self, fleet: FleetEngine) -> None:
+        self._fleet = fleet
+
+    def __getattr__(self, name: str):
+        return getattr(self._fleet, name)
+
+    def shutdown(self, drain: bool = True) -> None:
+        pass
+
+
+def _policies(tiny_dir: Path, tmp: Path, n: int) -> list[AdapterSource]:
+    cfg = ModelConfig.from_hf_dir(tiny_dir)
+    sources = []
+    for i in range(n):
+        d = tmp / f"policy-{i}"
+        save_peft(random_adapter(cfg, 2, seed=500 + i), d, BASE)
+        sources.append(AdapterSource(f"ckpt:policy-{i}", peft_dir=d))
+    return sources
+
+
+def _sample(engine, source, seed: int = 0) -> Future:
+    params = types.SamplingParams(max_tokens=6, temperature=0.8, seed=seed, stop=[])
+    return engine.submit(engine.prepare_sample(source, PROMPT, 1, params))
+
+
+def test_hash_ring_spreads_keys_and_is_stable() -> None:
+    ring = HashRing(2)
+    homes = [ring.home(f"rev:{i}") for i in range(1000)]
+    assert 400 < homes.count(0) < 600
+    assert homes == [HashRing(2).home(f"rev:{i}") for i in range(1000)]  # same in every process
+
+
+def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """Train + save + sample with the tinker SDK, through the router and on one engine: same numbers."""
+
+    def session(engine) -> tuple[list[float], list[list[int]], list[list[int]]]:
+        with LiveServer(engine, tmp_path / f"data-{id(engine)}") as server:
+            client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+            tc = client.create_lora_training_client(BASE, rank=4, seed=7).result()
+            losses = train(tc, 3)
+            sc = tc.save_weights_and_get_sampling_client().result()
+            trained = [list(sc.sample(types.ModelInput.from_ints(PROMPT), 1,
+                                      types.SamplingParams(max_tokens=6, temperature=0.9, seed=s, stop=[]))
+                            .result().sequences[0].tokens) for s in (1, 2)]
+            base = client.create_sampling_client(base_model=BASE).result()
+            bare = [list(base.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens)]
+            client.close("success")
+            return losses, trained, bare
+
+    local = tiny_engine(tiny_dir)
+    try:
+        want = session(local)
+    finally:
+        local.shutdown()
+    got = session(Shared(fleet))
+    assert got[0] == pytest.approx(want[0], abs=1e-5)
+    assert got[1] == want[1] and got[2] == want[2]
+
+
+def test_affinity_policies_land_on_their_home(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """20 policies × 10 requests: ≥ 90% on the policy's home replica, as /metrics shows."""
+    sources = _policies(tiny_dir, tmp_path, 20)
+    before = dict(fleet.routed)
+    for rnd in range(10):  # rounds of one request per policy, as 20 clients sampling in turn would
+        futures = [_sample(fleet, s, seed=rnd) for s in sources]
+        for f in futures:
+            assert len(f.result(timeout=120).sequences[0].tokens) == 6
+    routed = {k: n - before.get(k, 0) for k, n in fleet.routed.items()}
+    home = sum(n for (_, d), n in routed.items() if d == "home")
+    assert sum(routed.values()) == 200 and home >= 180
+    assert {fleet.home_of(s.key) for s in sources} == {0, 1}  # both replicas serve someone
+    metrics = Metrics()
+    metrics.watch_engine(fleet)
+    text = metrics.render().decode()
+    rate = float(re.search(r"^mint_fleet_affinity_hit_rate (\S+)$", text, re.M).group(1))
+    assert rate >= 0.9
+    assert 'mint_fleet_routed_total{decision="home",replica="0"}' in text
+    assert 'mint_fleet_replica_adapters{replica="1",tier="device"}' in text
+    assert re.search(r'^mint_fleet_replica_step_seconds_total\{replica="0",stat="count"\} [1-9]', text, re.M)
+
+
+def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """Samples in flight on the dead replica are retried elsewhere (same seed, same tokens); its
+    training client gets a retryable error, then resumes from its last saved state."""
+    sources = _policies(tiny_dir, tmp_path, 8)
+    expected = [f.result(timeout=120).sequences[0].tokens for f in [_sample(fleet, s, seed=3) for s in sources]]
+    with LiveServer(Shared(fleet), tmp_path / "data") as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(BASE, rank=4, seed=11).result()
+        train(tc, 2)
+        tc.save_state("two-steps").result()
+        resumed_loss = tc.forward_backward(batch(), "cross_entropy").result().metrics["loss:sum"]
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # live progress, never saved: lost
+        model = server.service.core.models[tc.model_id]
+        victim = fleet.replica_of(model.adapter_id)
+        pid = fleet.replica_pids()[victim]
+
+        retried = fleet.affinity().get("retry", 0)
+        fleet.pause_replica(victim)  # hold its work, so that some is surely in flight when it dies
+        load = [_sample(fleet, s, seed=3) for s in sources * 3]
+        on_victim = sum(1 for s in sources * 3 if fleet.home_of(s.key) == victim)
+        assert on_victim > 0
+        fleet.kill_replica(victim)
+        assert [f.result(timeout=180).sequences[0].tokens for f in load] == expected * 3
+        assert fleet.affinity()["retry"] - retried >= on_victim
+
+        with pytest.raises(tinker.RequestFailedError, match="replica"):
+            tc.forward_backward(batch(), "cross_entropy").result()
+        again = tc.forward_backward(batch(), "cross_entropy").result().metrics["loss:sum"]
+        assert again == pytest.approx(resumed_loss, abs=1e-5)  # the saved state, not the lost step
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        client.close("success")
+    assert fleet.wait_up(120)
+    assert fleet.replica_pids()[victim] != pid
+    text = Metrics()
+    text.watch_engine(fleet)
+    assert re.search(rf'^mint_fleet_replica_restarts_total\{{replica="{victim}"\}} 1', text.render().decode(), re.M)
