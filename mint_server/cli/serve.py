@@ -81,6 +81,24 @@ def engine_settings(
     return settings
 
 
+def fleet_engine(model_dir: Path, name: str, settings: EngineSettings, ray: str, replicas: int) -> object:
+    from mint_server.engine.interface import NotSupportedError
+    from mint_server.engine.settings import FleetSettings
+
+    fleet = FleetSettings(replicas=replicas, ray_address=None if ray == "local" else ray)
+    try:
+        fleet.check()
+        from mint_server.engine.fleet import FleetEngine, ray_module
+
+        ray_module()
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--replicas") from None
+    except NotSupportedError as e:
+        raise typer.BadParameter(str(e), param_hint="--ray") from None
+    typer.echo(f"starting {replicas} engine replicas on Ray ({ray})")
+    return FleetEngine(model_dir, name, settings=settings, fleet=fleet)
+
+
 def _default(name: str) -> object:
     from dataclasses import fields
 
@@ -133,6 +151,13 @@ def register(app: typer.Typer) -> None:
             help=f"Prompt tokens one sampler step may prefill [default: {_default('max_step_tokens')}]; keeps a wave of "
             "new requests from stalling running ones.",
         ),
+        ray: str = typer.Option(
+            None, "--ray",
+            help="Serve from a fleet of engine replicas on Ray: 'local' starts a Ray instance here; 'auto' or "
+            "HOST:PORT joins a cluster (`ray start --head` / `ray start --address`). Needs Ray (the package's fleet extra); "
+            "see docs/fleet.md.",
+        ),
+        replicas: int = typer.Option(2, "--replicas", help="Engine replicas with --ray (each its own adapter tiers)."),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -166,7 +191,10 @@ def register(app: typer.Typer) -> None:
             model_dir = resolve_base_model(base_model, root)
             name = base_model_name(base_model, model_dir)
             typer.echo(f"loading {name} from {model_dir}")
-            engine = LocalEngine(model_dir, base_model=name, settings=engine_cfg)
+            if ray is None:
+                engine = LocalEngine(model_dir, base_model=name, settings=engine_cfg)
+            else:
+                engine = fleet_engine(model_dir, name, engine_cfg, ray, replicas)
         except ModelError as e:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
         settings = Settings(

@@ -268,8 +268,8 @@ class FleetEngine:
         other = self._least_loaded(exclude)
         if other.index == home.index:
             return home, "home"
-        if exclude is None and home.up and other.inflight >= home.inflight:
-            return home, "home"  # everyone is as busy: stay where the adapter is hot
+        if exclude is None and home.up and 2 * other.inflight > home.inflight:
+            return home, "home"  # the others are nearly as busy: stay where the adapter is hot
         return other, "spill" if exclude is None else "retry"
 
     def _placement(self, fleet_id: str) -> _Placement:

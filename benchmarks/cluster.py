@@ -1,0 +1,120 @@
+"""The Ray fleet (a script, not a test): a thousand-adapter wave on 1 vs 2 replicas.
+
+Tiny model, each replica a Ray actor pinned to its own core (one torch thread). Parts:
+
+1. wave — `--wave` distinct cold adapters (PEFT dirs on disk), one greedy sample request each, all
+   submitted at once through FleetEngine: completion time and sampled tokens/s on 1 and on 2
+   replicas; scaling ratio = tokens/s(2) / tokens/s(1) (goal ≥ 1.7).
+2. affinity — the same wave again on 2 replicas: share of requests served by their home replica.
+3. overhead — sequential one-token requests on the bare base: median latency through the router
+   (1 replica) minus a direct call on an in-process LocalEngine (also one thread).
+
+    python -m benchmarks.cluster [--wave 1000] [--max-tokens 16]
+
+The last stdout line is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tinker import types
+
+from benchmarks.residency import write_adapters
+from mint_server.engine.residency import AdapterSource
+from mint_server.engine.settings import EngineSettings, FleetSettings
+from mint_server.model.config import ModelConfig
+
+PROMPT = [5, 17, 33, 60, 61, 62, 63, 9]
+SETTINGS = EngineSettings(max_rank=8, kv_budget_tokens=65536, max_context=256, device_slots=32)
+
+
+def wave(fleet: object, sources: list[AdapterSource], max_tokens: int) -> tuple[float, int]:
+    params = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=[])
+    t0 = time.perf_counter()
+    futures = [fleet.submit(fleet.prepare_sample(s, PROMPT, 1, params, key=f"k{i % 64}"))  # type: ignore[attr-defined]
+               for i, s in enumerate(sources)]
+    tokens = sum(len(f.result(timeout=1800).sequences[0].tokens) for f in futures)
+    return time.perf_counter() - t0, tokens
+
+
+def latency(engine: object, n: int) -> float:
+    params = types.SamplingParams(max_tokens=1, temperature=0.0, stop=[])
+    times = []
+    for i in range(n + 3):
+        t0 = time.perf_counter()
+        engine.submit(engine.prepare_sample(None, PROMPT, 1, params)).result(timeout=60)  # type: ignore[attr-defined]
+        if i >= 3:  # warm-up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--wave", type=int, default=1000)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--latency-requests", type=int, default=50)
+    args = ap.parse_args()
+
+    import ray
+
+    from mint_server.engine.fleet import FleetEngine
+    from mint_server.engine.local import LocalEngine
+    from tests.tiny import make_tiny_checkpoint
+
+    work = Path(tempfile.mkdtemp(prefix="mint-cluster-"))
+    model = make_tiny_checkpoint(work / "tiny", "llama", tie=True)
+    cfg = ModelConfig.from_hf_dir(model)
+    dirs = write_adapters(cfg, work / "adapters", args.wave)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
+    out: dict[str, object] = {"wave": args.wave, "max_tokens": args.max_tokens}
+    try:
+        for n in (1, 2):
+            # Fresh keys per fleet: every adapter starts cold (store tier) on every replica.
+            sources = [AdapterSource(f"n{n}:{d.name}", peft_dir=d) for d in dirs]
+            fleet = FleetEngine(model, "bench", settings=SETTINGS, device="cpu", dtype="float32",
+                                fleet=FleetSettings(replicas=n, pin_cores=True, cpus_per_replica=1))
+            try:
+                wave(fleet, sources[:16], args.max_tokens)  # warm-up: imports, first step
+                seconds, tokens = wave(fleet, sources, args.max_tokens)
+                out[f"wave_s_{n}"] = round(seconds, 2)
+                out[f"tokens_per_s_{n}"] = round(tokens / seconds, 1)
+                print(f"{n} replica(s): wave of {args.wave} cold adapters in {seconds:.2f} s, "
+                      f"{tokens / seconds:.1f} sampled tokens/s", flush=True)
+                if n == 2:
+                    before = dict(fleet.routed)
+                    wave(fleet, sources, args.max_tokens)
+                    d = {k: v - before.get(k, 0) for k, v in fleet.routed.items()}
+                    home = sum(v for (_, dec), v in d.items() if dec == "home")
+                    spread = [sum(v for (i, _), v in d.items() if i == r) for r in range(n)]
+                    out["affinity_hit_rate"] = round(home / sum(d.values()), 4)
+                    out["requests_per_replica"] = spread
+                    print(f"second wave on 2 replicas: {home}/{sum(d.values())} on their home replica; "
+                          f"spread {spread}", flush=True)
+                if n == 1:
+                    out["router_latency_ms"] = round(1000 * latency(fleet, args.latency_requests), 3)
+            finally:
+                fleet.shutdown()
+        torch.set_num_threads(1)
+        local = LocalEngine(model, "bench", device="cpu", dtype=torch.float32, settings=SETTINGS)
+        try:
+            out["direct_latency_ms"] = round(1000 * latency(local, args.latency_requests), 3)
+        finally:
+            local.shutdown()
+    finally:
+        ray.shutdown()
+    out["scaling_ratio"] = round(out["tokens_per_s_2"] / out["tokens_per_s_1"], 3)  # type: ignore[operator]
+    out["router_overhead_ms"] = round(out["router_latency_ms"] - out["direct_latency_ms"], 3)  # type: ignore[operator]
+    print(f"scaling 2 vs 1 replica: {out['scaling_ratio']}x (goal >= 1.7); router overhead per request "
+          f"{out['router_overhead_ms']} ms ({out['router_latency_ms']} vs {out['direct_latency_ms']} direct)")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
