@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -50,6 +51,7 @@ from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import AdapterSource
 from mint_server.engine.sampling import SampleFuture
 from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
+from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -202,7 +204,12 @@ class FleetEngine:
         self._adapters: dict[str, _Placement] = {}
         self._ids = itertools.count(1)
         self._tag = uuid.uuid4().hex[:6]
-        self._checkouts: dict[str, Path] = {}  # source key → the PEFT dir its checkout materialized
+        self._materialized: dict[str, Path] = {}  # source key → its PEFT dir under the shared dir
+        # Catalog revisions are written out here for the replicas: beside the page dirs, in the data
+        # dir that every node mounts (docs/fleet.md); a private temp dir when there is no store dir.
+        self._shared = (Path(s.store_dir).parent / "fleet-adapters" if s.store_dir is not None
+                        else Path(tempfile.mkdtemp(prefix="mint-fleet-")))
+        self._shared.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
         self.routed: Counter[tuple[int, str]] = Counter()  # (replica, decision) → requests
         self._accepting = True
@@ -290,20 +297,32 @@ class FleetEngine:
         return fleet_id
 
     def _portable(self, ref: AdapterRef) -> AdapterRef:
-        """A source every replica can read: a catalog checkout runs here, once per key, to a PEFT dir
-        in the shared data dir (the closure holds this process's catalog and cannot travel)."""
-        if not isinstance(ref, AdapterSource) or ref.checkout is None:
+        """A source every replica can read. A catalog revision's `read` (verified blob reads; the
+        closure holds this process's catalog and cannot travel) runs here, once per key, into a PEFT
+        dir under the shared dir that every node mounts."""
+        if not isinstance(ref, AdapterSource) or ref.read is None:
             return ref
         with self._lock:
-            path = self._checkouts.get(ref.key)
+            path = self._materialized.get(ref.key)
         if path is None:
-            path = ref.checkout()
+            path = self._shared / hashlib.sha256(ref.key.encode()).hexdigest()[:32]
+            if not (path / "adapter_config.json").exists():
+                files = ref.read()
+
+                def fill(d: Path) -> None:
+                    for name, data in files.items():
+                        (d / name).write_bytes(data)
+
+                try:
+                    atomic_write_dir(path, fill)
+                except FileExistsError:  # another thread or node wrote the same content first
+                    pass
             with self._lock:
-                self._checkouts[ref.key] = path
+                self._materialized[ref.key] = path
         return AdapterSource(ref.key, peft_dir=path)
 
-    def _needs_checkout(self, ref: AdapterRef) -> bool:
-        return isinstance(ref, AdapterSource) and ref.checkout is not None and ref.key not in self._checkouts
+    def _needs_materialize(self, ref: AdapterRef) -> bool:
+        return isinstance(ref, AdapterSource) and ref.read is not None and ref.key not in self._materialized
 
     # --- submit ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> Future:
@@ -314,7 +333,7 @@ class FleetEngine:
             if isinstance(job.adapter, str):  # sampling a training adapter: where it lives
                 p = self._placement(job.adapter)
                 self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
-            elif self._needs_checkout(job.adapter):
+            elif self._needs_materialize(job.adapter):
                 self._pool.submit(self._guard, out, lambda: self._sample(out, job, 0, None))
             else:
                 self._sample(out, job, 0, None)
@@ -339,7 +358,7 @@ class FleetEngine:
                 moved = dataclasses.replace(job, adapter_id=p.local_id, reference=self._portable(reference))
                 self._dispatch(out, p.replica, "pinned", p.incarnation, moved, None)
 
-            self._pool.submit(self._guard, out, go) if self._needs_checkout(reference) else go()
+            self._pool.submit(self._guard, out, go) if self._needs_materialize(reference) else go()
             return out
         raise TypeError(f"not a job: {type(job).__name__}")
 
@@ -445,7 +464,7 @@ class FleetEngine:
     def _guard(out: Future, fn: Callable[[], None]) -> None:
         try:
             fn()
-        except BaseException as e:  # noqa: BLE001 - e.g. a catalog checkout that failed its check
+        except BaseException as e:  # noqa: BLE001 - e.g. a catalog materialize that failed its check
             if not out.done():
                 out.set_exception(e)
 
@@ -506,8 +525,8 @@ class FleetEngine:
 
     def forget_source(self, key_prefix: str) -> Future[None]:
         with self._lock:
-            for key in [k for k in self._checkouts if k.startswith(key_prefix)]:
-                del self._checkouts[key]
+            for key in [k for k in self._materialized if k.startswith(key_prefix)]:
+                del self._materialized[key]
         calls = [self._call(r.index, None, "forget_source", key_prefix) for r in self._replicas if r.up]
         return _all(calls)
 

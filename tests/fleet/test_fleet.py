@@ -84,7 +84,8 @@ def test_hash_ring_spreads_keys_and_is_stable() -> None:
 
 
 def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
-    """Train + save + sample with the tinker SDK, through the router and on one engine: same numbers."""
+    """Train, save, sample a snapshot, a catalog revision and the base with the tinker SDK, through
+    the router and on one engine: the same numbers."""
 
     def session(engine) -> tuple[list[float], list[list[int]], list[list[int]]]:
         with LiveServer(engine, tmp_path / f"data-{id(engine)}") as server:
@@ -95,6 +96,11 @@ def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: P
             trained = [list(sc.sample(types.ModelInput.from_ints(PROMPT), 1,
                                       types.SamplingParams(max_tokens=6, temperature=0.9, seed=s, stop=[]))
                             .result().sequences[0].tokens) for s in (1, 2)]
+            tc.save_weights_for_sampler("published").result()  # a catalog revision of the run's policy
+            revision = client.create_sampling_client(
+                model_path=f"tinker://{tc.model_id.replace(':', '-')}@1").result()
+            trained.append(list(revision.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY)
+                                .result().sequences[0].tokens))
             base = client.create_sampling_client(base_model=BASE).result()
             bare = [list(base.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens)]
             client.close("success")
