@@ -174,3 +174,13 @@ def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: P
     text = Metrics()
     text.watch_engine(fleet)
     assert re.search(rf'^mint_fleet_replica_restarts_total\{{replica="{victim}"\}} 1', text.render().decode(), re.M)
+
+
+def test_serve_refuses_a_bad_replica_count(tiny_dir: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mint_server.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--no-auth", "--base-model", str(tiny_dir), "--data-dir",
+                                      str(tmp_path), "--ray", "local", "--replicas", "0"])
+    assert result.exit_code != 0 and "--replicas" in result.output
