@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
+
 
 class ModelError(ValueError):
     """A model directory or config that we cannot load; the message names the problem."""
@@ -27,6 +29,8 @@ class Family:
     qk_norm: bool
     attention_bias: bool
     moe: bool = False  # some layers' MLP is a routed set of experts (Qwen3-MoE style)
+    mla: bool = False  # DeepSeek: latent attention, sigmoid-routed MoE with shared experts (mla_spec.py)
+    dsa: bool = False  # DeepSeek-V3.2: plus the sparse-attention indexer
 
 
 # HF `architectures[0]` → family switches.
@@ -34,8 +38,12 @@ FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", qk_norm=False, attention_bias=False),
     "Qwen3ForCausalLM": Family("qwen3", qk_norm=True, attention_bias=False),
     "Qwen3MoeForCausalLM": Family("qwen3_moe", qk_norm=True, attention_bias=False, moe=True),
+    "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, attention_bias=False, moe=True, mla=True),
+    "DeepseekV32ForCausalLM": Family("deepseek_v32", qk_norm=False, attention_bias=False, moe=True, mla=True,
+                                     dsa=True),
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,9 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # DeepSeek families (family.mla): MLA dims, DeepSeek routing, the V3.2 indexer. Their head_dim
+    # is the RoPE part (qk_rope_head_dim) and num_kv_heads == num_heads (neither is a K/V shape).
+    mla: MLASpec | None = None
 
     @property
     def family(self) -> Family:
@@ -99,11 +110,17 @@ class ModelConfig:
             rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
             rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
-            if rope_type not in ("default", "llama3"):
+            family = FAMILIES[arch]
+            if rope_type not in ("default", "llama3") and not (family.mla and rope_type == "yarn"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            moe = _moe_fields(hf) if FAMILIES[arch].moe else {}
+            moe = _moe_fields(hf) if family.moe else {}
+            if family.mla:
+                layers = int(hf["num_hidden_layers"])
+                mla = parse_mla(hf, rope, family.dsa)
+                moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
+                hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -117,7 +134,7 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                rope_scaling=dict(rope) if rope_type == "llama3" else None,
+                rope_scaling=dict(rope) if rope_type in ("llama3", "yarn") else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 **moe,
@@ -142,7 +159,7 @@ class ModelConfig:
 
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """The MoE switches of an HF config (transformers writes the expert count as num_local_experts)."""
-    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    experts = hf.get("num_experts", hf.get("num_local_experts", hf.get("n_routed_experts")))
     if experts is None:
         raise KeyError("num_experts")
     top_k = int(hf["num_experts_per_tok"])

@@ -15,10 +15,13 @@ import torch
 from safetensors import safe_open
 
 from mint_server.model.config import ModelConfig, ModelError
+from mint_server.model.deepseek import model_class
 from mint_server.model.transformer import Transformer, rope_inv_freq
 
 # HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
 NAME_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
+# DeepSeek's router (weights and choice bias) stays float32 like HF: bf16 would flip expert choices.
+FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.experts)\.gate_up_proj$")
 
@@ -64,7 +67,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = model_class(cfg)(cfg)
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -77,7 +80,8 @@ def load_model(
                 if ours is None:
                     continue
                 if ours in expected:
-                    state[ours] = sf.get_tensor(name).to(device=device, dtype=dtype)
+                    keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
+                    state[ours] = sf.get_tensor(name).to(device=device, dtype=keep)
                 elif m := _PER_EXPERT.match(ours):
                     per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = sf.get_tensor(name)
                 elif m := _FUSED_GATE_UP.match(ours):

@@ -34,7 +34,12 @@ ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_TARGETS = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
 UNEMBED_TARGET = "lm_head"
-ALL_TARGETS = ATTN_TARGETS + MLP_TARGETS + EXPERT_TARGETS + (UNEMBED_TARGET,)
+# DeepSeek (MLA) attention projections (q_proj / o_proj shared with ATTN_TARGETS) and the shared
+# experts beside the routed ones (a dense SwiGLU in every sparse layer); see docs/mla.md.
+MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+SHARED_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
+SHARED_PREFIX = "shared_"  # shared-expert target = SHARED_PREFIX + the projection name
+ALL_TARGETS = ATTN_TARGETS + MLA_TARGETS + MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS + (UNEMBED_TARGET,)
 EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
 
 
@@ -43,11 +48,13 @@ def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     in this tuple). Targets a model does not have (experts of a dense model, dense MLPs of a model
     whose every layer is sparse) are absent."""
     every = tuple(range(cfg.num_layers))
-    out: dict[str, tuple[int, ...]] = dict.fromkeys(ATTN_TARGETS, every)
+    out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), every)
     if cfg.dense_layers:
         out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
     if cfg.sparse_layers:
         out.update(dict.fromkeys(EXPERT_TARGETS, cfg.sparse_layers))
+        if cfg.mla is not None and cfg.mla.n_shared_experts:
+            out.update(dict.fromkeys(SHARED_TARGETS, cfg.sparse_layers))
     out[UNEMBED_TARGET] = (0,)
     return out
 
@@ -62,7 +69,24 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
         "expert_gate_proj": (h, e), "expert_up_proj": (h, e), "expert_down_proj": (e, h),
         "lm_head": (h, cfg.vocab_size),
     }
+    if cfg.mla is not None:
+        m, H = cfg.mla, cfg.num_heads
+        shared = m.n_shared_experts * e
+        io.update({
+            "q_proj": (h, H * m.qk_head_dim), "q_a_proj": (h, m.q_lora_rank or 0),
+            "q_b_proj": (m.q_lora_rank or 0, H * m.qk_head_dim),
+            "kv_a_proj_with_mqa": (h, m.kv_lora_rank + m.qk_rope_head_dim),
+            "kv_b_proj": (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), "o_proj": (H * m.v_head_dim, h),
+            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
+        })
     return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
+
+
+def _attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    if cfg.mla is None:
+        return ATTN_TARGETS
+    q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
+    return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def target_experts(cfg: ModelConfig) -> dict[str, int]:
@@ -84,8 +108,8 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
     """Tinker's LoraConfig switches → target projection names (train_mlp covers dense MLPs and
     experts alike; a model's adapter gets those of them it has)."""
     return (
-        (ATTN_TARGETS if train_attn else ())
-        + (MLP_TARGETS + EXPERT_TARGETS if train_mlp else ())
+        (ATTN_TARGETS + MLA_TARGETS if train_attn else ())
+        + (MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS if train_mlp else ())
         + ((UNEMBED_TARGET,) if train_unembed else ())
     )
 

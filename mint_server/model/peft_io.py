@@ -24,7 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig, ModelError
-from mint_server.model.lora import ALL_TARGETS, ATTN_TARGETS, EXPERT_PREFIX, UNEMBED_TARGET, target_layers
+from mint_server.model.lora import (
+    ALL_TARGETS,
+    ATTN_TARGETS,
+    EXPERT_PREFIX,
+    MLA_TARGETS,
+    SHARED_PREFIX,
+    UNEMBED_TARGET,
+    target_layers,
+)
 from mint_server.model.moe_layout import (
     MOE_LAYOUT_KEY,
     MOE_LAYOUTS,
@@ -40,7 +48,8 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
 _KEY = re.compile(
-    r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?)?(\w+)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?|shared_experts\.)?"
+    r"(\w+)\.lora_([AB])\.weight$"
 )
 
 
@@ -62,7 +71,9 @@ def peft_key(target: str, layer: int, which: str, expert: int | None = None) -> 
         proj = target[len(EXPERT_PREFIX):]
         experts = "experts." if expert is None else f"experts.{expert}."
         return f"base_model.model.model.layers.{layer}.mlp.{experts}{proj}.lora_{which}.weight"
-    block = "self_attn" if target in ATTN_TARGETS else "mlp"
+    if target.startswith(SHARED_PREFIX):
+        return f"base_model.model.model.layers.{layer}.mlp.shared_experts.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
+    block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS else "mlp"
     return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{which}.weight"
 
 
@@ -106,7 +117,7 @@ def save_peft(
     model is taken to be dense. Expert LoRA is written in `moe_layout` (packed by default).
     """
     tensors = peft_tensors(adapter, cfg if cfg is not None else _num_layers(adapter), moe_layout)
-    modules = sorted({t[len(EXPERT_PREFIX):] if t.startswith(EXPERT_PREFIX) else t for t in adapter.weights})
+    modules = sorted({_module_name(t) for t in adapter.weights})
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -126,6 +137,14 @@ def save_peft(
     if any(t.startswith(EXPERT_PREFIX) for t in adapter.weights):
         config[MOE_LAYOUT_KEY] = moe_layout
     _write_dir(dest, tensors, config)
+
+
+def _module_name(target: str) -> str:
+    """The module name PEFT's target_modules lists for a target (experts / shared experts: the projection)."""
+    for prefix in (EXPERT_PREFIX, SHARED_PREFIX):
+        if target.startswith(prefix):
+            return target[len(prefix):]
+    return target
 
 
 def _num_layers(adapter: LoraWeights) -> int:
@@ -187,7 +206,8 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
     found: dict[str, dict[int, dict[int | None, dict[str, torch.Tensor]]]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
-        target = None if m is None else (EXPERT_PREFIX + m.group(4) if m.group(2) else m.group(4))
+        prefix = "" if m is None or not m.group(2) else (SHARED_PREFIX if m.group(2) == "shared_experts." else EXPERT_PREFIX)
+        target = None if m is None else prefix + m.group(4)
         if m is None or target not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_name}")
         layer, expert = int(m.group(1) or 0), (int(m.group(3)) if m.group(3) is not None else None)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
 
@@ -34,6 +35,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rs = cfg.rope_scaling
+    if rs and (rs.get("rope_type") or rs.get("type")) == "yarn":
+        return yarn_inv_freq(rs, dim, cfg.rope_theta)
     if rs:  # llama3: long wavelengths scaled down by `factor`, a smooth ramp between the two cut-offs
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old_ctx = rs["original_max_position_embeddings"]
@@ -44,6 +47,25 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         is_mid = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
         inv_freq = torch.where(is_mid, mid, scaled)
     return inv_freq.float()
+
+
+def yarn_inv_freq(rs: dict, dim: int, theta: float) -> Tensor:
+    """YaRN (DeepSeek's long-context rope): interpolate the slow frequencies by `factor`, keep the
+    fast ones, a linear ramp between the dims that turn beta_fast / beta_slow times in the original
+    context. (The cos/sin factor is mla_spec.rope_attention_factor.)"""
+    factor, ctx = float(rs["factor"]), rs["original_max_position_embeddings"]
+    fast, slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_of(turns: float) -> float:
+        return dim * math.log(ctx / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return freq / factor * ramp + freq * (1 - ramp)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -74,25 +96,40 @@ class KVCache:
     ) -> None:
         if num_blocks < 2 or block_size < 1:
             raise ValueError("a KV cache needs at least 2 blocks (one is scratch) of at least 1 position")
-        # [layers, blocks, positions, kv_heads, head_dim]: one gather of a table's blocks is already
-        # the [rows, positions, heads, dim] attention wants, with no copy to reorder it.
-        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # Per pool [layers, blocks, positions, *token_shape]: one gather of a table's blocks is
+        # already the [rows, positions, ...] attention wants, with no copy to reorder it. Pools:
+        # k, v [kv_heads, head_dim] (here as .k / .v); MLA's latent + rope key (+ V3.2's indexer key).
         # Zeros, not empty: masked keys get weight 0 and 0 · NaN would still poison a row.
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pools = {name: torch.zeros((cfg.num_layers, num_blocks, block_size, *shape), device=device, dtype=dtype)
+                      for name, shape in kv_token_shapes(cfg).items()}
+        if "k" in self.pools:
+            self.k, self.v = self.pools["k"], self.pools["v"]
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy block src[i] into dst[i] in every layer (forking a partly filled prompt block)."""
         if dst:
-            s = torch.tensor(src, device=self.k.device)
-            d = torch.tensor(dst, device=self.k.device)
-            self.k[:, d] = self.k[:, s]
-            self.v[:, d] = self.v[:, s]
+            dev = next(iter(self.pools.values())).device
+            s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+            for p in self.pools.values():
+                p[:, d] = p[:, s]
+
+
+def kv_token_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """What the KV cache holds per token and layer: pool name → shape."""
+    if cfg.mla is not None:
+        return mla_token_shapes(cfg.mla)
+    return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Cache bytes one token position costs, all layers together (the sampler's budget unit)."""
+    elems = sum(math.prod(s) for s in kv_token_shapes(cfg).values())
+    return elems * cfg.num_layers * torch.empty((), dtype=dtype).element_size()
 
 
 class CacheView:
@@ -122,6 +159,13 @@ class CacheView:
         ck[self.write_block, self.write_offset] = k.transpose(1, 2)
         cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         return self._read(ck), self._read(cv)
+
+    def store(self, pool: str, layer: int, x: Tensor) -> Tensor:
+        """Store this forward's x [B, T, ...] in a named pool (MLA's latents); return each row's
+        entries [B, kv_len, ...]."""
+        c = self.cache.pools[pool][layer]
+        c[self.write_block, self.write_offset] = x
+        return c[self.table].flatten(1, 2)[:, : self.kv_len]
 
     def _read(self, c: Tensor) -> Tensor:
         return c[self.table].flatten(1, 2)[:, : self.kv_len].transpose(1, 2)
@@ -197,11 +241,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList((block or Block)(cfg, i) for i in range(cfg.num_layers))
+        self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # yarn scales cos/sin
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -227,7 +272,10 @@ class Transformer(nn.Module):
         angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
         x = self.embed_tokens(tokens)
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        if self.rope_factor != 1.0:
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = checkpoint and cache is None and torch.is_grad_enabled()
         for block in self.layers:
             if recompute:
