@@ -62,6 +62,7 @@ def base_model_name(arg: str | None, model_dir: Path) -> str:
 def engine_settings(
     device_slots: int | None, adapter_slots: int | None, host_cache_mb: float | None, max_rank: int | None,
     kv_budget_tokens: int | None, max_context: int | None, max_step_tokens: int | None, store_dir: Path,
+    kv_budget_mb: float | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -71,7 +72,7 @@ def engine_settings(
         log.warning("--adapter-slots is deprecated; use --device-slots")
         device_slots = device_slots if device_slots is not None else adapter_slots
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
-             "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens}
+             "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -143,6 +144,11 @@ def register(app: typer.Typer) -> None:
             None, "--kv-budget-tokens",
             help=f"KV cache size in token positions shared by running sequences [default: {_default('kv_budget_tokens')}].",
         ),
+        kv_budget_mb: float = typer.Option(
+            None, "--kv-budget-mb",
+            help="KV cache size in MiB instead of positions: the pool holds as many positions as the model's "
+            "cache entries fit (MLA's latent cache: several times more than full K/V).",
+        ),
         max_seq_len: int = typer.Option(
             None, "--max-seq-len", help="Longest sequence (training datum; prompt + max_tokens) [default: the model's context].",
         ),
@@ -184,7 +190,7 @@ def register(app: typer.Typer) -> None:
 
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
-                                     max_seq_len, max_step_tokens, root / "pages")
+                                     max_seq_len, max_step_tokens, root / "pages", kv_budget_mb)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

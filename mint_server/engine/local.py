@@ -37,6 +37,7 @@ from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.training import Trainer
 from mint_server.model.loader import default_device, default_dtype, load_model
+from mint_server.model.transformer import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,8 @@ class LocalEngine:
         self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake)
         self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens)
         self.sampler = Sampler(
-            self.model, self.registry, kv_budget_tokens=max(s.kv_budget_tokens, self.limits.max_context),
+            self.model, self.registry,
+            kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(cfg, self.dtype)), self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.max_step_tokens,
         )

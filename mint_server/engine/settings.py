@@ -22,6 +22,9 @@ class EngineSettings:
     max_rank: int = 32
     # KV cache: a pool of this many token positions shared by all running sequences.
     kv_budget_tokens: int = 65536
+    # KV cache in MiB instead: the pool holds this many bytes of the model's own cache entries, so a
+    # base whose entry is small (MLA's latent cache) holds more positions. Overrides kv_budget_tokens.
+    kv_budget_mb: float | None = None
     # Longest sequence, for training and sampling alike; None: the model's own context.
     max_context: int | None = None
     # Tokens one sampler step may prefill (admission budget; keeps a cold wave from stalling decode).
@@ -47,11 +50,19 @@ class EngineSettings:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
+        if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):
+            raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
         if not (isinstance(self.records_ttl_s, int | float) and math.isfinite(self.records_ttl_s)
                 and self.records_ttl_s > 0):
             raise ValueError(f"records_ttl_s must be > 0, got {self.records_ttl_s!r}")
+
+    def kv_tokens(self, bytes_per_token: int) -> int:
+        """The KV pool in token positions, for a model whose cache costs bytes_per_token per position."""
+        if self.kv_budget_mb is None:
+            return self.kv_budget_tokens
+        return max(1, int(self.kv_budget_mb * 2**20) // bytes_per_token)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
