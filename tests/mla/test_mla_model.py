@@ -171,3 +171,15 @@ def test_latent_cache_bytes_per_token(v3_dir):
     assert kv_bytes_per_token(cfg, torch.float32) == cfg.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * 4
     cache = KVCache(cfg, 5, 4, "cpu", torch.float32)
     assert cache.nbytes == 5 * 4 * kv_bytes_per_token(cfg, torch.float32)
+
+
+def test_peft_round_trip_keeps_every_deepseek_target(v3_dir, tmp_path):
+    from mint_server.model.peft_io import load_peft, save_peft
+
+    cfg = ModelConfig.from_hf_dir(v3_dir)
+    adapter = random_adapter(cfg, rank=2, seed=8)
+    save_peft(adapter, tmp_path / "a", "tiny-deepseek", cfg)
+    back = load_peft(tmp_path / "a", cfg)
+    assert set(back.weights) == set(adapter.weights)
+    for t, (a, b) in adapter.weights.items():
+        assert torch.equal(back.weights[t][0], a) and torch.equal(back.weights[t][1], b), t
