@@ -5,6 +5,7 @@ import typer
 from mint_server.cli import catalog as catalog_cli
 from mint_server.cli import generate as generate_cli
 from mint_server.cli import model as model_cli
+from mint_server.cli import plan as plan_cli
 from mint_server.cli import serve as serve_cli
 from mint_server.cli import sweep as sweep_cli
 
@@ -14,6 +15,7 @@ generate_cli.register(app)
 catalog_cli.register(app)
 serve_cli.register(app)
 sweep_cli.register(app)
+plan_cli.register(app)
 
 
 def main() -> None:
