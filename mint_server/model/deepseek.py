@@ -165,9 +165,14 @@ class MLAttention(nn.Module):
             Bm = Bm.view(Bm.shape[0], H, dn + m.v_head_dim, -1)
             t = torch.einsum("bhtd,bhdk->bhtk", q_nope, Bm[:, :, :dn]) * s[:, None, None, None].to(q_nope.dtype)
             q_lat = q_lat + torch.einsum("bhtk,bkr->bhtr", t, A)
-        scores = (q_lat @ latent[:, None].transpose(-1, -2) + q_rope @ k_rope[:, None].transpose(-1, -2)) * m.softmax_scale
+        # Heads fold into the row's query axis: one bmm per product against the row's shared latents,
+        # never an H-fold broadcast copy of the cache.
+        B, _, T, r = q_lat.shape
+        S = latent.shape[1]
+        scores = torch.baddbmm(q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2), q_lat.reshape(B, H * T, r),
+                               latent.transpose(1, 2)).view(B, H, T, S) * m.softmax_scale
         p = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q_nope.dtype)
-        u = p @ latent[:, None]  # [B, H, T, r]: the attention-weighted latent
+        u = (p.view(B, H * T, S) @ latent).view(B, H, T, r)  # the attention-weighted latent
         y = torch.einsum("bhtr,hvr->bhtv", u, W[:, dn:])
         if delta is not None:
             t = torch.einsum("bhtr,bkr->bhtk", u, A) * s[:, None, None, None].to(u.dtype)
