@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
-from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.lora import LoraBatch
+from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.moe import SparseMoE
 
 

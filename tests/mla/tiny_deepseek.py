@@ -28,7 +28,12 @@ def make_tiny_deepseek(dest: Path, version: str = "v3", seed: int = 0, **overrid
     """Save a random tiny DeepSeek `version` (v3 | v32) model plus tokenizer into dest; returns dest.
 
     The router and its choice bias get a large init so routing is decisive (no near-ties)."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DeepseekV32Config, DeepseekV32ForCausalLM
+    from transformers import (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        DeepseekV32Config,
+        DeepseekV32ForCausalLM,
+    )
 
     torch.manual_seed(seed)
     if version == "v3":
