@@ -38,6 +38,7 @@ def test_sampled_logprobs_equal_the_training_forward(fixture, request):
             assert np.abs(np.array(seq.logprobs) - want).max() <= 1e-5, aid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["v3_dir", "v32_dir"])
 def test_greedy_in_one_mixed_batch_matches_transformers_with_merged_lora(fixture, request):
     model_dir = request.getfixturevalue(fixture)

@@ -20,6 +20,8 @@ from tinker import types
 from tests.mla.tiny_deepseek import make_tiny_deepseek
 from tests.service.live import BASE, KEY_A, LiveServer, batch, datum, tiny_engine, train
 
+pytestmark = pytest.mark.slow  # two live servers and a subprocess per base: ~1 min
+
 
 @pytest.fixture(scope="module", params=["v3", "v32"])
 def serve_dir(request, tmp_path_factory):
