@@ -77,7 +77,29 @@ def _datum_from_proto(msg: pb.Datum, i: int) -> types.Datum:
             raise DecodeError(f"data[{i}].model_input: token bytes are not int32")
         chunks.append(types.EncodedTextChunk(tokens=np.frombuffer(tokens, dtype=np.int32).tolist()))
     inputs = {k: _tensor_from_proto(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in msg.loss_fn_inputs.items()}
-    return types.Datum(model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+    return types.Datum(
+        model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs,
+        model_input_spans=_spans_from_proto(msg.model_input_spans, f"data[{i}].model_input_spans"),
+        loss_fn_input_spans=_spans_from_proto(msg.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans"),
+    )
+
+
+def _spans_from_proto(spans: Any, where: str) -> types.ProvenanceSpans | None:
+    """Provenance runs (sampled / prompt tokens of recorded sequences); None when the datum has none."""
+    if not spans:
+        return None
+    out: types.ProvenanceSpans = []
+    for j, span in enumerate(spans):
+        arm = span.WhichOneof("span")
+        if arm is None:
+            raise DecodeError(f"{where}[{j}]: empty provenance span")
+        m = getattr(span, arm)
+        cls = types.SampledProvenanceSpan if arm == "sampled_tokens" else types.PromptProvenanceSpan
+        try:
+            out.append(cls(sequence_id=m.sequence_id, offset=m.offset, length=m.length))
+        except ValueError as e:
+            raise DecodeError(f"{where}[{j}]: {e}") from None
+    return out
 
 
 def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:

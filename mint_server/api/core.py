@@ -11,13 +11,14 @@ import logging
 import shutil
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from tinker import types
 
-from mint_server.api.futures import FutureStore
+from mint_server.api.futures import CompletionLog, FutureStore
 from mint_server.api.metrics import Metrics
 from mint_server.api.ordering import Sequencer
 from mint_server.api.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
@@ -33,6 +34,13 @@ from mint_server.engine.residency import AdapterSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# The engine future the current operation waits on, for queue-state answers (see Core.queue_state).
+_ENGINE_WAIT: ContextVar[list[Future[Any] | None] | None] = ContextVar("mint_engine_wait", default=None)
+
+
+def waits_on_engine(holder: list[Future[Any] | None]) -> None:
+    """Called at the start of an operation's coroutine: its engine calls are noted in `holder`."""
+    _ENGINE_WAIT.set(holder)
 
 
 class ShuttingDown(Exception):
@@ -64,6 +72,7 @@ class TrainingModel:
     # None: a fresh adapter from its LoraConfig (same seed, same start).
     saved: tuple[Path, bool, int] | None = None
     lost: bool = False  # its adapter died with its replica: the next op resumes from `saved` first
+    optimizer: str = "adamw"  # its optimizer family ("adamw" | "dimuon"), fixed for its life
 
     def adapter(self) -> str:
         if self.failed is not None:
@@ -82,6 +91,20 @@ class Sampler:
     model_path: str | None
     source: AdapterSource | str | None  # a read-only source, a training adapter id (inflight), None: the base
     ephemeral_dir: Path | None = None
+    # kind="inflight": samples read this training model's own adapter slot, so every optimizer
+    # step reaches them with no copy (the weights of the client's creation or newer).
+    live: TrainingModel | None = None
+    # retrieve_futures completion queues, by clone id (seq_id // 1e9; 0 for the original client)
+    completions: dict[int, CompletionLog] = field(default_factory=dict)
+    recorded: list[str] = field(default_factory=list)  # id prefixes of its recorded sequences
+
+
+@dataclass(frozen=True)
+class CustomLoss:
+    loss_id: str
+    owner: str
+    session_id: str
+    compiled: Any  # engine.custom_loss.CompiledLoss: checked, never executable code
 
 
 class Core:
@@ -96,6 +119,10 @@ class Core:
         metrics.watch_engine(engine)
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.custom_losses: dict[str, CustomLoss] = {}  # loss_id → uploaded loss (session-scoped)
+        self.engine_waits: dict[str, list[Future[Any] | None]] = {}  # request id → its engine future
+        # Recorded sequences (record_stability_info): id prefix "seq-<run>" → the sampler that made them.
+        self.recorded: dict[str, str] = {}
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
         self.sampling_inflight = 0
@@ -135,6 +162,23 @@ class Core:
             raise NotFound(f"model_id {model_id!r} not found (unknown, unloaded, or not yours)")
         return model
 
+    def check_sequence_ids(self, data: list[types.Datum], owner: str) -> None:
+        """Provenance may only name sequences recorded by `owner`'s live sampling sessions.
+
+        Records are session-scoped: once the sampler's session is gone its ids are unknown, exactly
+        like another key's, and both are a 400 naming the id.
+        """
+        for i, d in enumerate(data):
+            for span in d.loss_fn_input_spans or ():
+                if not isinstance(span, types.SampledProvenanceSpan):
+                    continue
+                sampler = self.samplers.get(self.recorded.get(span.sequence_id.rsplit("-", 1)[0], ""))
+                if sampler is None or sampler.owner != owner:
+                    raise InvalidInput(
+                        f"datums[{i}].loss_fn_input_spans: sequence_id {span.sequence_id!r} is unknown or "
+                        "expired (not sampled with record_stability_info, its sampling session ended, or not yours)"
+                    )
+
     def seen(self, scope: str, seq_id: int | None) -> types.UntypedAPIFuture | None:
         return self.dedupe.get((scope, seq_id)) if seq_id is not None else None
 
@@ -147,10 +191,15 @@ class Core:
         scope: str | None = None,
         seq_id: int | None = None,
         sample_sequence_ids: list[str] | None = None,
+        engine_wait: list[Future[Any] | None] | None = None,
     ) -> types.UntypedAPIFuture:
-        """Track `future` under a new request id, with metrics, and answer the submit call."""
+        """Track `future` under a new request id, with metrics, and answer the submit call.
+
+        `engine_wait` is the holder the operation's coroutine passed to `waits_on_engine`."""
         request_id = self.futures.add(owner, op, future)
         self.pending_by_owner[owner] = self.pending_by_owner.get(owner, 0) + 1
+        if engine_wait is not None:
+            self.engine_waits[request_id] = engine_wait
         start = time.monotonic()
         queue = "sampling" if op == "sample" else "training"
         self.metrics.queue_depth.labels(queue).inc()
@@ -161,6 +210,7 @@ class Core:
                 self.pending_by_owner[owner] = left
             else:
                 del self.pending_by_owner[owner]
+            self.engine_waits.pop(request_id, None)
             self.metrics.queue_depth.labels(queue).dec()
             elapsed = time.monotonic() - start
             (self.metrics.sample_latency if op == "sample" else self.metrics.op_latency.labels(op)).observe(elapsed)
@@ -186,7 +236,21 @@ class Core:
     # --- engine -----------------------------------------------------------------------------------
     @staticmethod
     async def call(future: Future[T]) -> T:
+        holder = _ENGINE_WAIT.get()
+        if holder is not None:
+            holder[0] = future
         return await asyncio.wrap_future(future)
+
+    def engine_future(self, request_id: str) -> Future[Any] | None:
+        holder = self.engine_waits.get(request_id)
+        return holder[0] if holder else None
+
+    def queue_position(self, request_id: str) -> tuple[int, int] | None:
+        """(position, depth) while the request's engine work waits behind others; None otherwise."""
+        future = self.engine_future(request_id)
+        if future is None or future.done():
+            return None
+        return self.engine.queue_position(future)
 
     # --- checkpoints ------------------------------------------------------------------------------
     def resolve(self, path: str, owner: str) -> tuple[CheckpointRecord, RunRecord]:

@@ -14,7 +14,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tinker import types
+
 from mint_server.api.runs import NotFound
+from mint_server.api.validate import InvalidInput
 
 
 @dataclass
@@ -63,6 +66,17 @@ class FutureStore:
                 closing.cancel()
         return entry
 
+    def cancel(self, request_id: str, owner: str) -> None:
+        """Stop a pending sample (its engine work ends, its KV is freed); a finished one is left as is."""
+        entry = self.get(request_id, owner)
+        if entry.request_type != "sample":
+            raise InvalidInput(f"request {request_id!r} is a {entry.request_type}; only samples can be cancelled")
+        entry.future.cancel()
+
+    @property
+    def closing(self) -> asyncio.Event:
+        return self._closing
+
     def request_ids(self) -> set[str]:
         return set(self._entries)
 
@@ -85,3 +99,36 @@ class FutureStore:
         if pending:
             await asyncio.wait(pending, timeout=timeout)
         return len(self.pending())
+
+
+class CompletionLog:
+    """The completion queue of one sampling session (one per clone id) behind `retrieve_futures`.
+
+    Each finished or failed request appends an event with the next cursor; a poll names the last
+    cursor it saw, so older events are dropped then, and gets everything newer (waiting up to its
+    timeout when there is nothing yet).
+    """
+
+    def __init__(self) -> None:
+        self.cursor = 0
+        self._events: list[tuple[int, types.FutureFinished | types.FutureFailed]] = []
+        self._changed = asyncio.Event()
+
+    def add(self, request_id: str, future: asyncio.Future[Any]) -> None:
+        failed = future.cancelled() or future.exception() is not None
+        self.cursor += 1
+        event = types.FutureFailed(request_id=request_id) if failed else types.FutureFinished(request_id=request_id)
+        self._events.append((self.cursor, event))
+        self._changed.set()
+
+    async def poll(self, prev_cursor: int, timeout: float, closing: asyncio.Event) -> types.FuturesRetrieveResponse:
+        self._events = [(c, e) for c, e in self._events if c > prev_cursor]
+        if not self._events and timeout > 0 and not closing.is_set():
+            self._changed.clear()
+            waits = {asyncio.ensure_future(self._changed.wait()), asyncio.ensure_future(closing.wait())}
+            try:
+                await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+        return types.FuturesRetrieveResponse(completions=[e for _, e in self._events], cursor=self.cursor)

@@ -12,7 +12,7 @@ from tinker.types.try_again_response import TryAgainResponse
 
 from mint_server.api import codec
 from mint_server.api.auth import Principal
-from mint_server.api.http import parse, principal, service
+from mint_server.api.http import json_body, parse, principal, service
 from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
 from mint_server.api.openapi import body_doc
 from mint_server.engine.interface import EngineError
@@ -35,8 +35,8 @@ async def client_config(request: Request, p: Principal = Depends(principal)) -> 
         use_pyqwest_transport=False,
         parallel_fwdbwd_chunks=True,
         proto_compress_fwdbwd=True,
-        sample_use_retrieve_futures=False,
-        custom_loss_server_side=False,
+        sample_use_retrieve_futures=True,
+        custom_loss_server_side=True,
         sample_join_sampling_session=False,
     ).model_dump(mode="json")
 
@@ -44,7 +44,7 @@ async def client_config(request: Request, p: Principal = Depends(principal)) -> 
 @router.post("/client/dynamic_config", openapi_extra=body_doc(types.ClientConfigRequest))
 async def client_dynamic_config(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
     await parse(request, types.ClientConfigRequest)
-    return types.ClientDynamicConfigResponse(sample_cancel_enabled=False).model_dump(mode="json")
+    return types.ClientDynamicConfigResponse(sample_cancel_enabled=True).model_dump(mode="json")
 
 
 @router.post("/auth/token")
@@ -93,6 +93,8 @@ async def retrieve_future(request: Request, p: Principal = Depends(principal)) -
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
+        if (queued := svc.core.queue_position(req.request_id)) is not None:
+            return _queued_response(req.request_id, *queued)
         state = svc.core.queue_state(p.owner)
         body = TryAgainResponse(request_id=req.request_id, queue_state=state).model_dump(mode="json")  # type: ignore[arg-type]
         if state != "active":
@@ -107,6 +109,38 @@ async def retrieve_future(request: Request, p: Principal = Depends(principal)) -
         category = "user" if isinstance(error, EngineError) else "server"
         return JSONResponse({"error": str(error) or type(error).__name__, "category": category})
     return await _result_response(entry.future.result(), request.headers.get("accept", ""))
+
+
+def _queued_response(request_id: str, position: int, depth: int) -> Response:
+    """A request waiting behind others: tinker's try_again with a paused queue state (its clients
+    call their queue-state observers), carried on a 408 with MinT's queue fields and headers."""
+    body = TryAgainResponse(request_id=request_id, queue_state="paused_capacity").model_dump(mode="json")
+    body.update(queue_state_reason=f"waiting behind {position} other requests in the engine queue",
+                status="queued", queue_depth=depth, queue_position=position, retry_after_s=1)
+    headers = {"Retry-After": "1", "X-Queue-Depth": str(depth), "X-Queue-Position": str(position),
+               "X-Queue-Status": "queued"}
+    return JSONResponse(body, status_code=408, headers=headers)
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.FuturesRetrieveRequest)
+    response = await service(request).sampling.retrieve_futures(p, req)
+    return response.model_dump(mode="json")
+
+
+@router.post("/cancel_future")
+async def cancel_future(request: Request, p: Principal = Depends(principal)) -> Response:
+    body = await json_body(request)
+    request_id = body.get("request_id")
+    if not isinstance(request_id, str) or set(body) - {"request_id"}:
+        raise codec.DecodeError("expected {'request_id': <id of a sample request>}")
+    core = service(request).core
+    engine_future = core.engine_future(request_id)
+    core.futures.cancel(request_id, p.owner)  # checks owner and kind
+    if engine_future is not None:
+        core.engine.cancel(engine_future)  # stops the sample in the engine and frees its KV
+    return Response(status_code=204)
 
 
 async def _result_response(result: Any, accept: str) -> Response:

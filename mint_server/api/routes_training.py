@@ -115,6 +115,12 @@ async def unload_model(request: Request, p: Principal = Depends(principal)) -> d
     return _future(service(request).training.unload_model(p, await parse(request, types.UnloadModelRequest)))
 
 
+@router.post("/create_custom_loss")
+async def create_custom_loss(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.CreateCustomLossRequest)
+    return _future(service(request).training.create_custom_loss(p, req))
+
+
 # --- sampling ------------------------------------------------------------------------------------
 @router.post("/create_sampling_session", openapi_extra=body_doc(types.CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:

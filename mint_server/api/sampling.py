@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.core import Busy, Core, Sampler, TrainingModel
+from mint_server.api.core import Busy, Core, Sampler, TrainingModel, waits_on_engine
+from mint_server.api.futures import CompletionLog
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.engine.residency import AdapterSource
@@ -27,6 +29,9 @@ _UNSUPPORTED = {
     "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
     "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
 }
+
+
+CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's samples from clone_id * 1e9
 
 
 class SamplingService:
@@ -60,12 +65,17 @@ class SamplingService:
         session.sampler_ids.append(sampler_id)
         return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
 
-    def add_snapshot(self, model: TrainingModel, sampler_id: str, peft_dir: Path) -> None:
-        """Register the sampling session created by save_weights_for_sampler without a path."""
-        self.core.samplers[sampler_id] = Sampler(
-            sampler_id, model.owner, model.session_id, self.engine.base_model, None,
-            AdapterSource(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
-        )
+    def add_snapshot(self, model: TrainingModel, sampler_id: str, peft_dir: Path | None) -> None:
+        """Register the sampling session created by save_weights_for_sampler without a path: on an
+        exported snapshot, or (peft_dir None, kind="inflight") on the model's live adapter."""
+        if peft_dir is None:
+            sampler = Sampler(sampler_id, model.owner, model.session_id, self.engine.base_model, None, None, live=model)
+        else:
+            sampler = Sampler(
+                sampler_id, model.owner, model.session_id, self.engine.base_model, None,
+                AdapterSource(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
+            )
+        self.core.samplers[sampler_id] = sampler
         session = self.core.sessions.get(model.session_id, model.owner)
         session.sampler_ids.append(sampler_id)
 
@@ -90,27 +100,55 @@ class SamplingService:
         for name, used in _UNSUPPORTED.items():
             if used(req):
                 raise InvalidInput(f"{name} is not supported by this server")
+        # An inflight session samples on the training model's own adapter (no copy): its newest weights.
+        source = sampler.live.adapter() if sampler.live is not None else sampler.source
         job = self.core.sample_job(
-            p.owner, sampler.source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
+            p.owner, source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
             req.topk_prompt_logprobs, record=bool(req.record_stability_info),
         )
         if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
             raise Busy("too many sample requests in flight; retry shortly")
         self.core.sampling_inflight += 1
 
+        engine_wait: list[Any] = [None]
+
         async def run() -> types.SampleResponse:
+            waits_on_engine(engine_wait)
             try:
                 return await self.core.call(self.engine.submit(job))
             finally:
                 self.core.sampling_inflight -= 1
 
-        return self.core.register(
-            p.owner, "sample", self.core.spawn(run()), scope=sampler.sampler_id, seq_id=req.seq_id,
+        if job.record and job.sequence_ids:  # scope the records to this session (Core.check_sequence_ids)
+            prefix = job.sequence_ids[0].rsplit("-", 1)[0]
+            self.core.recorded[prefix] = sampler.sampler_id
+            sampler.recorded.append(prefix)
+        future = self.core.spawn(run())
+        answer = self.core.register(
+            p.owner, "sample", future, scope=sampler.sampler_id, seq_id=req.seq_id,
             sample_sequence_ids=list(job.sequence_ids),  # the engine's ids: stability records use them
+            engine_wait=engine_wait,
         )
+        log = sampler.completions.setdefault((req.seq_id or 0) // CLONE_BLOCK, CompletionLog())
+        future.add_done_callback(lambda f: log.add(answer.request_id, f))
+        return answer
+
+    async def retrieve_futures(self, p: Principal, req: types.FuturesRetrieveRequest) -> types.FuturesRetrieveResponse:
+        """One long poll of a sampling session's completion queue (SDK `sample_use_retrieve_futures`)."""
+        sampler = self.sampler(p, req.target.sampling_session_id)
+        if req.prev_cursor < 0 or req.target.cloned_sampler_id < 0:
+            raise InvalidInput("prev_cursor and target.cloned_sampler_id must be >= 0")
+        limit = self.core.settings.long_poll_s
+        timeout = limit if req.timeout is None else req.timeout
+        if not (timeout >= 0):  # also NaN
+            raise InvalidInput("timeout must be >= 0")
+        log = sampler.completions.setdefault(req.target.cloned_sampler_id, CompletionLog())
+        return await log.poll(req.prev_cursor, min(timeout, limit), self.core.futures.closing)
 
     def retire(self, sampler: Sampler) -> None:
         self.core.samplers.pop(sampler.sampler_id, None)
+        for prefix in sampler.recorded:
+            self.core.recorded.pop(prefix, None)
         if sampler.ephemeral_dir is not None:
             self.core.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
             shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

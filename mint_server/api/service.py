@@ -61,6 +61,8 @@ class Service:
                 task = asyncio.ensure_future(self.training.retire(model, reason))
                 self._retiring.add(task)
                 task.add_done_callback(self._retiring.discard)
+        for loss_id in [k for k, c in self.core.custom_losses.items() if c.session_id == session.session_id]:
+            del self.core.custom_losses[loss_id]
         for sampler_id in session.sampler_ids:
             if (sampler := self.core.samplers.get(sampler_id)) is not None:
                 self.sampling.retire(sampler)

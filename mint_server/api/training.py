@@ -14,20 +14,23 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.codec import FwdBwdCall
-from mint_server.api.core import Core, TrainingModel
+from mint_server.api.codec import FwdBwdCall, describe_validation_error
+from mint_server.api.core import Core, CustomLoss, TrainingModel, waits_on_engine
 from mint_server.api.ordering import SeqError, Sequencer
 from mint_server.api.paths import CheckpointRef, Kind, check_name
 from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
+from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import AdapterLost
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
+MAX_CUSTOM_LOSSES = 64  # per session
 Op = Callable[[], Awaitable[Any]]
 
 
@@ -39,10 +42,41 @@ def check_ttl(ttl_seconds: int | None) -> float | None:
     return time.time() + ttl_seconds
 
 
-def check_optimizer(config: Any) -> None:
-    kind = getattr(config, "type", "adamw")
-    if kind != "adamw":
-        raise InvalidInput(f"optimizer_config.type {kind!r} is not supported; only 'adamw'")
+def check_optimizer(config: Any) -> str:
+    """The optimizer family an optimizer_config selects: "adamw" or "dimuon"."""
+    if config is None or isinstance(config, types.AdamOptimizerConfig):
+        return "adamw"
+    data = config.model_dump()
+    if data.get("type") == "dimuon":
+        try:
+            types.DimuonOptimizerConfig.model_validate(data)
+        except ValidationError as e:
+            raise InvalidInput(describe_validation_error(e, prefix="optimizer_config")) from None
+        return "dimuon"
+    raise InvalidInput(f"optimizer_config.type {data.get('type')!r} is not supported; 'adamw' or 'dimuon'")
+
+
+def optimizer_config(family: str) -> types.OptimizerConfig:
+    return types.DimuonOptimizerConfig() if family == "dimuon" else types.AdamOptimizerConfig()
+
+
+def check_optim_params(params: Any, family: str) -> types.AdamParams | types.DimuonParams:
+    """The step's hyperparameters, which must be of the model's optimizer family (else 400)."""
+    if isinstance(params, types.AdamParams):
+        if family != "adamw":
+            raise InvalidInput(f"optim_params: this model uses the {family!r} optimizer; pass DimuonParams "
+                               "(AdamParams are for AdamW models; optimizer families cannot be mixed)")
+        return params  # the engine's prepare_optim checks the values
+    data = params.model_dump()
+    if data.get("type") != "dimuon":
+        raise InvalidInput(f"optim_params.type {data.get('type')!r} is not supported; AdamParams or DimuonParams")
+    if family != "dimuon":
+        raise InvalidInput(f"optim_params: this model uses the {family!r} optimizer; pass AdamParams "
+                           "(DimuonParams are for Dimuon models; optimizer families cannot be mixed)")
+    try:
+        return types.DimuonParams.model_validate(data)
+    except ValidationError as e:
+        raise InvalidInput(describe_validation_error(e, prefix="optim_params")) from None
 
 
 def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +87,7 @@ def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
 
 
 class TrainingService:
-    def __init__(self, core: Core, on_sampler_snapshot: Callable[[TrainingModel, str, Path], None]) -> None:
+    def __init__(self, core: Core, on_sampler_snapshot: Callable[[TrainingModel, str, Path | None], None]) -> None:
         self.core = core
         self.engine = core.engine
         self._on_sampler_snapshot = on_sampler_snapshot
@@ -66,15 +100,15 @@ class TrainingService:
         if req.lora_config is None:
             raise InvalidInput("lora_config is required: this server trains LoRA adapters only")
         check_lora(req.lora_config, self.engine.limits)
-        check_optimizer(req.optimizer_config)
+        family = check_optimizer(req.optimizer_config)
         lora = req.lora_config
 
         async def make_adapter() -> str:
-            return await self.core.call(self.engine.create_adapter(lora))
+            return await self.core.call(self.engine.create_adapter(lora, family))
 
         return self._start_model(
             p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
-            lambda model_id: types.CreateModelResponse(model_id=model_id), "create_model",
+            lambda model_id: types.CreateModelResponse(model_id=model_id), "create_model", optimizer=family,
         )
 
     def create_from_state(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
@@ -87,18 +121,24 @@ class TrainingService:
         if rec.kind != "weights":
             raise InvalidInput(f"path {req.path!r}: a training client loads tinker://…/weights/… checkpoints")
         self.core.check_base_model(req.base_model)
-        if req.optimizer_config is not None:
-            check_optimizer(req.optimizer_config)
+        saved_family = run.optimizer.get("type", "adamw")
+        if req.optimizer:  # a full-state resume keeps the optimizer the state was trained with
+            family = saved_family
+            if req.optimizer_config is not None and check_optimizer(req.optimizer_config) != family:
+                raise InvalidInput(f"optimizer_config: the checkpoint holds {family!r} optimizer state; resume it "
+                                   f"with the same optimizer, or load weights only")
+        else:
+            family = check_optimizer(req.optimizer_config)
         lora = types.LoraConfig(**run.lora)
         state_dir, optimizer = self.core.runs.data_dir(rec.ref), req.optimizer
 
         async def make_adapter() -> str:
-            return await self.core.call(self.engine.load_state(None, state_dir, optimizer))
+            return await self.core.call(self.engine.load_state(None, state_dir, optimizer, family))
 
         return self._start_model(
             p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
             lambda model_id: types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model_id), "load_weights",
-            saved=(state_dir, optimizer, 0),
+            saved=(state_dir, optimizer, 0), optimizer=family,
         )
 
     def _start_model(
@@ -112,6 +152,7 @@ class TrainingService:
         respond: Callable[[str], Any],
         op: str,
         saved: tuple[Path, bool, int] | None = None,
+        optimizer: str = "adamw",
     ) -> types.UntypedAPIFuture:
         model_id = f"{session.session_id}:train:{model_seq_id}"
         if model_seq_id < 0:
@@ -122,7 +163,7 @@ class TrainingService:
             raise InvalidInput(f"model_seq_id {model_seq_id} was already used in this session")
         policy = policy_name(model_id, user_metadata)
         model = TrainingModel(model_id, p.owner, session.session_id, lora, Sequencer(next_seq=1), policy,
-                              saved=saved)
+                              saved=saved, optimizer=optimizer)
         self.core.models[model_id] = model
         session.model_ids.append(model_id)
 
@@ -133,7 +174,7 @@ class TrainingService:
                 self.core.runs.create_run(
                     RunRecord(
                         run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
-                        optimizer={"type": "adamw"}, session_id=session.session_id, created_at=now,
+                        optimizer={"type": optimizer}, session_id=session.session_id, created_at=now,
                         last_request_time=now, user_metadata=user_metadata,
                     )
                 )
@@ -165,6 +206,7 @@ class TrainingService:
             is_lora=True,
             lora_rank=model.lora.rank,
             model_name=self.engine.base_model,
+            optimizer_config=optimizer_config(model.optimizer),
         )
 
     # --- ordered operations -------------------------------------------------------------------------
@@ -202,7 +244,10 @@ class TrainingService:
                 model.sequencer.skip(seq_id)
             raise
 
+        engine_wait: list[Any] = [None]
+
         async def touched() -> Any:
+            waits_on_engine(engine_wait)
             self.core.runs.touch(model_id)
             if model.lost:
                 await self._resume(model)
@@ -213,10 +258,47 @@ class TrainingService:
                 raise
 
         future = model.sequencer.submit(seq_id, touched)
-        return self.core.register(p.owner, op, future, scope=model_id, seq_id=seq_id)
+        return self.core.register(p.owner, op, future, scope=model_id, seq_id=seq_id, engine_wait=engine_wait)
+
+    # --- server-side custom losses -------------------------------------------------------------------
+    def create_custom_loss(self, p: Principal, req: types.CreateCustomLossRequest) -> types.UntypedAPIFuture:
+        """Check and store a traced loss; it never runs here (see engine.custom_loss for the rules)."""
+        self.core.check_accepting()
+        session = self.core.sessions.live(req.session_id, p.owner)
+        loss_id = f"{session.session_id}:loss:{req.custom_loss_seq_id}"
+        if (hit := self.core.seen(loss_id, 0)) is not None:
+            return hit
+        if req.custom_loss_seq_id < 0:
+            raise InvalidInput("custom_loss_seq_id must be >= 0")
+        if loss_id in self.core.custom_losses:
+            raise InvalidInput(f"custom_loss_seq_id {req.custom_loss_seq_id} was already used in this session")
+        if sum(c.session_id == session.session_id for c in self.core.custom_losses.values()) >= MAX_CUSTOM_LOSSES:
+            raise InvalidInput(f"a session may create at most {MAX_CUSTOM_LOSSES} custom losses")
+        compiled = compile_loss(req.name, [(i.name, i.rank) for i in req.inputs], req.graph.nodes)
+        self.core.custom_losses[loss_id] = CustomLoss(loss_id, p.owner, session.session_id, compiled)
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(types.CreateCustomLossResponse(loss_id=loss_id))
+        return self.core.register(p.owner, "create_custom_loss", done, scope=loss_id, seq_id=0)
+
+    def _custom_loss(self, model: TrainingModel, call: FwdBwdCall) -> Op:
+        config = call.loss_fn_config or {}
+        loss_id = config.get("loss_id")
+        if set(config) != {"loss_id"} or not isinstance(loss_id, str):
+            raise InvalidInput("loss_fn_config: loss 'custom' takes exactly {'loss_id': <id from create_custom_loss>}")
+        loss = self.core.custom_losses.get(loss_id)
+        if loss is None or loss.owner != model.owner or loss.session_id != model.session_id:
+            raise InvalidInput(f"loss_fn_config.loss_id {loss_id!r} is unknown (custom losses belong to the "
+                               "session that created them)")
+        if call.forward_only:
+            raise InvalidInput("loss_fn 'custom': a server-side custom loss runs in forward_backward, not forward")
+        job = self.engine.prepare_custom(call.data, loss.compiled)  # parsed here: bad input is a 400
+        return lambda: self.core.call(self.engine.submit(job.on(model.adapter())))
 
     def forward_backward(self, p: Principal, call: FwdBwdCall) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
+            if call.loss_fn == "custom":
+                return self._custom_loss(model, call)
+            self.core.check_sequence_ids(call.data, model.owner)
             # Parsed once, here, before the request takes its place in the sequence: bad input is a
             # 400 naming the field, and the engine runs the typed job without checking it again.
             job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
@@ -226,7 +308,7 @@ class TrainingService:
 
     def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
-            job = self.engine.prepare_optim(req.optim_params)
+            job = self.engine.prepare_optim(check_optim_params(req.optim_params, model.optimizer))
 
             async def run() -> types.OptimStepResponse:
                 out = await self.core.call(self.engine.submit(job.on(model.adapter())))
@@ -280,12 +362,21 @@ class TrainingService:
         return self.sequenced(p, req.model_id, req.seq_id, "save_weights_for_sampler", check)
 
     def _snapshot_for_sampling(self, model: TrainingModel, req: types.SaveWeightsForSamplerRequest) -> Op:
-        """save_weights_and_get_sampling_client: an unnamed export that one sampling session uses."""
+        """save_weights_and_get_sampling_client: an unnamed export that one sampling session uses
+        (kind="snapshot"), or a session on the model's live adapter slot (kind="inflight")."""
         if req.sampling_session_seq_id is None:
             raise InvalidInput("save_weights_for_sampler needs either path or sampling_session_seq_id")
         sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
         if sampler_id in self.core.samplers:
             raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
+
+        if req.kind == "inflight":
+            async def inflight() -> types.SaveWeightsForSamplerResponseInternal:
+                model.adapter()  # a failed or unloaded model has no weights to share
+                self._on_sampler_snapshot(model, sampler_id, None)
+                return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
+
+            return inflight
 
         async def run() -> types.SaveWeightsForSamplerResponseInternal:
             dest = self.core.ephemeral_root / sampler_id.replace(":", "_")
@@ -311,6 +402,10 @@ class TrainingService:
                     f"checkpoint LoRA config {lora_shape(run_rec.lora)} does not match this model's "
                     f"{lora_shape(model.lora)}"
                 )
+            saved_family = run_rec.optimizer.get("type", "adamw")
+            if req.optimizer and saved_family != model.optimizer:
+                raise InvalidInput(f"path {req.path!r} holds {saved_family!r} optimizer state; this model uses the "
+                                   f"{model.optimizer!r} optimizer (load with optimizer=False for the weights only)")
             src = self.core.runs.data_dir(rec.ref)
 
             async def run() -> types.LoadWeightsResponse:
@@ -339,14 +434,14 @@ class TrainingService:
         """The model's adapter died with its engine replica: rebuild it from its last saved state
         (or, never saved, afresh from its LoraConfig) wherever the engine places it now."""
         if model.saved is None:
-            new_id = await self.core.call(self.engine.create_adapter(model.lora))
+            new_id = await self.core.call(self.engine.create_adapter(model.lora, model.optimizer))
             steps = 0
         else:
             path, optimizer, steps = model.saved
             if not path.exists():
                 raise InvalidInput(f"model {model.model_id!r} lost its live state and its last saved "
                                    f"state {path.name!r} was deleted; create a new model from a checkpoint")
-            new_id = await self.core.call(self.engine.load_state(None, path, optimizer))
+            new_id = await self.core.call(self.engine.load_state(None, path, optimizer, model.optimizer))
         old, model.adapter_id, model.steps, model.lost = model.adapter_id, new_id, steps, False
         if old is not None:
             await self.core.call(self.engine.release_adapter(old))

@@ -45,7 +45,17 @@ import numpy as np
 from tinker import types
 
 from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
-from mint_server.engine.jobs import AdapterRef, Job, OptimJob, Preparer, ReverseKLJob, SampleJob, TrainJob
+from mint_server.engine.custom_loss import CompiledLoss
+from mint_server.engine.jobs import (
+    AdapterRef,
+    CustomJob,
+    Job,
+    OptimJob,
+    Preparer,
+    ReverseKLJob,
+    SampleJob,
+    TrainJob,
+)
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import AdapterSource
@@ -255,6 +265,9 @@ class FleetEngine:
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
         return self.prepare.score(adapter, tokens, key=key)
 
+    def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
+        return self.prepare.custom(datums, loss)
+
     # --- routing --------------------------------------------------------------------------------
     def home_of(self, key: str) -> int:
         return self._ring.home(key)
@@ -338,7 +351,7 @@ class FleetEngine:
             else:
                 self._sample(out, job, 0, None)
             return out
-        if isinstance(job, TrainJob | OptimJob):
+        if isinstance(job, TrainJob | OptimJob | CustomJob):
             p = self._placement(job.adapter_id or "")
             out = Future()
             self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
@@ -500,9 +513,10 @@ class FleetEngine:
             held = Counter(p.replica for p in self._adapters.values())
         return min(self._up(), key=lambda r: (held[r.index], r.inflight, r.index))
 
-    def create_adapter(self, lora: types.LoraConfig) -> Future[str]:
+    def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         r = self._new_home()
-        return self._call(r.index, None, "create_adapter", lora, then=lambda local: self._place(r.index, local))
+        return self._call(r.index, None, "create_adapter", lora, optimizer,
+                          then=lambda local: self._place(r.index, local))
 
     def release_adapter(self, adapter_id: str) -> Future[None]:
         with self._lock:
@@ -534,10 +548,11 @@ class FleetEngine:
         p = self._placement(adapter_id)
         return self._call(p.replica, p.incarnation, "save_state", p.local_id, Path(dest), include_optimizer)
 
-    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool) -> Future[str]:
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool,
+                   optimizer: str | None = None) -> Future[str]:
         if adapter_id is None:
             r = self._new_home()
-            return self._call(r.index, None, "load_state", None, Path(src), include_optimizer,
+            return self._call(r.index, None, "load_state", None, Path(src), include_optimizer, optimizer,
                               then=lambda local: self._place(r.index, local))
         p = self._placement(adapter_id)
         return self._call(p.replica, p.incarnation, "load_state", p.local_id, Path(src), include_optimizer,
@@ -584,6 +599,14 @@ class FleetEngine:
     # --- figures --------------------------------------------------------------------------------
     def queue_depth(self) -> int:
         return sum(r.inflight for r in self._replicas)
+
+    def cancel(self, future: Future) -> None:
+        """The caller stops waiting; the replica finishes the sample (its KV is freed then)."""
+        future.cancel()
+
+    def queue_position(self, future: Future) -> tuple[int, int] | None:
+        """Replicas keep their own queues: no per-request position crosses the router."""
+        return None
 
     def report(self) -> dict[str, Any]:
         """The replicas' figures summed, in LocalEngine.report's shape; per-replica ones kept for

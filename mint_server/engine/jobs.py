@@ -21,6 +21,7 @@ from typing import Any
 
 from tinker import types
 
+from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
 from mint_server.engine.interface import EngineError
 from mint_server.engine.losses import (
     KLRow,
@@ -32,7 +33,7 @@ from mint_server.engine.losses import (
     parse_kl_datum,
     resolve_config,
 )
-from mint_server.engine.optim import check_adam_params
+from mint_server.engine.optim import check_adam_params, check_dimuon_params
 from mint_server.engine.residency import AdapterSource
 from mint_server.engine.sampler_ops import StopCondition
 from mint_server.engine.settings import EngineLimits
@@ -76,7 +77,7 @@ class ReverseKLJob:
 
 @dataclass(frozen=True)
 class OptimJob:
-    params: types.AdamParams
+    params: types.AdamParams | types.DimuonParams
     adapter_id: str | None = None
 
     def on(self, adapter_id: str) -> OptimJob:
@@ -112,7 +113,21 @@ class SampleJob:
         return dataclasses.replace(self, adapter=adapter)
 
 
-Job = TrainJob | ReverseKLJob | OptimJob | SampleJob
+@dataclass(frozen=True)
+class CustomJob:
+    """forward_backward with an uploaded custom loss (engine.custom_loss): a forward-only
+    cross-entropy job yields the target logprobs, then the loss runs per datum with autograd."""
+
+    forward: TrainJob
+    inputs: tuple[tuple[Any, ...], ...]  # per datum, the loss's loss_fn_inputs as tensors
+    loss: CompiledLoss
+    adapter_id: str | None = None
+
+    def on(self, adapter_id: str) -> CustomJob:
+        return dataclasses.replace(self, forward=self.forward.on(adapter_id), adapter_id=adapter_id)
+
+
+Job = TrainJob | ReverseKLJob | OptimJob | SampleJob | CustomJob
 
 
 class Preparer:
@@ -149,10 +164,35 @@ class Preparer:
         return ReverseKLJob(rows, float(temperature), reference, adapter_id)
 
     def optim(self, params: Any, adapter_id: str | None = None) -> OptimJob:
-        if not isinstance(params, types.AdamParams):
-            raise EngineError("optim_params: only AdamW (adam_params) is supported")
-        check_adam_params(params)
-        return OptimJob(params, adapter_id)
+        """AdamParams, or DimuonParams (which may arrive as the SDK's generic OptimParamsBase)."""
+        if isinstance(params, types.AdamParams):
+            check_adam_params(params)
+            return OptimJob(params, adapter_id)
+        data = params.model_dump() if hasattr(params, "model_dump") else params
+        if not isinstance(data, dict) or data.get("type") != "dimuon":
+            kind = data.get("type") if isinstance(data, dict) else type(params).__name__
+            raise EngineError(f"optim_params: {kind!r} is not supported; AdamParams or DimuonParams")
+        try:
+            dimuon = types.DimuonParams.model_validate(data)
+        except ValueError as e:  # pydantic's ValidationError
+            raise EngineError(f"optim_params: invalid DimuonParams ({str(e).splitlines()[0]}: "
+                              f"{'; '.join(line.strip() for line in str(e).splitlines()[1:3])})") from None
+        check_dimuon_params(dimuon)
+        return OptimJob(dimuon, adapter_id)
+
+    def custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
+        """A forward_backward with an uploaded custom loss; EngineError names the datum and field."""
+        if not datums:
+            raise EngineError("datums: empty batch")
+        inputs = tuple(tuple(datum_inputs(loss, d, i)) for i, d in enumerate(datums))
+        forward = self.train([types.Datum(model_input=d.model_input,
+                                          loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+                              for d in datums], "cross_entropy", None, backward=False)
+        for i, d in enumerate(forward.datums):
+            if d.inputs["target_tokens"].ndim != loss.inputs[0][1]:
+                raise EngineError(f"datums[{i}].loss_fn_inputs.target_tokens: rank {d.inputs['target_tokens'].ndim}, "
+                                  f"loss {loss.name!r} declared logprobs with rank {loss.inputs[0][1]}")
+        return CustomJob(forward, inputs, loss)
 
     # --- sampling -------------------------------------------------------------------------------
     def sample(

@@ -28,14 +28,24 @@ from typing import Any
 import torch
 from tinker import types
 
+from mint_server.engine.custom_loss import CompiledLoss
 from mint_server.engine.interface import EngineError
-from mint_server.engine.jobs import AdapterRef, Job, OptimJob, Preparer, ReverseKLJob, SampleJob, TrainJob
+from mint_server.engine.jobs import (
+    AdapterRef,
+    CustomJob,
+    Job,
+    OptimJob,
+    Preparer,
+    ReverseKLJob,
+    SampleJob,
+    TrainJob,
+)
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecords
-from mint_server.engine.residency import Adapter, AdapterSource, Residency
+from mint_server.engine.residency import AdamState, Adapter, AdapterSource, Residency
 from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
-from mint_server.engine.training import Trainer
+from mint_server.engine.training import Trainer, check_family
 from mint_server.model.loader import default_device, default_dtype, load_model
 from mint_server.model.transformer import kv_bytes_per_token
 
@@ -132,6 +142,9 @@ class LocalEngine:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
                                    topk_prompt_logprobs, record=record, key=key)
 
+    def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
+        return self.prepare.custom(datums, loss)
+
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
         return self.prepare.score(adapter, tokens, key=key)
 
@@ -146,6 +159,8 @@ class LocalEngine:
                                       on_device=False))
         if isinstance(job, OptimJob):
             return self._op(lambda _a: self.trainer.optim_step(job), job.adapter_id)
+        if isinstance(job, CustomJob):
+            return self._op(lambda _a: self.trainer.forward_backward_custom(job), job.adapter_id)
         if isinstance(job, ReverseKLJob):
             def run(adapters: list[Adapter | None]) -> Any:
                 reference = adapters[1] if len(adapters) > 1 else None
@@ -155,9 +170,14 @@ class LocalEngine:
         raise TypeError(f"not a job: {type(job).__name__}")
 
     # --- adapter ops ----------------------------------------------------------------------------
-    def create_adapter(self, lora: types.LoraConfig) -> Future[str]:
-        return self._op(lambda _a: self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp,
-                                                        lora.train_unembed).id, on_device=False)
+    def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
+        """A trainable adapter whose optimizer family ("adamw" or "dimuon") is fixed for its life."""
+        def create(_a: list[Adapter | None]) -> str:
+            a = self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
+            a.optim = AdamState(family=check_family(optimizer))
+            return a.id
+
+        return self._op(create, on_device=False)
 
     def release_adapter(self, adapter_id: str) -> Future[None]:
         return self._op(lambda _a: self.registry.release(adapter_id), adapter_id, on_device=False)
@@ -169,10 +189,13 @@ class LocalEngine:
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
         return self._op(lambda _a: self.trainer.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
 
-    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool) -> Future[str]:
-        """Into an existing adapter, or (None) into a new trainable one; returns its id."""
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool,
+                   optimizer: str | None = None) -> Future[str]:
+        """Into an existing adapter, or (None) into a new trainable one (optimizer family: the saved
+        one, or `optimizer`); returns its id."""
         if adapter_id is None:
-            return self._op(lambda _a: self.trainer.load_state(None, Path(src), include_optimizer), on_device=False)
+            return self._op(lambda _a: self.trainer.load_state(None, Path(src), include_optimizer, optimizer),
+                            on_device=False)
         return self._op(lambda _a: self.trainer.load_state(adapter_id, Path(src), include_optimizer), adapter_id)
 
     def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]:
@@ -194,6 +217,28 @@ class LocalEngine:
 
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    def cancel(self, future: Future) -> None:
+        """Stop a submitted sample: dropped if still queued, else its rows end and free their KV."""
+        if future.cancel():  # not yet handed to the sampler: the worker drops it
+            return
+        try:
+            self._op(lambda _a: self.sampler.cancel(future), on_device=False)
+        except EngineError:  # shutting down: the sampler fails it anyway
+            pass
+
+    def queue_position(self, future: Future) -> tuple[int, int] | None:
+        """(requests ahead of it, requests waiting in all) while `future`'s work still waits for the
+        worker or, for a sample, for admission by the sampler; None once it runs (or if unknown)."""
+        with self._cv:
+            queue = [w.future for w in self._queue]
+        index, admitting = self.sampler.queue_index(future)
+        waiting = len(queue) + admitting
+        if future in queue:
+            return queue.index(future), waiting
+        if index is not None:
+            return len(queue) + index, waiting
+        return None
 
     def report(self) -> dict[str, Any]:
         """Figures for /metrics; step and load times are handed over once (drained)."""

@@ -196,8 +196,8 @@ class ParsedDatum:
 def loss_spec(name: str) -> LossSpec:
     spec = LOSSES.get(name)
     if spec is None and name == "custom":
-        raise NotSupportedError("loss_fn: 'custom' (server-side loss graphs) is not supported; "
-                                "forward_backward_custom works, it trains through cross_entropy")
+        raise NotSupportedError("loss_fn: 'custom' runs an uploaded loss graph (create_custom_loss), "
+                                "through prepare_custom with its loss_fn_config.loss_id, not as a built-in loss")
     if spec is None:
         raise EngineError(f"loss_fn: unknown loss function {name!r}; supported: {sorted(LOSSES)}")
     return spec

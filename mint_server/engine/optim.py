@@ -1,4 +1,7 @@
-"""Decoupled AdamW for one adapter, in float32, with Tinker's AdamParams.
+"""The optimizers of an adapter, in float32: decoupled AdamW (Tinker's AdamParams) and Dimuon
+(DimuonParams). The family is chosen when the adapter is created and never mixed.
+
+AdamW:
 
 Per element, at step t (after optional global-norm clipping of the gradient g):
 
@@ -7,6 +10,18 @@ Per element, at step t (after optional global-norm clipping of the gradient g):
     p ← p − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + eps)
 
 This is torch.optim.AdamW's arithmetic in the same order, so it matches it to the last bit on CPU.
+
+Dimuon, as Tinker documents it (DimuonParams: learning_rate, grad_clip_norm, beta1; the matrix-sign
+iteration count and normalization epsilon are internal constants), per LoRA matrix M of each layer
+(A [r, in], B [out, r]):
+
+    g ← clipped gradient (global norm, as AdamW)      μ ← β1·μ + (1 − β1)·g
+    D ← msign(μ)  (Newton–Schulz iteration toward the orthogonal polar factor)
+    D ← D · √r / ‖D‖_F                                 (a direction of Frobenius norm √rank)
+    M ← M − lr · D
+
+so every matrix moves by lr·√r in Frobenius norm whatever its gradient's scale. A zero momentum
+(B's gradient is zero while A is still at its init, and vice versa) leaves the matrix unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +34,11 @@ from torch import Tensor
 
 from mint_server.engine.interface import EngineError
 from mint_server.engine.residency import AdamState
+
+FAMILIES = ("adamw", "dimuon")
+NS_STEPS = 5  # Newton–Schulz iterations of the matrix sign
+NS_EPS = 1e-7
+_NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic that pushes all singular values toward 1 fast
 
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A, B)
 
@@ -72,4 +92,47 @@ def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamPara
             v.mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
             denom = (v.sqrt() / bc2_sqrt).add_(hp.eps)
             p.addcdiv_(m, denom, value=-step_size)
+    return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+
+
+def check_dimuon_params(p: types.DimuonParams) -> None:
+    for name, ok in (("learning_rate", p.learning_rate >= 0), ("beta1", 0 <= p.beta1 < 1),
+                     ("grad_clip_norm", True)):
+        value = getattr(p, name)
+        if not (math.isfinite(value) and ok):
+            raise EngineError(f"dimuon_params.{name}: {value!r} is out of range")
+
+
+def matrix_sign(m: Tensor) -> Tensor:
+    """Approximately U·Vᵀ for m = U·S·Vᵀ, batched over leading dims; float32."""
+    x = m.float()
+    wide = x.shape[-2] <= x.shape[-1]
+    if not wide:
+        x = x.mT
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)
+    a, b, c = _NS_COEFFS
+    for _ in range(NS_STEPS):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x if wide else x.mT
+
+
+@torch.no_grad()
+def dimuon_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.DimuonParams) -> dict[str, float]:
+    """Update float32 `params` in place from `grads` with Dimuon; advances `state` (family dimuon)."""
+    norm = grad_norm(grads)
+    clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
+    state.step += 1
+    for t, (gA, gB) in grads.items():
+        pA, pB = params[t]
+        if t not in state.moments:
+            state.moments[t] = (torch.zeros_like(pA, dtype=torch.float32), torch.zeros_like(pB, dtype=torch.float32))
+        for p, g, mu in ((pA, gA, state.moments[t][0]), (pB, gB, state.moments[t][1])):
+            g = g.float() * clip if clip != 1.0 else g.float()
+            mu.lerp_(g, 1 - hp.beta1)
+            d = matrix_sign(mu)
+            rank = min(p.shape[-2], p.shape[-1])
+            fro = torch.linalg.matrix_norm(d, keepdim=True)
+            d = torch.where(fro > 0, d * (math.sqrt(rank) / fro.clamp_min(NS_EPS)), torch.zeros_like(d))
+            p.sub_(d, alpha=hp.learning_rate)
     return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}

@@ -43,9 +43,13 @@ Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A [L, r, in], B [L, out,
 
 @dataclass
 class AdamState:
+    """An adapter's optimizer state (the family is fixed when the adapter is created)."""
+
     step: int = 0
-    # target → (m_A, v_A, m_B, v_B), each at the adapter's own rank, float32
-    moments: dict[str, tuple[Tensor, Tensor, Tensor, Tensor]] = field(default_factory=dict)
+    # target → per-family moments at the adapter's own rank, float32:
+    # adamw (m_A, v_A, m_B, v_B); dimuon (momentum_A, momentum_B)
+    moments: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
+    family: str = "adamw"
 
 
 @dataclass(frozen=True)
@@ -180,8 +184,8 @@ class Residency:
         a = Adapter(id=f"a{next(self._ids)}-{self._tag}", trainable=trainable, rank=weights.rank,
                     alpha=weights.alpha, targets=tuple(sorted(weights.weights)), last_used=next(self._clock))
         if optim is not None:
-            a.optim = AdamState(optim.step, {t: tuple(m.cpu() for m in ms)  # type: ignore[misc]
-                                             for t, ms in optim.moments.items()})
+            a.optim = AdamState(optim.step, {t: tuple(m.cpu() for m in ms)
+                                             for t, ms in optim.moments.items()}, optim.family)
         self._adapters[a.id] = a
         self._set_host(a, {t: (x.detach().float().cpu().clone(), y.detach().float().cpu().clone())
                            for t, (x, y) in weights.weights.items()})
@@ -385,7 +389,7 @@ class Residency:
                                                           a.grads))
             a.paged = dest
             self._set_host(a, None)
-            a.grads, a.optim = {}, AdamState(a.optim.step)
+            a.grads, a.optim = {}, AdamState(a.optim.step, family=a.optim.family)
         else:
             self._set_host(a, None)
         self.stats.evictions["host"] += 1
@@ -438,7 +442,7 @@ class Residency:
             self.stats.load_seconds.append(seconds)
             if isinstance(out, state_io.PagedState):
                 w = out.weights
-                a.grads, a.optim = out.grads, AdamState(out.optim.step, out.optim.moments)
+                a.grads, a.optim = out.grads, AdamState(out.optim.step, out.optim.moments, out.optim.family)
                 shutil.rmtree(a.paged, ignore_errors=True)  # type: ignore[arg-type]
                 a.paged = None
             else:

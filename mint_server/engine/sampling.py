@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from tinker import types
 
+from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
@@ -505,6 +506,37 @@ class Sampler:
         self._close(req)
         if not req.future.done():
             req.future.set_exception(exc)
+
+    def cancel(self, future: Future) -> bool:
+        """Stop the request behind `future` (worker thread, between steps): its queued samples are
+        dropped, its running rows end and their KV blocks return to the pool. False if unknown
+        (already finished)."""
+        with self._lock:
+            req = next((r for r in self._queue if r.future is future), None)
+            if req is not None:
+                self._queue.remove(req)
+        if req is None:
+            req = next((row.request for row in self._rows if row.request.future is future), None)
+        if req is None:
+            return False
+        kept = []
+        for row in self._rows:
+            if row.request is not req:
+                kept.append(row)
+                continue
+            self.pool.release(row.blocks)
+            self._rows_by_key[req.job.key] -= 1
+            if not self._rows_by_key[req.job.key]:
+                del self._rows_by_key[req.job.key]
+        self._rows = kept
+        self._fail(req, EngineError("sample request was cancelled"))
+        return True
+
+    def queue_index(self, future: Future) -> tuple[int | None, int]:
+        """(its index among the requests not yet admitted, or None; how many of those there are)."""
+        with self._lock:
+            waiting = [r.future for r in self._queue if r.admitted == 0]
+        return (waiting.index(future) if future in waiting else None), len(waiting)
 
     def _fail_in_flight(self, exc: BaseException) -> None:
         failed = {r.request for r in self._rows}

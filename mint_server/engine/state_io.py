@@ -4,7 +4,8 @@ Layout of a state dir (written atomically, so readers see all of it or nothing):
 
     state.json               format, version, base_model, rank, alpha, targets, step, has_optimizer
     weights.safetensors      "<target>.A" [layers, (E,) r, in], "<target>.B" [layers, (E,) out, r]; float32
-    optimizer.safetensors    "<target>.m_A|v_A|m_B|v_B", float32 (only when saved with the optimizer)
+    optimizer.safetensors    AdamW: "<target>.m_A|v_A|m_B|v_B"; Dimuon: "<target>.mu_A|mu_B"; float32
+                             (only when saved with the optimizer; state.json names the family)
     grads.safetensors        "<target>.A|B" pending gradients (page dirs only, see `save_paged`)
 
 Weights are the float32 master values: exactly the bank's on an fp32 bank, the fp32 masters of a
@@ -30,7 +31,7 @@ from mint_server.model.lora import LoraBank, lora_shapes
 from mint_server.model.peft_io import LoraWeights
 
 FORMAT, VERSION = "mint-train-state", 1
-_MOMENTS = ("m_A", "v_A", "m_B", "v_B")
+_MOMENTS = {"adamw": ("m_A", "v_A", "m_B", "v_B"), "dimuon": ("mu_A", "mu_B")}
 
 
 @dataclass
@@ -71,7 +72,8 @@ def save_state(dest: str | Path, state: TrainState, grads: dict[str, tuple[Tenso
     moments: dict[str, Tensor] = {}
     if state.optim is not None:
         moments = {f"{t}.{name}": v.detach().to("cpu", torch.float32).contiguous()
-                   for t, ms in state.optim.moments.items() for name, v in zip(_MOMENTS, ms, strict=True)}
+                   for t, ms in state.optim.moments.items()
+                   for name, v in zip(_MOMENTS[state.optim.family], ms, strict=True)}
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -81,6 +83,7 @@ def save_state(dest: str | Path, state: TrainState, grads: dict[str, tuple[Tenso
         "targets": sorted(w.weights),
         "step": state.optim.step if state.optim is not None else 0,
         "has_optimizer": state.optim is not None,
+        "optimizer": state.optim.family if state.optim is not None else None,
     }
 
     def fill(tmp: Path) -> None:
@@ -114,9 +117,13 @@ def load_state(src: str | Path, include_optimizer: bool) -> TrainState:
         weights = {t: (flat[f"{t}.A"], flat[f"{t}.B"]) for t in targets}
         optim = None
         if include_optimizer:
+            family = meta.get("optimizer") or "adamw"  # states from before Dimuon are AdamW's
+            if family not in _MOMENTS:
+                raise EngineError(f"path: {str(src)!r} holds state of unknown optimizer {family!r}")
+            names = _MOMENTS[family]
             mflat = load_file(str(src / "optimizer.safetensors"))
-            moments = {t: tuple(mflat[f"{t}.{n}"] for n in _MOMENTS) for t in targets if f"{t}.m_A" in mflat}
-            optim = AdamState(step=int(meta["step"]), moments=moments)  # type: ignore[arg-type]
+            moments = {t: tuple(mflat[f"{t}.{n}"] for n in names) for t in targets if f"{t}.{names[0]}" in mflat}
+            optim = AdamState(step=int(meta["step"]), moments=moments, family=family)
     except (OSError, KeyError, SafetensorError) as e:
         raise EngineError(f"path: {str(src)!r} has missing or corrupt tensors ({e})") from None
     return TrainState(LoraWeights(weights, int(meta["rank"]), float(meta["alpha"])), optim, str(meta["base_model"]))

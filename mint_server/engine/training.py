@@ -15,6 +15,7 @@ trainer keeps float32 master weights (see `_params`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,11 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine import state_io
+from mint_server.engine.custom_loss import run_per_datum
 from mint_server.engine.interface import EngineError
-from mint_server.engine.jobs import OptimJob, ReverseKLJob, TrainJob
-from mint_server.engine.losses import KLRow, TargetLogprobs, pad_inputs
-from mint_server.engine.optim import Pairs, adamw_step
+from mint_server.engine.jobs import CustomJob, OptimJob, ReverseKLJob, TrainJob
+from mint_server.engine.losses import KLRow, ParsedDatum, TargetLogprobs, pad_inputs
+from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step
 from mint_server.engine.residency import AdamState, Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.model.lora import LoraBatch, lora_shapes
@@ -291,6 +293,32 @@ class Trainer:
         return failed
 
     # --- reverse KL (on-policy distillation) ----------------------------------------------------
+    def forward_backward_custom(self, job: CustomJob) -> Output:
+        """Run an uploaded custom loss: a forward for the logprobs, the loss per datum with autograd,
+        then a cross-entropy backward whose weights are −∂loss/∂logprobs, which gives the adapter
+        exactly the loss's gradient (the SDK's client-side path, without the round trips)."""
+        (out,) = self.run([job.forward])
+        if isinstance(out, Exception):
+            raise out
+        logprobs = [torch.from_numpy(o["logprobs"].to_numpy().astype(np.float32)).requires_grad_(True)
+                    for o in out.loss_fn_outputs]
+        total, metrics = run_per_datum(job.loss, logprobs, job.inputs)
+        total.backward()
+        datums = tuple(
+            ParsedDatum(d.tokens, {**d.inputs, "weights": -(lp.grad if lp.grad is not None else torch.zeros_like(lp))
+                                   .numpy().astype(np.float32)})
+            for d, lp in zip(job.forward.datums, logprobs, strict=True)
+        )
+        backward = dataclasses.replace(job.forward, datums=datums, backward=True)
+        (result,) = self.run([backward])
+        if isinstance(result, Exception):
+            raise result
+        surrogate = result.metrics.pop("loss:sum")
+        result.metrics.update(metrics)
+        result.metrics["loss:sum"] = float(total.detach())
+        result.metrics["surrogate_loss:sum"] = surrogate
+        return result
+
     def reverse_kl(self, job: ReverseKLJob, reference_adapter_id: str | None) -> Output:
         """forward_backward of Σ_t w_t · KL(p_student,t ‖ p_reference,t), accumulated into the student.
 
@@ -362,12 +390,18 @@ class Trainer:
         params = job.params
         a = self._adapter(job.adapter_id, backward=True)
         assert a is not None
+        family = "dimuon" if isinstance(params, types.DimuonParams) else "adamw"
+        if a.optim.family != family:
+            expected = "DimuonParams" if a.optim.family == "dimuon" else "AdamParams"
+            raise EngineError(f"optim_params: this model was created with the {a.optim.family!r} optimizer; "
+                              f"pass {expected} (optimizer families cannot be mixed)")
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
         weights = self._params(a)
         before = ({t: (x.clone(), y.clone()) for t, (x, y) in weights.items()},
                   {t: tuple(m.clone() for m in ms) for t, ms in a.optim.moments.items()}, a.optim.step)
-        metrics = adamw_step(weights, a.grads, a.optim, params)
+        step = dimuon_step if family == "dimuon" else adamw_step
+        metrics = step(weights, a.grads, a.optim, params)  # type: ignore[arg-type]
         if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
             with torch.no_grad():
                 for t, (x, y) in before[0].items():
@@ -413,26 +447,36 @@ class Trainer:
         optim = a.optim if include_optimizer else None
         state_io.save_state(dest, state_io.TrainState(self.registry.weights(adapter_id), optim, self.base_model))
 
-    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True) -> str:
+    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True,
+                   optimizer: str | None = None) -> str:
         """Load a state dir into `adapter_id` (same rank and targets), or into a new trainable adapter
         when None; returns the adapter id. Pending gradients are dropped; without the optimizer the
-        AdamW state restarts from step 0.
+        optimizer state restarts from step 0. A new adapter's optimizer family is the saved one
+        (with the optimizer state) or `optimizer` (default "adamw"); the two must agree.
         """
         st = state_io.load_state(src, include_optimizer)
         if st.base_model != self.base_model:
             raise EngineError(f"path: state was trained on base model {st.base_model!r}, "
                               f"this engine serves {self.base_model!r}")
         check_shapes(st.weights, self.registry.bank, "path")
+        if adapter_id is not None:
+            family = self.registry.get(adapter_id).optim.family
+        else:
+            family = check_family(optimizer or (st.optim.family if st.optim else "adamw"))
+        if st.optim is not None and st.optim.family != family:
+            raise EngineError(f"path: the state holds {st.optim.family!r} optimizer state, this model uses "
+                              f"the {family!r} optimizer (optimizer families cannot be mixed)")
         if adapter_id is None:  # the new adapter gets its optimizer state before it can be paged
-            return self.registry.install(st.weights, trainable=True, optim=st.optim).id
+            return self.registry.install(st.weights, trainable=True, optim=st.optim or AdamState(family=family)).id
         a = self.registry.on_device(adapter_id)
         if not a.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         self.registry.set_weights(adapter_id, st.weights)
         a.grads.clear()
         dev = self.device
-        a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)  # type: ignore[misc]
-                                            for t, ms in st.optim.moments.items()}) if st.optim else AdamState()
+        a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)
+                                            for t, ms in st.optim.moments.items()}, family) if st.optim \
+            else AdamState(family=family)
         return a.id
 
     def export_peft(self, adapter_id: str, dest: Path) -> None:
@@ -514,3 +558,9 @@ def _accumulate(into: dict, grads: Mapping[str, Any]) -> None:
             into[key] = value if old is None else (old[0] + value[0], old[1] + value[1])
         else:
             _accumulate(into.setdefault(key, {}), value)
+
+
+def check_family(optimizer: str) -> str:
+    if optimizer not in FAMILIES:
+        raise EngineError(f"optimizer: {optimizer!r} is not supported (one of {list(FAMILIES)})")
+    return optimizer
