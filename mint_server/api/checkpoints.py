@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from tinker import types
 
-from mint_server.api.auth import Principal
+from mint_server.api.auth import Principal, random_id
 from mint_server.api.core import Core
 from mint_server.api.paths import (
     CHECKPOINT_TYPE,
@@ -22,8 +23,9 @@ from mint_server.api.paths import (
     parse_kind,
     parse_policy_ref,
 )
-from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord
+from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, check_project
 from mint_server.api.training import check_ttl
+from mint_server.api.validate import InvalidInput
 from mint_server.model.config import ModelConfig
 
 
@@ -49,6 +51,7 @@ class CheckpointService:
         self.core = core
         self.runs = core.runs
         self._tied: bool | None = None
+        self._copies: dict[tuple[str, str], types.CopyWeightsResponse] = {}  # (owner, idempotency key) → answer
 
     def ref(self, run_id: str, kind: str, name: str) -> CheckpointRef:
         return CheckpointRef(check_run_id(run_id), parse_kind(kind), check_name(name))
@@ -68,8 +71,8 @@ class CheckpointService:
             user_metadata={k: str(v) for k, v in run.user_metadata.items()} if run.user_metadata else None,
         )
 
-    def list_runs(self, p: Principal, limit: int, offset: int) -> types.TrainingRunsResponse:
-        runs = self.runs.list_runs(p.owner)
+    def list_runs(self, p: Principal, limit: int, offset: int, project_id: str | None = None) -> types.TrainingRunsResponse:
+        runs = self.runs.list_runs(p.owner, check_project(project_id))
         page = runs[offset : offset + limit]
         return types.TrainingRunsResponse(
             training_runs=[self.run_view(r) for r in page],
@@ -85,12 +88,54 @@ class CheckpointService:
             checkpoints=[checkpoint_view(r) for r in self.runs.list_checkpoints(run.run_id)]
         )
 
-    def list_owner_checkpoints(self, p: Principal, limit: int, offset: int) -> types.CheckpointsListResponse:
-        recs = self.runs.list_owner_checkpoints(p.owner)
+    def list_owner_checkpoints(
+        self, p: Principal, limit: int, offset: int, project_id: str | None = None
+    ) -> types.CheckpointsListResponse:
+        recs = self.runs.list_owner_checkpoints(p.owner, check_project(project_id))
         return types.CheckpointsListResponse(
             checkpoints=[checkpoint_view(r) for r in recs[offset : offset + limit]],
             cursor=types.Cursor(offset=offset, limit=limit, total_count=len(recs)),
         )
+
+    def copy_weights(self, p: Principal, req: types.CopyWeightsRequest, idempotency_key: str | None) -> types.CopyWeightsResponse:
+        """A checkpoint the caller may read, copied into a new untrainable run of the caller's: into
+        `destination_project_id`, or into a session's run slot (and that session's project). The
+        copy shares the source's bytes (hard links) and has its own ttl; the source's is not inherited."""
+        if idempotency_key is not None and (hit := self._copies.get((p.owner, idempotency_key))) is not None:
+            return hit
+        if req.weights_access_token is not None:
+            raise InvalidInput("weights_access_token: access tokens are not supported by this server; copy "
+                               "checkpoints you own or that are published")
+        rec, run = self.core.resolve(req.source_path, p.owner)
+        expires = check_ttl(req.ttl_seconds)
+        if req.session_id is not None:
+            if req.model_seq_id is None or req.model_seq_id < 0:
+                raise InvalidInput("model_seq_id (>= 0) is required with session_id")
+            session = self.core.sessions.live(req.session_id, p.owner)
+            run_id, session_id, project = f"{session.session_id}:train:{req.model_seq_id}", session.session_id, \
+                session.project_id
+            if run_id in self.core.models or self.runs.find_run(run_id) is not None:
+                raise InvalidInput(f"model_seq_id {req.model_seq_id} was already used in this session")
+        elif req.destination_project_id is not None:
+            project, session_id = check_project(req.destination_project_id), ""
+            run_id = f"{random_id()}:train:0"
+        else:
+            raise InvalidInput("copy_weights needs destination_project_id, or session_id with model_seq_id")
+        now = time.time()
+        new_run = RunRecord(run_id=run_id, owner=p.owner, base_model=run.base_model, lora=dict(run.lora),
+                            optimizer=dict(run.optimizer), session_id=session_id, created_at=now,
+                            last_request_time=now, project_id=project, trainable=False)
+        ref = CheckpointRef(run_id, rec.kind, rec.name)
+        size = self.runs.link_data(rec.ref, ref)
+        self.runs.create_run(new_run)
+        self.runs.register_checkpoint(CheckpointRecord(
+            run_id=run_id, kind=rec.kind, name=rec.name, owner=p.owner, created_at=now, size_bytes=size,
+            expires_at=expires, user_metadata=rec.user_metadata,
+        ))
+        answer = types.CopyWeightsResponse(tinker_path=ref.tinker_path)
+        if idempotency_key is not None:
+            self._copies[(p.owner, idempotency_key)] = answer
+        return answer
 
     def delete(self, p: Principal, ref: CheckpointRef) -> None:
         self.runs.get_checkpoint(ref, p.owner, write=True)

@@ -13,10 +13,11 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
+from tinker import types
 
 from mint_server.api.auth import Principal
 from mint_server.api.codec import DecodeError
-from mint_server.api.http import json_body, principal, service
+from mint_server.api.http import json_body, parse, principal, service
 from mint_server.api.openapi import TtlBody, WeightsInfoBody, body_doc
 from mint_server.api.paths import CheckpointRef
 from mint_server.api.runs import NotFound
@@ -28,8 +29,11 @@ Offset = Query(0, ge=0, le=(1 << 63) - 1)
 
 
 @router.get("/training_runs")
-async def list_runs(request: Request, limit: int = Limit, offset: int = Offset, p: Principal = Depends(principal)) -> Any:
-    return service(request).checkpoints.list_runs(p, limit, offset).model_dump(mode="json")
+async def list_runs(
+    request: Request, limit: int = Limit, offset: int = Offset, project_id: str | None = None,
+    p: Principal = Depends(principal),
+) -> Any:
+    return service(request).checkpoints.list_runs(p, limit, offset, project_id).model_dump(mode="json")
 
 
 @router.get("/training_runs/{run_id}")
@@ -44,9 +48,17 @@ async def list_checkpoints(run_id: str, request: Request, p: Principal = Depends
 
 @router.get("/checkpoints")
 async def list_owner_checkpoints(
-    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Offset, p: Principal = Depends(principal)
+    request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Offset, project_id: str | None = None,
+    p: Principal = Depends(principal),
 ) -> Any:
-    return service(request).checkpoints.list_owner_checkpoints(p, limit, offset).model_dump(mode="json")
+    return service(request).checkpoints.list_owner_checkpoints(p, limit, offset, project_id).model_dump(mode="json")
+
+
+@router.post("/copy_weights")
+async def copy_weights(request: Request, p: Principal = Depends(principal)) -> Any:
+    req = await parse(request, types.CopyWeightsRequest)
+    out = service(request).checkpoints.copy_weights(p, req, request.headers.get("x-idempotency-key"))
+    return out.model_dump(mode="json")
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)

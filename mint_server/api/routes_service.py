@@ -64,7 +64,7 @@ async def capabilities(request: Request, _p: Principal = Depends(principal)) -> 
 @router.post("/create_session", openapi_extra=body_doc(types.CreateSessionRequest))
 async def create_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.CreateSessionRequest)
-    session_id = service(request).create_session(p, req.user_metadata, req.display_name)
+    session_id = service(request).create_session(p, req.user_metadata, req.display_name, req.project_id)
     return types.CreateSessionResponse(session_id=session_id).model_dump(mode="json")
 
 

@@ -121,6 +121,12 @@ async def create_custom_loss(request: Request, p: Principal = Depends(principal)
     return _future(service(request).training.create_custom_loss(p, req))
 
 
+@router.post("/save_weights_external")
+async def save_weights_external(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+    req = await parse(request, types.SaveWeightsExternalRequest)
+    return _future(service(request).training.save_weights_external(p, req))
+
+
 # --- sampling ------------------------------------------------------------------------------------
 @router.post("/create_sampling_session", openapi_extra=body_doc(types.CreateSamplingSessionRequest))
 async def create_sampling_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:

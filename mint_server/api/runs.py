@@ -15,6 +15,8 @@ reported exactly like a missing one.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mint_server.api.paths import KINDS, CheckpointRef, Kind, check_name, check_run_id
+from mint_server.api.validate import InvalidInput
 from mint_server.fsutil import atomic_write_json, dir_size, new_staging_dir, publish_dir, read_json
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,18 @@ class RunRecord:
     created_at: float
     last_request_time: float
     user_metadata: dict[str, Any] | None = None
+    project_id: str | None = None  # the project of the session that created it (or of a copy)
+    trainable: bool = True  # False: a copy_weights run, which holds checkpoints but never trains
+
+
+PROJECT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_project(project_id: str | None) -> str | None:
+    """A project id names a scope within one key: letters, digits, '_', '.', '-' (≤ 128)."""
+    if project_id is not None and not PROJECT_ID.match(project_id):
+        raise InvalidInput(f"project_id {project_id!r} must be 1-128 letters, digits, '_', '.' or '-'")
+    return project_id
 
 
 @dataclass
@@ -142,11 +157,29 @@ class RunStore:
     def find_run(self, run_id: str) -> RunRecord | None:
         return self._runs.get(run_id)
 
-    def list_runs(self, owner: str) -> list[RunRecord]:
-        runs = [r for r in self._runs.values() if r.owner == owner]
+    def list_runs(self, owner: str, project_id: str | None = None) -> list[RunRecord]:
+        runs = [r for r in self._runs.values() if r.owner == owner and project_id in (None, r.project_id)]
         return sorted(runs, key=lambda r: r.created_at, reverse=True)
 
     # --- checkpoints ------------------------------------------------------------------------------
+    def link_data(self, src: CheckpointRef, dest: CheckpointRef) -> int:
+        """Publish `src`'s data as `dest`'s by hard links: the copy shares every byte with the source
+        (checkpoint data is immutable once published; an overwrite replaces the dir, not the files)."""
+        staging = self.staging_dir(dest.run_id, dest.kind)
+        try:
+            root = self.data_dir(src)
+            for f in sorted(root.rglob("*")):
+                target = staging / f.relative_to(root)
+                if f.is_dir():
+                    target.mkdir(parents=True, exist_ok=True)
+                else:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.link(f, target)
+            return self.publish_data(dest, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+
     def publish_data(self, ref: CheckpointRef, staging: Path) -> int:
         """Move a finished staging dir into place (filesystem only, safe off the event loop)."""
         publish_dir(staging, self.data_dir(ref))
@@ -177,9 +210,10 @@ class RunStore:
         recs = [r for r in self._checkpoints.values() if r.run_id == run_id and not r.expired(now)]
         return sorted(recs, key=lambda r: r.created_at)
 
-    def list_owner_checkpoints(self, owner: str) -> list[CheckpointRecord]:
+    def list_owner_checkpoints(self, owner: str, project_id: str | None = None) -> list[CheckpointRecord]:
         now = time.time()
-        recs = [r for r in self._checkpoints.values() if r.owner == owner and not r.expired(now)]
+        recs = [r for r in self._checkpoints.values() if r.owner == owner and not r.expired(now)
+                and (project_id is None or (run := self._runs.get(r.run_id)) is not None and run.project_id == project_id)]
         return sorted(recs, key=lambda r: r.created_at, reverse=True)
 
     def update_checkpoint(self, rec: CheckpointRecord) -> None:

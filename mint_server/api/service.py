@@ -13,7 +13,7 @@ from mint_server.api.checkpoints import CheckpointService
 from mint_server.api.core import Core
 from mint_server.api.extensions import MintService
 from mint_server.api.metrics import Metrics
-from mint_server.api.runs import NotFound
+from mint_server.api.runs import NotFound, check_project
 from mint_server.api.sampling import SamplingService
 from mint_server.api.sessions import Session
 from mint_server.api.settings import Settings
@@ -39,9 +39,10 @@ class Service:
         return self.core.engine
 
     # --- sessions ---------------------------------------------------------------------------------
-    def create_session(self, p: Principal, user_metadata: dict[str, Any] | None, display_name: str | None) -> str:
+    def create_session(self, p: Principal, user_metadata: dict[str, Any] | None, display_name: str | None,
+                       project_id: str | None = None) -> str:
         self.core.check_accepting()
-        session = self.core.sessions.create(p.owner, user_metadata, display_name)
+        session = self.core.sessions.create(p.owner, user_metadata, display_name, check_project(project_id))
         self.core.metrics.sessions.set(self.core.sessions.active_count())
         return session.session_id
 

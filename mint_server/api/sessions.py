@@ -27,6 +27,7 @@ class Session:
     last_seen: float
     user_metadata: dict[str, Any] | None = None
     display_name: str | None = None
+    project_id: str | None = None  # scopes the runs (and so the checkpoints) it creates
     model_ids: list[str] = field(default_factory=list)
     sampler_ids: list[str] = field(default_factory=list)
     closed: bool = False
@@ -37,9 +38,10 @@ class SessionRegistry:
         self._ttl_s = ttl_s
         self._sessions: dict[str, Session] = {}
 
-    def create(self, owner: str, user_metadata: dict[str, Any] | None, display_name: str | None) -> Session:
+    def create(self, owner: str, user_metadata: dict[str, Any] | None, display_name: str | None,
+               project_id: str | None = None) -> Session:
         now = time.monotonic()
-        session = Session(random_id(), owner, time.time(), now, user_metadata, display_name)
+        session = Session(random_id(), owner, time.time(), now, user_metadata, display_name, project_id)
         self._sessions[session.session_id] = session
         return session
 

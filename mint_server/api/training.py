@@ -28,6 +28,7 @@ from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
 from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import AdapterLost
+from mint_server.fsutil import dir_size, new_staging_dir, publish_dir
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 MAX_CUSTOM_LOSSES = 64  # per session
@@ -77,6 +78,51 @@ def check_optim_params(params: Any, family: str) -> types.AdamParams | types.Dim
         return types.DimuonParams.model_validate(data)
     except ValidationError as e:
         raise InvalidInput(describe_validation_error(e, prefix="optim_params")) from None
+
+
+MAX_AGE_RECIPIENTS = 10
+
+
+def export_path(root: Path | None, name: str) -> Path:
+    """`name` as a new dir under the export root; 400 if there is no root or it points outside."""
+    if root is None:
+        raise InvalidInput("save_weights_external: this server has no export root (start it with "
+                           "`mint serve --export-dir DIR`)")
+    rel = Path(name)
+    if not name or rel.is_absolute() or ".." in rel.parts or any(part.startswith(".") for part in rel.parts):
+        raise InvalidInput(f"path {name!r} must be a relative path inside the export root (no '..', no "
+                           "absolute paths, no hidden parts)")
+    dest = (root / rel).resolve()
+    if not dest.is_relative_to(root.resolve()) or dest == root.resolve():
+        raise InvalidInput(f"path {name!r} resolves outside the export root")
+    return dest
+
+
+def age_recipients(recipients: list[str] | None) -> list[Any]:
+    """Parsed age recipients (native age1… keys or SSH public keys); 400 naming a bad one."""
+    if not recipients:
+        return []
+    if len(recipients) > MAX_AGE_RECIPIENTS:
+        raise InvalidInput(f"age_encryption_recipients: at most {MAX_AGE_RECIPIENTS} recipients")
+    import pyrage
+
+    parsed = []
+    for i, r in enumerate(recipients):
+        kind = pyrage.x25519.Recipient if r.startswith("age1") else pyrage.ssh.Recipient
+        try:
+            parsed.append(kind.from_str(r))
+        except Exception as e:  # pyrage.RecipientError
+            raise InvalidInput(f"age_encryption_recipients[{i}]: not an age or SSH public key ({e})") from None
+    return parsed
+
+
+def encrypt_files(directory: Path, recipients: list[Any]) -> None:
+    """Replace every file with its age encryption, `<name>.age` (decrypt with `age -d -i KEY`)."""
+    import pyrage
+
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        f.with_name(f.name + ".age").write_bytes(pyrage.encrypt(f.read_bytes(), recipients))
+        f.unlink()
 
 
 def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
@@ -175,7 +221,7 @@ class TrainingService:
                     RunRecord(
                         run_id=model_id, owner=p.owner, base_model=self.engine.base_model, lora=lora.model_dump(),
                         optimizer={"type": optimizer}, session_id=session.session_id, created_at=now,
-                        last_request_time=now, user_metadata=user_metadata,
+                        last_request_time=now, user_metadata=user_metadata, project_id=session.project_id,
                     )
                 )
             except BaseException as e:
@@ -386,6 +432,35 @@ class TrainingService:
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
 
         return run
+
+    def save_weights_external(self, p: Principal, req: types.SaveWeightsExternalRequest) -> types.UntypedAPIFuture:
+        """The model's weights as a PEFT adapter dir at `path` under the export root (`mint serve
+        --export-dir`), each file age-encrypted when recipients are given."""
+        def check(model: TrainingModel) -> Op:
+            dest = export_path(self.core.settings.export_dir, req.path)
+            if req.ttl_seconds is not None:
+                raise InvalidInput("ttl_seconds: exports under the export root are the operator's files; "
+                                   "this server does not expire them")
+            recipients = age_recipients(req.age_encryption_recipients)
+
+            async def run() -> types.SaveWeightsExternalResponseInternal:
+                if dest.exists():
+                    raise InvalidInput(f"path {req.path!r} already exists under the export root")
+                staging = new_staging_dir(dest.parent, prefix=f".{dest.name}.")
+                try:
+                    await self.core.call(self.engine.export_peft(model.adapter(), staging))
+                    if recipients:
+                        await asyncio.to_thread(encrypt_files, staging, recipients)
+                    size = dir_size(staging)
+                    await asyncio.to_thread(publish_dir, staging, dest)
+                except BaseException:
+                    shutil.rmtree(staging, ignore_errors=True)
+                    raise
+                return types.SaveWeightsExternalResponseInternal(path=str(dest), size_bytes=size)
+
+            return run
+
+        return self.sequenced(p, req.model_id, req.seq_id, "save_weights_external", check)
 
     def load_weights(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         if req.session_id is not None:

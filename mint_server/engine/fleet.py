@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
 from mint_server.engine.custom_loss import CompiledLoss
+from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,

@@ -450,3 +450,117 @@ def test_queue_state_while_waiting_behind_others(tiny_dir, tmp_path) -> None:
         ok = httpx.post(f"{server.url}/api/v1/retrieve_future", headers=headers, timeout=30, json={"request_id": rid})
         assert ok.status_code == 200
         client.close("success")
+
+
+# --- projects, copy_weights, save_weights_external -------------------------------------------------
+def _store_bytes(root) -> int:
+    """Bytes on disk under `root`, each file counted once however many links it has."""
+    import os
+
+    seen, total = set(), 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            st = os.stat(os.path.join(dirpath, name))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def test_projects_and_copy_weights(server: LiveServer) -> None:
+    import httpx
+
+    from tests.service.live import KEY_A, KEY_B
+
+    in_proj = tinker.ServiceClient(base_url=server.url, api_key=KEY_A, project_id="proj-a")
+    plain = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    tc = in_proj.create_lora_training_client(base_model=BASE, rank=4).result()
+    other = plain.create_lora_training_client(base_model=BASE, rank=4).result()
+    train(tc, 1)
+    state = tc.save_state("s1").result().path
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+    assert [r.training_run_id for r in rest.list_training_runs(project_id="proj-a").result().training_runs] == [tc.model_id]
+    assert {r.training_run_id for r in rest.list_training_runs().result().training_runs} == {tc.model_id, other.model_id}
+
+    runs_root = server.settings.data_dir / "runs"
+    before = _store_bytes(runs_root)
+    copied = rest.copy_weights(state, "proj-archive", ttl_seconds=7200).result()
+    assert copied != state and copied.endswith("/weights/s1")
+    assert _store_bytes(runs_root) <= before + 4096  # records only: no checkpoint byte is duplicated
+    archived = rest.list_training_runs(project_id="proj-archive").result().training_runs
+    assert [r.training_run_id for r in archived] == [copied.split("/")[2]]
+    ckpt = rest.list_checkpoints(archived[0].training_run_id).result().checkpoints[0]
+    assert ckpt.expires_at is not None and ckpt.size_bytes > 0
+    # The copy outlives its source and loads like any checkpoint.
+    rest.delete_checkpoint_from_tinker_path(state).result()
+    resumed = plain.create_training_client_from_state(copied).result()
+    from tests.service.live import batch
+
+    assert resumed.forward(batch(), "cross_entropy").result().metrics["loss:sum"] > 0
+    # Ownership: another key cannot copy a private checkpoint of A's, nor see A's projects.
+    rest_b = tinker.RestClient(base_url=server.url, api_key=KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        rest_b.copy_weights(copied, "proj-b").result()
+    assert rest_b.list_training_runs(project_id="proj-archive").result().training_runs == []
+
+    # Bad input for the new route: each a 4xx naming the problem.
+    def post(body: dict) -> httpx.Response:
+        return httpx.post(f"{server.url}/api/v1/copy_weights", headers={"X-API-Key": KEY_A}, json=body, timeout=30)
+
+    cases = [
+        (post({"source_path": copied}), 400, "destination_project_id"),
+        (post({"source_path": copied, "destination_project_id": "bad project!"}), 400, "project_id"),
+        (post({"source_path": copied, "destination_project_id": "p", "ttl_seconds": 5}), 400, "ttl_seconds"),
+        (post({"source_path": "tinker://nope/weights/x", "destination_project_id": "p"}), 400, "run id"),
+        (post({"source_path": copied, "destination_project_id": "p", "weights_access_token": "t"}), 400,
+         "weights_access_token"),
+        (post({"source_path": copied, "session_id": "0" * 32}), 400, "model_seq_id"),
+        (post({"destination_project_id": "p"}), 400, "source_path"),
+    ]
+    for r, status, needle in cases:
+        assert r.status_code == status and needle in r.text, (needle, r.status_code, r.text)
+    for c in (in_proj, plain):
+        c.close("success")
+
+
+def test_save_weights_external(tiny_dir, tmp_path) -> None:
+    import pyrage
+    import torch as _torch
+    from safetensors.torch import load
+
+    from tests.service.live import KEY_A, tiny_engine
+
+    export_root = tmp_path / "exports"
+    export_root.mkdir()
+    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data", export_dir=export_root) as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        train(tc, 1)
+        out = tc.save_weights_external("runs/plain").result()
+        assert out.path == str(export_root / "runs" / "plain")
+        assert (export_root / "runs" / "plain" / "adapter_config.json").is_file()
+        identity = pyrage.x25519.Identity.generate()
+        sealed = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]).result()
+        files = sorted(p.name for p in (export_root / "sealed").iterdir())
+        assert files and all(name.endswith(".age") for name in files)
+        plain_tensors = load((export_root / "runs" / "plain" / "adapter_model.safetensors").read_bytes())
+        opened = load(pyrage.decrypt((export_root / "sealed" / "adapter_model.safetensors.age").read_bytes(), [identity]))
+        assert plain_tensors.keys() == opened.keys()
+        assert all(_torch.equal(plain_tensors[k], opened[k]) for k in opened)
+        assert sealed.path.endswith("sealed")
+        for bad, needle in [("../escape", "export root"), ("/abs/path", "export root"), ("runs/plain", "exists"),
+                            (".hidden", "hidden")]:
+            with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match=needle):
+                tc.save_weights_external(bad).result()
+        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+            tc.save_weights_external("x", age_encryption_recipients=["not-a-key"]).result()
+        assert not (tmp_path / "escape").exists() and not (export_root / "x").exists()
+        client.close("success")
+
+    # Without --export-dir the feature is off, with a 400 that says how to turn it on.
+    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data2") as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match="--export-dir"):
+            tc.save_weights_external("anything").result()
+        client.close("success")
