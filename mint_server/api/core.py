@@ -34,6 +34,7 @@ from mint_server.engine.residency import AdapterSource
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_RECORDED = 1_000_000  # sample requests whose recorded sequences are tracked for scoping
 # The engine future the current operation waits on, for queue-state answers (see Core.queue_state).
 _ENGINE_WAIT: ContextVar[list[Future[Any] | None] | None] = ContextVar("mint_engine_wait", default=None)
 
@@ -121,8 +122,9 @@ class Core:
         self.samplers: dict[str, Sampler] = {}
         self.custom_losses: dict[str, CustomLoss] = {}  # loss_id → uploaded loss (session-scoped)
         self.engine_waits: dict[str, list[Future[Any] | None]] = {}  # request id → its engine future
-        # Recorded sequences (record_stability_info): id prefix "seq-<run>" → the sampler that made them.
-        self.recorded: dict[str, str] = {}
+        # Recorded sequences (record_stability_info): id prefix "seq-<run>" → (owner, sampler id);
+        # None once that sampler's session ended (its records are then expired for training).
+        self.recorded: dict[str, tuple[str, str] | None] = {}
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
         self.sampling_inflight = 0
@@ -163,21 +165,30 @@ class Core:
         return model
 
     def check_sequence_ids(self, data: list[types.Datum], owner: str) -> None:
-        """Provenance may only name sequences recorded by `owner`'s live sampling sessions.
+        """stable_reinforce may only read records of sequences `owner`'s live sampling sessions made.
 
-        Records are session-scoped: once the sampler's session is gone its ids are unknown, exactly
-        like another key's, and both are a 400 naming the id.
+        Records are session-scoped: once the sampler's session is gone its records are expired, and
+        another key's are unknown; both are a 400 naming the id. Ids never recorded are left to the
+        engine (it uses the datum's own logprobs, or refuses naming the id).
         """
         for i, d in enumerate(data):
             for span in d.loss_fn_input_spans or ():
                 if not isinstance(span, types.SampledProvenanceSpan):
                     continue
-                sampler = self.samplers.get(self.recorded.get(span.sequence_id.rsplit("-", 1)[0], ""))
-                if sampler is None or sampler.owner != owner:
+                prefix = span.sequence_id.rsplit("-", 1)[0]
+                if prefix not in self.recorded:
+                    continue
+                who = self.recorded[prefix]
+                if who is None or who[0] != owner or who[1] not in self.samplers:
                     raise InvalidInput(
                         f"datums[{i}].loss_fn_input_spans: sequence_id {span.sequence_id!r} is unknown or "
-                        "expired (not sampled with record_stability_info, its sampling session ended, or not yours)"
+                        "expired (its sampling session ended, or it is not yours)"
                     )
+
+    def note_recorded(self, prefix: str, owner: str, sampler_id: str) -> None:
+        self.recorded[prefix] = (owner, sampler_id)
+        while len(self.recorded) > MAX_RECORDED:  # oldest first: the engine's records expire long before
+            del self.recorded[next(iter(self.recorded))]
 
     def seen(self, scope: str, seq_id: int | None) -> types.UntypedAPIFuture | None:
         return self.dedupe.get((scope, seq_id)) if seq_id is not None else None

@@ -121,7 +121,7 @@ class SamplingService:
 
         if job.record and job.sequence_ids:  # scope the records to this session (Core.check_sequence_ids)
             prefix = job.sequence_ids[0].rsplit("-", 1)[0]
-            self.core.recorded[prefix] = sampler.sampler_id
+            self.core.note_recorded(prefix, p.owner, sampler.sampler_id)
             sampler.recorded.append(prefix)
         future = self.core.spawn(run())
         answer = self.core.register(
@@ -148,7 +148,8 @@ class SamplingService:
     def retire(self, sampler: Sampler) -> None:
         self.core.samplers.pop(sampler.sampler_id, None)
         for prefix in sampler.recorded:
-            self.core.recorded.pop(prefix, None)
+            if prefix in self.core.recorded:
+                self.core.recorded[prefix] = None  # session over: its records are expired for training
         if sampler.ephemeral_dir is not None:
             self.core.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
             shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

@@ -344,7 +344,8 @@ class TrainingService:
         def check(model: TrainingModel) -> Op:
             if call.loss_fn == "custom":
                 return self._custom_loss(model, call)
-            self.core.check_sequence_ids(call.data, model.owner)
+            if call.loss_fn == "stable_reinforce":  # the one loss that reads sampling records
+                self.core.check_sequence_ids(call.data, model.owner)
             # Parsed once, here, before the request takes its place in the sequence: bad input is a
             # 400 naming the field, and the engine runs the typed job without checking it again.
             job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
