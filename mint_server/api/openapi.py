@@ -49,6 +49,10 @@ class TtlBody(BaseModel):
     ttl_seconds: int | None = None
 
 
+class CancelFutureBody(BaseModel):
+    request_id: str
+
+
 def install(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

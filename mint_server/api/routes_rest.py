@@ -54,7 +54,7 @@ async def list_owner_checkpoints(
     return service(request).checkpoints.list_owner_checkpoints(p, limit, offset, project_id).model_dump(mode="json")
 
 
-@router.post("/copy_weights")
+@router.post("/copy_weights", openapi_extra=body_doc(types.CopyWeightsRequest))
 async def copy_weights(request: Request, p: Principal = Depends(principal)) -> Any:
     req = await parse(request, types.CopyWeightsRequest)
     out = service(request).checkpoints.copy_weights(p, req, request.headers.get("x-idempotency-key"))

@@ -14,7 +14,7 @@ from mint_server.api import codec
 from mint_server.api.auth import Principal
 from mint_server.api.http import json_body, parse, principal, service
 from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
-from mint_server.api.openapi import body_doc
+from mint_server.api.openapi import CancelFutureBody, body_doc
 from mint_server.engine.interface import EngineError
 
 router = APIRouter(prefix="/api/v1")
@@ -122,14 +122,14 @@ def _queued_response(request_id: str, position: int, depth: int) -> Response:
     return JSONResponse(body, status_code=408, headers=headers)
 
 
-@router.post("/retrieve_futures")
+@router.post("/retrieve_futures", openapi_extra=body_doc(types.FuturesRetrieveRequest))
 async def retrieve_futures(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.FuturesRetrieveRequest)
     response = await service(request).sampling.retrieve_futures(p, req)
     return response.model_dump(mode="json")
 
 
-@router.post("/cancel_future")
+@router.post("/cancel_future", openapi_extra=body_doc(CancelFutureBody))
 async def cancel_future(request: Request, p: Principal = Depends(principal)) -> Response:
     body = await json_body(request)
     request_id = body.get("request_id")

@@ -115,13 +115,13 @@ async def unload_model(request: Request, p: Principal = Depends(principal)) -> d
     return _future(service(request).training.unload_model(p, await parse(request, types.UnloadModelRequest)))
 
 
-@router.post("/create_custom_loss")
+@router.post("/create_custom_loss", openapi_extra=body_doc(types.CreateCustomLossRequest))
 async def create_custom_loss(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.CreateCustomLossRequest)
     return _future(service(request).training.create_custom_loss(p, req))
 
 
-@router.post("/save_weights_external")
+@router.post("/save_weights_external", openapi_extra=body_doc(types.SaveWeightsExternalRequest))
 async def save_weights_external(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
     req = await parse(request, types.SaveWeightsExternalRequest)
     return _future(service(request).training.save_weights_external(p, req))
