@@ -93,9 +93,10 @@ async def retrieve_future(request: Request, p: Principal = Depends(principal)) -
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
-        if (queued := svc.core.queue_position(req.request_id)) is not None:
-            return _queued_response(req.request_id, *queued)
         state = svc.core.queue_state(p.owner)
+        # A key-wide pause names the cause; otherwise a request behind others' work gets MinT's queue fields.
+        if state == "active" and (queued := svc.core.queue_position(req.request_id)) is not None:
+            return _queued_response(req.request_id, *queued)
         body = TryAgainResponse(request_id=req.request_id, queue_state=state).model_dump(mode="json")  # type: ignore[arg-type]
         if state != "active":
             body["queue_state_reason"] = (
