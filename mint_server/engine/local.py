@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from tinker import types
 
+from mint_server.engine.adapter_state import AdapterState, check_family
 from mint_server.engine.custom_loss import CompiledLoss
 from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import (
@@ -43,9 +44,10 @@ from mint_server.engine.jobs import (
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.residency import AdamState, Adapter, AdapterSource, Residency
+from mint_server.engine.reverse_kl import ReverseKL
 from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
-from mint_server.engine.training import Trainer, check_family
+from mint_server.engine.training import Trainer
 from mint_server.model.loader import default_device, default_dtype, load_model
 from mint_server.model.transformer import kv_bytes_per_token
 
@@ -94,6 +96,8 @@ class LocalEngine:
         self._cv = threading.Condition()
         self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake)
         self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens)
+        self.state = AdapterState(self.registry, base_model, cfg)
+        self.reverse_kl = ReverseKL(self.trainer)
         self.sampler = Sampler(
             self.model, self.registry,
             kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(cfg, self.dtype)), self.limits.max_context),
@@ -158,13 +162,13 @@ class LocalEngine:
             return self._submit(_Work(future, (job.adapter,) if job.adapter is not None else (), sample=job,
                                       on_device=False))
         if isinstance(job, OptimJob):
-            return self._op(lambda _a: self.trainer.optim_step(job), job.adapter_id)
+            return self._op(lambda _a: self.state.optim_step(job), job.adapter_id)
         if isinstance(job, CustomJob):
             return self._op(lambda _a: self.trainer.forward_backward_custom(job), job.adapter_id)
         if isinstance(job, ReverseKLJob):
             def run(adapters: list[Adapter | None]) -> Any:
                 reference = adapters[1] if len(adapters) > 1 else None
-                return self.trainer.reverse_kl(job, None if reference is None else reference.id)
+                return self.reverse_kl.run(job, None if reference is None else reference.id)
 
             return self._op(run, job.adapter_id, job.reference)
         raise TypeError(f"not a job: {type(job).__name__}")
@@ -187,22 +191,22 @@ class LocalEngine:
         return self._op(lambda _a: self.registry.forget_prefix(key_prefix), on_device=False)
 
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
-        return self._op(lambda _a: self.trainer.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
+        return self._op(lambda _a: self.state.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool,
                    optimizer: str | None = None) -> Future[str]:
         """Into an existing adapter, or (None) into a new trainable one (optimizer family: the saved
         one, or `optimizer`); returns its id."""
         if adapter_id is None:
-            return self._op(lambda _a: self.trainer.load_state(None, Path(src), include_optimizer, optimizer),
+            return self._op(lambda _a: self.state.load_state(None, Path(src), include_optimizer, optimizer),
                             on_device=False)
-        return self._op(lambda _a: self.trainer.load_state(adapter_id, Path(src), include_optimizer), adapter_id)
+        return self._op(lambda _a: self.state.load_state(adapter_id, Path(src), include_optimizer), adapter_id)
 
     def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]:
-        return self._op(lambda a: self.trainer.export_peft(a[0].id, Path(dest)), adapter)  # type: ignore[union-attr]
+        return self._op(lambda a: self.state.export_peft(a[0].id, Path(dest)), adapter)  # type: ignore[union-attr]
 
     def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]:
-        return self._op(lambda a: self.trainer.interpolate([x.id for x in a], list(coefficients)),  # type: ignore[union-attr]
+        return self._op(lambda a: self.state.interpolate([x.id for x in a], list(coefficients)),  # type: ignore[union-attr]
                         *adapters)
 
     def pause(self) -> None:

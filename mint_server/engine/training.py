@@ -1,4 +1,4 @@
-"""The training half of the engine: fused forward/backward over many adapters, AdamW, state and PEFT I/O.
+"""The training pass: fused forward/backward over many adapters, and its planning.
 
 The engine's single worker thread drives a `Trainer` synchronously. `run()` takes the pending
 forward / forward_backward requests of any number of adapters and does one batched pass for the
@@ -8,18 +8,16 @@ attention is causal, so padding after a row's last token cannot change its logit
 masks it. A token budget splits very large fused batches into micro-batches whose gradients are
 summed, which is exact because every Tinker loss is a sum over positions.
 
-Gradients accumulate in `Adapter.grads` (float32) until `optim_step`, which runs AdamW in float32
-and writes the bank slot in place, so the sampler sees the new weights at once. On a bf16 bank the
-trainer keeps float32 master weights (see `_params`).
+Gradients accumulate in `Adapter.grads` (float32) until `optim_step` (`adapter_state.py`, with the
+rest of an adapter's state: master weights, save/load, export, interpolation). Reverse KL has its
+own room (`reverse_kl.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,16 +26,13 @@ import torch.nn.functional as F
 from tinker import types
 from torch import Tensor
 
-from mint_server.engine import state_io
 from mint_server.engine.custom_loss import run_per_datum
 from mint_server.engine.interface import EngineError
-from mint_server.engine.jobs import CustomJob, OptimJob, ReverseKLJob, TrainJob
-from mint_server.engine.losses import KLRow, ParsedDatum, TargetLogprobs, pad_inputs
-from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step
-from mint_server.engine.residency import AdamState, Adapter, Residency
-from mint_server.engine.state_io import check_shapes
+from mint_server.engine.jobs import CustomJob, TrainJob
+from mint_server.engine.losses import ParsedDatum, TargetLogprobs, pad_inputs
+from mint_server.engine.optim import Pairs
+from mint_server.engine.residency import Adapter, Residency
 from mint_server.model.lora import LoraBatch, lora_shapes
-from mint_server.model.peft_io import LoraWeights, save_peft
 from mint_server.model.transformer import Transformer
 
 Output = types.ForwardBackwardOutput
@@ -56,7 +51,7 @@ class _Prepared:
 
 
 @dataclass
-class _Row:
+class Row:
     req: int  # index into the pass's requests
     datum: int
     length: int
@@ -130,15 +125,15 @@ class Trainer:
         return adapter
 
     def _pass(self, preps: list[_Prepared], backward: bool) -> list[Output | Exception]:
-        rows = [_Row(r, d, len(dat.tokens)) for r, p in enumerate(preps) for d, dat in enumerate(p.datums)]
+        rows = [Row(r, d, len(dat.tokens)) for r, p in enumerate(preps) for d, dat in enumerate(p.datums)]
         logprobs: dict[tuple[int, int], np.ndarray] = {}
         losses: dict[tuple[int, int], np.ndarray] = {}
         loss_sum = [0.0] * len(preps)
         pending: dict[str, Pairs] = {}
-        for mb in self._plan(rows):
+        for mb in self.plan(rows):
             grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
-            _accumulate(pending, grads)
-        failed = self._commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
+            accumulate(pending, grads)
+        failed = self.commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
         outs: list[Output | Exception] = []
         for r, p in enumerate(preps):
             if p.adapter is not None and p.adapter.id in failed:
@@ -153,12 +148,12 @@ class Trainer:
                                metrics={"loss:sum": loss_sum[r]}))
         return outs
 
-    def _plan(self, rows: list[_Row]) -> list[list[_Row]]:
+    def plan(self, rows: list[Row]) -> list[list[Row]]:
         """Micro-batches within the token budget; longest rows first so rows of like length pad together."""
         budget = self.max_tokens_per_pass
         if budget is None or len(rows) * max(r.length for r in rows) <= budget:
             return [rows]
-        batches: list[list[_Row]] = [[]]
+        batches: list[list[Row]] = [[]]
         for row in sorted(rows, key=lambda r: -r.length):
             cur = batches[-1]
             if cur and (len(cur) + 1) * cur[0].length > budget:
@@ -168,7 +163,7 @@ class Trainer:
 
     def _micro_batch(
         self,
-        mb: list[_Row],
+        mb: list[Row],
         preps: list[_Prepared],
         backward: bool,
         logprobs: dict[tuple[int, int], np.ndarray],
@@ -190,13 +185,13 @@ class Trainer:
         if backward:
             index = {a.id: k for k, a in enumerate(adapters)}
             row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
-            lora, leaves = self._training_lora(adapters, row_adapter)
+            lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
             lora = self.registry.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
 
         with torch.set_grad_enabled(backward):
             h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                         checkpoint=self._checkpoint(T))
+                                         checkpoint=self.recompute(T))
             lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
@@ -223,9 +218,9 @@ class Trainer:
                 one_d = d.inputs["target_tokens"].ndim == 1
                 logprobs[key] = lp_cpu[i, :n, 0].copy() if one_d else lp_cpu[i, :n, : d.width].copy()
                 losses[key] = el_cpu[j, :n].copy()
-        return _leaf_grads(leaves)
+        return leaf_grads(leaves)
 
-    def _training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
+    def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
         """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
 
         The weights are per-layer lists
@@ -259,7 +254,8 @@ class Trainer:
         rows = torch.tensor(row_adapter, dtype=torch.long, device=dev)
         return LoraBatch(weights=weights, rows=rows, scale=scale), leaves  # type: ignore[arg-type]
 
-    def _checkpoint(self, longest: int) -> bool:
+    def recompute(self, longest: int) -> bool:
+        """Recompute transformer blocks in backward (activation checkpointing) for rows this long."""
         return self.checkpoint_from_len is not None and longest >= self.checkpoint_from_len
 
     def _target_logprobs(self, h: Tensor, lora: LoraBatch | None, targets: Tensor) -> Tensor:
@@ -281,7 +277,7 @@ class Trainer:
     def _logprobs_block(self, h: Tensor, targets: Tensor, lora: LoraBatch | None) -> Tensor:
         return TargetLogprobs.apply(self.model.logits(h, lora), targets)
 
-    def _commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
+    def commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
         """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""
         failed: dict[str, Exception] = {}
         for aid, grads in pending.items():
@@ -289,10 +285,10 @@ class Trainer:
                 failed[aid] = EngineError(f"adapter {aid!r}: the loss produced non-finite gradients (check "
                                           "advantages and logprobs); nothing was accumulated")
                 continue
-            _accumulate(adapters[aid].grads, grads)
+            accumulate(adapters[aid].grads, grads)
         return failed
 
-    # --- reverse KL (on-policy distillation) ----------------------------------------------------
+    # --- server-side custom losses -----------------------------------------------------------
     def forward_backward_custom(self, job: CustomJob) -> Output:
         """Run an uploaded custom loss: a forward for the logprobs, the loss per datum with autograd,
         then a cross-entropy backward whose weights are −∂loss/∂logprobs, which gives the adapter
@@ -319,212 +315,6 @@ class Trainer:
         result.metrics["surrogate_loss:sum"] = surrogate
         return result
 
-    def reverse_kl(self, job: ReverseKLJob, reference_adapter_id: str | None) -> Output:
-        """forward_backward of Σ_t w_t · KL(p_student,t ‖ p_reference,t), accumulated into the student.
-
-        Per student position t: p = softmax(logits / temperature) over the whole vocabulary, for the
-        student adapter and for the reference (another adapter, or the bare base when None), the
-        exact reverse KL Σ_v p_s(v)·(log p_s(v) − log p_r(v)); gradient only into the student.
-        Returns loss_fn_outputs[i]["loss"] = w_t·KL_t per position and metrics["loss:sum"].
-        """
-        student = self._adapter(job.adapter_id, backward=True)
-        assert student is not None
-        reference = self.registry.on_device(reference_adapter_id) if reference_adapter_id is not None else None
-        rows, temperature = job.rows, job.temperature
-        plan = self._plan([_Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
-        out: dict[int, np.ndarray] = {}
-        pending: dict[str, Pairs] = {}
-        total = 0.0
-        for mb in plan:
-            batch = [rows[r.datum] for r in mb]
-            el, grads = self._kl_micro_batch(batch, student, reference, temperature)
-            _accumulate(pending, grads)
-            for r, row, e in zip(mb, batch, el, strict=True):
-                out[r.datum] = e[: len(row.student)].copy()
-                total += float(out[r.datum].sum(dtype=np.float64))
-        failed = self._commit(pending, {student.id: student})
-        if failed:
-            raise failed[student.id]
-        return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
-                      loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
-
-    def _kl_micro_batch(
-        self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
-    ) -> tuple[np.ndarray, dict[str, Pairs]]:
-        R = len(rows)
-        Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
-        s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
-        align = np.zeros((R, Ts), dtype=np.int64)  # reference position of each student position
-        valid, w = np.zeros((R, Ts), dtype=np.float32), np.zeros((R, Ts), dtype=np.float32)
-        for i, r in enumerate(rows):
-            n, m = len(r.student), len(r.reference)
-            s_tok[i, :n], r_tok[i, :m] = r.student, r.reference
-            pos = np.arange(Ts) + (m - n)
-            align[i] = np.clip(pos, 0, m - 1)
-            valid[i, :n] = pos[:n] >= 0
-            w[i, :n] = r.weights
-        dev = self.device
-        with torch.no_grad():
-            lora_r = self.registry.bank.batch([reference.slot] * R) if reference is not None else None
-            hr = self.model.hidden_states(torch.from_numpy(r_tok).to(dev), lora=lora_r)
-            idx = torch.from_numpy(align).to(dev)[..., None].expand(-1, -1, hr.shape[-1])
-            ref_lp = torch.log_softmax(self.model.logits(hr.gather(1, idx), lora_r).float() / temperature, -1)
-            del hr
-        lora_s, leaves = self._training_lora([student], [0] * R)
-        with torch.enable_grad():
-            hs = self.model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s,
-                                          checkpoint=self._checkpoint(Ts))
-            s_lp = torch.log_softmax(self.model.logits(hs, lora_s).float() / temperature, -1)
-            kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
-            el = kl * torch.from_numpy(w * valid).to(dev)
-            el.sum().backward()
-        return el.detach().float().cpu().numpy(), _leaf_grads(leaves)
-
-    # --- optimizer ------------------------------------------------------------------------------
-    def optim_step(self, job: OptimJob) -> types.OptimStepResponse:
-        """AdamW on the gradients accumulated since the last step, then clear them.
-
-        No accumulated gradient → no update (and the step count does not advance). A step that
-        would make any weight non-finite is refused and leaves the adapter exactly as it was.
-        """
-        params = job.params
-        a = self._adapter(job.adapter_id, backward=True)
-        assert a is not None
-        family = "dimuon" if isinstance(params, types.DimuonParams) else "adamw"
-        if a.optim.family != family:
-            expected = "DimuonParams" if a.optim.family == "dimuon" else "AdamParams"
-            raise EngineError(f"optim_params: this model was created with the {a.optim.family!r} optimizer; "
-                              f"pass {expected} (optimizer families cannot be mixed)")
-        if not a.grads:
-            return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
-        weights = self._params(a)
-        before = ({t: (x.clone(), y.clone()) for t, (x, y) in weights.items()},
-                  {t: tuple(m.clone() for m in ms) for t, ms in a.optim.moments.items()}, a.optim.step)
-        step = dimuon_step if family == "dimuon" else adamw_step
-        metrics = step(weights, a.grads, a.optim, params)  # type: ignore[arg-type]
-        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
-            with torch.no_grad():
-                for t, (x, y) in before[0].items():
-                    weights[t][0].copy_(x)
-                    weights[t][1].copy_(y)
-            a.optim.moments = {t: ms for t, ms in before[1].items()}  # type: ignore[misc]
-            a.optim.step = before[2]
-            raise EngineError("optim_params: this step would make the adapter's weights non-finite (lower the "
-                              "learning rate); the adapter and its gradients are unchanged")
-        if self.registry.dtype != torch.float32:  # publish the fp32 masters into the bank slot
-            with torch.no_grad():
-                for t, (A, B) in self._bank_views(a).items():
-                    A.copy_(weights[t][0])
-                    B.copy_(weights[t][1])
-        a.grads.clear()
-        return types.OptimStepResponse(metrics=metrics)
-
-    def _bank_views(self, a: Adapter) -> Pairs:
-        bank = self.registry.bank
-        return {t: (bank.A[t][a.slot][..., : a.rank, :], bank.B[t][a.slot][..., : a.rank]) for t in a.targets}
-
-    def _params(self, a: Adapter) -> Pairs:
-        """The float32 tensors AdamW updates: the bank slot itself when the bank is float32.
-
-        On a lower-precision bank, rounding every step to bf16 would lose small updates, so the
-        adapter keeps float32 masters (`Adapter.master`, which the residency manager pages with it).
-        They are re-read from the bank whenever the slot no longer equals their rounding.
-        """
-        views = self._bank_views(a)
-        if self.registry.dtype == torch.float32:
-            return views
-        if a.master is not None and all(
-            torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(a.master[t], pair, strict=True)
-        ):
-            return a.master
-        a.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
-        return a.master
-
-    # --- state and weights on disk --------------------------------------------------------------
-    def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:
-        """Weights (+ AdamW moments and step) into a state dir, atomically."""
-        a = self.registry.on_device(adapter_id)
-        optim = a.optim if include_optimizer else None
-        state_io.save_state(dest, state_io.TrainState(self.registry.weights(adapter_id), optim, self.base_model))
-
-    def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True,
-                   optimizer: str | None = None) -> str:
-        """Load a state dir into `adapter_id` (same rank and targets), or into a new trainable adapter
-        when None; returns the adapter id. Pending gradients are dropped; without the optimizer the
-        optimizer state restarts from step 0. A new adapter's optimizer family is the saved one
-        (with the optimizer state) or `optimizer` (default "adamw"); the two must agree.
-        """
-        st = state_io.load_state(src, include_optimizer)
-        if st.base_model != self.base_model:
-            raise EngineError(f"path: state was trained on base model {st.base_model!r}, "
-                              f"this engine serves {self.base_model!r}")
-        check_shapes(st.weights, self.registry.bank, "path")
-        if adapter_id is not None:
-            family = self.registry.get(adapter_id).optim.family
-        else:
-            family = check_family(optimizer or (st.optim.family if st.optim else "adamw"))
-        if st.optim is not None and st.optim.family != family:
-            raise EngineError(f"path: the state holds {st.optim.family!r} optimizer state, this model uses "
-                              f"the {family!r} optimizer (optimizer families cannot be mixed)")
-        if adapter_id is None:  # the new adapter gets its optimizer state before it can be paged
-            return self.registry.install(st.weights, trainable=True, optim=st.optim or AdamState(family=family)).id
-        a = self.registry.on_device(adapter_id)
-        if not a.trainable:
-            raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
-        self.registry.set_weights(adapter_id, st.weights)
-        a.grads.clear()
-        dev = self.device
-        a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)
-                                            for t, ms in st.optim.moments.items()}, family) if st.optim \
-            else AdamState(family=family)
-        return a.id
-
-    def export_peft(self, adapter_id: str, dest: Path) -> None:
-        """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
-        save_peft(self.registry.weights(adapter_id), dest, self.base_model, self.model.config)
-
-    # --- interpolation --------------------------------------------------------------------------
-    def interpolate(self, adapter_ids: list[str], coefficients: list[float], trainable: bool = False) -> str:
-        """A new adapter whose weight delta is exactly Σ cᵢ·ΔWᵢ (ΔWᵢ = sᵢ·Bᵢ·Aᵢ); returns its id.
-
-        Ranks concatenate: A = [A₁; A₂; …], B = [c₁s₁/s·B₁, c₂s₂/s·B₂, …] with s the first source's
-        scale, so the result's rank is the sum of the sources' (zero-coefficient sources are
-        dropped). Sampler-only by default, like MinT's interpolate_checkpoints output.
-        """
-        if not adapter_ids:
-            raise EngineError("adapter_ids: at least one adapter is required")
-        if len(coefficients) != len(adapter_ids):
-            raise EngineError(f"coefficients: {len(coefficients)} given for {len(adapter_ids)} adapters")
-        for c in coefficients:
-            if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c):
-                raise EngineError(f"coefficients: {c!r} is not a finite number")
-        pairs = [(self.registry.get(i), float(c)) for i, c in zip(adapter_ids, coefficients, strict=True)]
-        if any(a.rank == 0 for a, _ in pairs):
-            raise RuntimeError("interpolate: a source adapter has not been read yet")
-        pairs = [(a, c) for a, c in pairs if c != 0.0] or pairs[:1]  # all zero: a zero delta of rank r₁
-        rank = sum(a.rank for a, _ in pairs)
-        if rank > self.registry.bank.max_rank:
-            raise EngineError(f"adapter_ids: the interpolated adapter would have rank {rank} (the sum of the "
-                              f"sources' ranks), above the engine's max LoRA rank {self.registry.bank.max_rank}")
-        scale = pairs[0][0].scale
-        sources = [(self.registry.weights(a.id), a, c) for a, c in pairs]
-        shapes = self.registry.bank.shapes
-        weights = {}
-        for t in sorted({t for a, _ in pairs for t in a.targets}):
-            experts = self.registry.bank.experts.get(t, 0)
-            As, Bs = [], []
-            for w, a, c in sources:
-                a_shape, b_shape = lora_shapes(shapes[t], experts, a.rank)
-                zeros = (torch.zeros(a_shape, device=self.device), torch.zeros(b_shape, device=self.device))
-                A, B = w.weights.get(t, zeros)
-                As.append(A)
-                Bs.append(B * (c * a.scale / scale))
-            weights[t] = (torch.cat(As, dim=-2), torch.cat(Bs, dim=-1))
-        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
-            raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
-        return self.registry.install(LoraWeights(weights, rank, scale * rank), trainable=trainable).id
-
-
 def _unique(adapters: list[Adapter]) -> list[Adapter]:
     return list({a.id: a for a in adapters}.values())
 
@@ -540,7 +330,7 @@ class _PerLayer:
         return self.per_layer[key[1]]
 
 
-def _leaf_grads(leaves: Leaves) -> dict[str, Pairs]:
+def leaf_grads(leaves: Leaves) -> dict[str, Pairs]:
     """Per-layer leaf gradients → adapter id → target → (grad A [L, r, in], grad B [L, out, r]), float32."""
 
     def stack(ts: list[Tensor]) -> Tensor:
@@ -550,17 +340,11 @@ def _leaf_grads(leaves: Leaves) -> dict[str, Pairs]:
     return {aid: {t: (stack(As), stack(Bs)) for t, (As, Bs) in ts.items()} for aid, ts in leaves.items()}
 
 
-def _accumulate(into: dict, grads: Mapping[str, Any]) -> None:
+def accumulate(into: dict, grads: Mapping[str, Any]) -> None:
     """into[adapter][target] += grads (or into[target] for one adapter's dict), in float32."""
     for key, value in grads.items():
         if isinstance(value, tuple):
             old = into.get(key)
             into[key] = value if old is None else (old[0] + value[0], old[1] + value[1])
         else:
-            _accumulate(into.setdefault(key, {}), value)
-
-
-def check_family(optimizer: str) -> str:
-    if optimizer not in FAMILIES:
-        raise EngineError(f"optimizer: {optimizer!r} is not supported (one of {list(FAMILIES)})")
-    return optimizer
+            accumulate(into.setdefault(key, {}), value)

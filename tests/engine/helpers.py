@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from mint_server.engine.adapter_state import AdapterState
 from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import Preparer, TrainJob
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.residency import Residency
+from mint_server.engine.reverse_kl import ReverseKL
 from mint_server.engine.sampling import Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.training import Trainer
@@ -101,6 +103,9 @@ class TrainerHarness(Trainer):
     def __init__(self, model: Any, registry: Residency, base_model: str, records: Any = None, **kw: Any) -> None:
         super().__init__(model, registry, base_model, **kw)
         self.prep = preparer(model.config, records=records, max_rank=registry.bank.max_rank)
+        self.state = AdapterState(registry, base_model, model.config)
+        self.save_state, self.load_state = self.state.save_state, self.state.load_state
+        self.export_peft, self.interpolate, self._params = self.state.export_peft, self.state.interpolate, self.state._params
 
     def validate(self, req: TrainRequest) -> TrainJob:
         return self.prep.train(req.datums, req.loss_fn, req.loss_fn_config, req.backward).on(req.adapter_id)
@@ -117,12 +122,12 @@ class TrainerHarness(Trainer):
         results = iter(super().run(jobs))
         return [e if e is not None else next(results) for e in out]
 
-    def reverse_kl(self, adapter_id: str, reference_id: str | None, datums: list,  # type: ignore[override]
+    def reverse_kl(self, adapter_id: str, reference_id: str | None, datums: list,
                    temperature: float = 1.0) -> Any:
-        return super().reverse_kl(self.prep.reverse_kl(datums, temperature).on(adapter_id), reference_id)
+        return ReverseKL(self).run(self.prep.reverse_kl(datums, temperature).on(adapter_id), reference_id)
 
-    def optim_step(self, adapter_id: str, params: Any) -> Any:  # type: ignore[override]
-        return super().optim_step(self.prep.optim(params).on(adapter_id))
+    def optim_step(self, adapter_id: str, params: Any) -> Any:
+        return self.state.optim_step(self.prep.optim(params).on(adapter_id))
 
     def create_adapter(self, lora: Any) -> str:
         return self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed).id

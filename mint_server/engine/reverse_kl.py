@@ -1,0 +1,81 @@
+"""Reverse KL (on-policy distillation, MinT's forward_backward_reverse_kl): the student learns the
+reference's whole next-token distribution at each position, through the trainer's machinery.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from tinker import types
+
+from mint_server.engine.jobs import ReverseKLJob
+from mint_server.engine.losses import KLRow
+from mint_server.engine.optim import Pairs
+from mint_server.engine.residency import Adapter
+from mint_server.engine.training import OUTPUT_TYPE, Output, Row, Trainer, accumulate, leaf_grads
+
+
+class ReverseKL:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def run(self, job: ReverseKLJob, reference_adapter_id: str | None) -> Output:
+        """forward_backward of Σ_t w_t · KL(p_student,t ‖ p_reference,t), accumulated into the student.
+
+        Per student position t: p = softmax(logits / temperature) over the whole vocabulary, for the
+        student adapter and for the reference (another adapter, or the bare base when None), the
+        exact reverse KL Σ_v p_s(v)·(log p_s(v) − log p_r(v)); gradient only into the student.
+        Returns loss_fn_outputs[i]["loss"] = w_t·KL_t per position and metrics["loss:sum"].
+        """
+        student = self.trainer._adapter(job.adapter_id, backward=True)
+        assert student is not None
+        reference = self.trainer.registry.on_device(reference_adapter_id) if reference_adapter_id is not None else None
+        rows, temperature = job.rows, job.temperature
+        plan = self.trainer.plan([Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
+        out: dict[int, np.ndarray] = {}
+        pending: dict[str, Pairs] = {}
+        total = 0.0
+        for mb in plan:
+            batch = [rows[r.datum] for r in mb]
+            el, grads = self._kl_micro_batch(batch, student, reference, temperature)
+            accumulate(pending, grads)
+            for r, row, e in zip(mb, batch, el, strict=True):
+                out[r.datum] = e[: len(row.student)].copy()
+                total += float(out[r.datum].sum(dtype=np.float64))
+        failed = self.trainer.commit(pending, {student.id: student})
+        if failed:
+            raise failed[student.id]
+        return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
+                      loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
+
+    def _kl_micro_batch(
+        self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
+    ) -> tuple[np.ndarray, dict[str, Pairs]]:
+        R = len(rows)
+        Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
+        s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
+        align = np.zeros((R, Ts), dtype=np.int64)  # reference position of each student position
+        valid, w = np.zeros((R, Ts), dtype=np.float32), np.zeros((R, Ts), dtype=np.float32)
+        for i, r in enumerate(rows):
+            n, m = len(r.student), len(r.reference)
+            s_tok[i, :n], r_tok[i, :m] = r.student, r.reference
+            pos = np.arange(Ts) + (m - n)
+            align[i] = np.clip(pos, 0, m - 1)
+            valid[i, :n] = pos[:n] >= 0
+            w[i, :n] = r.weights
+        dev = self.trainer.device
+        with torch.no_grad():
+            lora_r = self.trainer.registry.bank.batch([reference.slot] * R) if reference is not None else None
+            hr = self.trainer.model.hidden_states(torch.from_numpy(r_tok).to(dev), lora=lora_r)
+            idx = torch.from_numpy(align).to(dev)[..., None].expand(-1, -1, hr.shape[-1])
+            ref_lp = torch.log_softmax(self.trainer.model.logits(hr.gather(1, idx), lora_r).float() / temperature, -1)
+            del hr
+        lora_s, leaves = self.trainer.training_lora([student], [0] * R)
+        with torch.enable_grad():
+            hs = self.trainer.model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s,
+                                          checkpoint=self.trainer.recompute(Ts))
+            s_lp = torch.log_softmax(self.trainer.model.logits(hs, lora_s).float() / temperature, -1)
+            kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
+            el = kl * torch.from_numpy(w * valid).to(dev)
+            el.sum().backward()
+        return el.detach().float().cpu().numpy(), leaf_grads(leaves)
