@@ -19,6 +19,7 @@ consistency checks cover the whole data dir, the resume checks what this case ma
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -34,9 +35,12 @@ import tinker
 from tinker import types
 
 from mint_server.api.auth import owner_id
+from mint_server.api.paths import CheckpointRef
+from mint_server.api.runs import CheckpointRecord, RunRecord, RunStore
 from mint_server.catalog import Catalog, payload
 from mint_server.catalog.records import Revision
 from mint_server.cli.catalog_client import HttpClient
+from mint_server.fsutil import TRASH_PREFIX
 from tests.lifecycle.helpers import PROMPT, ServeProcess, clean_env
 from tests.service.live import LR, batch, train
 
@@ -108,7 +112,8 @@ def prepare(lineage: Lineage, op: str) -> Case:
     (revisions 1 and 2), alias prod at 1."""
     server = lineage.live_server()
     sc = tinker.ServiceClient(base_url=server.url, api_key=lineage.key)
-    base_model = sc.get_server_capabilities().supported_models[0].model_name
+    rest = tinker.RestClient(base_url=server.url, api_key=lineage.key)
+    base_model = rest.get_server_capabilities().result().supported_models[0].model_name
     policy = f"km-{op.replace('_', '-')}"
     tc = sc.create_lora_training_client(
         base_model=base_model, rank=4, user_metadata={"policy": policy}
@@ -124,13 +129,17 @@ def prepare(lineage: Lineage, op: str) -> Case:
 
 
 def kill_when(
-    server: ServeProcess, futures: list[cf.Future[Any]], marker: Callable[[], bool] = lambda: False
+    server: ServeProcess, futures: list[cf.Future[Any]], marker: Callable[[], bool] | None = None
 ) -> None:
-    """SIGKILL the server while the operations are in flight: once `marker` shows one under way on
-    disk, or once the first has finished (the rest are then queued or running), whichever comes first."""
+    """SIGKILL the server while the operations are in flight: once one has finished (a client was
+    told) and `marker`, if given, shows another under way on disk; or once all have finished (a
+    kill anywhere must be safe too)."""
     deadline = time.monotonic() + DEADLINE
-    while not (marker() or any(f.done() for f in futures)):
-        assert time.monotonic() < deadline, "no operation finished or showed up on disk in time"
+    while True:
+        done = sum(f.done() for f in futures)
+        if (done and (marker is None or marker())) or done == len(futures):
+            break
+        assert time.monotonic() < deadline, f"{done} of {len(futures)} operations finished in {DEADLINE}s"
         time.sleep(0.002)  # a poll interval, not a wait for anything
     server.kill(signal.SIGKILL)
 
@@ -234,15 +243,15 @@ def kill_during_export(case: Case, server: ServeProcess, lineage: Lineage) -> No
         response.raise_for_status()
         return response.content
 
+    # Revision exports, and archives of a training state (exported to PEFT by the engine on the
+    # way) and of sampler weights; twice as many as there are threads, so some wait their turn.
     sampler = f"{case.weights.rsplit('/weights/', 1)[0]}/sampler_weights/s1"
-    calls = [lambda i=i: export_revision(i) for i in range(IN_FLIGHT // 2)]
-    calls += [lambda: download_archive(case.weights), lambda: download_archive(sampler)]
+    calls: list[Callable[[], Any]] = []
+    for i in range(IN_FLIGHT // 2):
+        calls += [lambda i=i: export_revision(i), lambda: download_archive(case.weights)]
+        calls += [lambda i=i: export_revision(i + IN_FLIGHT), lambda: download_archive(sampler)]
     pool, case.futures = in_threads(calls)
-
-    def exporting() -> bool:  # a training state being exported to PEFT for its archive
-        return any((lineage.data / "ephemeral").glob("export-*"))
-
-    kill_when(server, case.futures, exporting)
+    kill_when(server, case.futures)
     pool.shutdown(wait=False)
 
 
@@ -255,9 +264,8 @@ def kill_during_catalog_import(case: Case, server: ServeProcess, lineage: Lineag
         with closing(HttpClient(server.url, lineage.key)) as client:
             return client.import_peft(source, target, note=f"import {i}")
 
-    pool, case.futures = in_threads([lambda i=i: upload(i) for i in range(IN_FLIGHT)])
-    blob_tmp = lineage.data / "blobs" / "tmp"
-    kill_when(server, case.futures, lambda: any(blob_tmp.iterdir()))
+    pool, case.futures = in_threads([lambda i=i: upload(i) for i in range(2 * IN_FLIGHT)])
+    kill_when(server, case.futures)
     pool.shutdown(wait=False)
 
 
@@ -340,9 +348,11 @@ def check_catalog(lineage: Lineage) -> dict[str, list[Revision]]:
     return revisions
 
 
-def check_consistent(lineage: Lineage, sc: tinker.ServiceClient) -> Listed:
+def check_consistent(lineage: Lineage) -> Listed:
     assert not any((lineage.data / "ephemeral").iterdir())  # exports and snapshots died with the process
-    runs, checkpoints = check_runs(lineage, sc.create_rest_client())
+    runs, checkpoints = check_runs(
+        lineage, tinker.RestClient(base_url=lineage.server.url, api_key=lineage.key)
+    )
     revisions = check_catalog(lineage)
     # A sampler checkpoint exists only with its revision: its files are a revision of its run.
     published = {(r.training_run, r.sha256) for revs in revisions.values() for r in revs}
@@ -413,7 +423,8 @@ def check_resumes(case: Case, lineage: Lineage, listed: Listed) -> None:
         ]
         model_paths += [f"tinker://{r.ref}" for p in case.policies for r in listed.revisions.get(p, [])]
         samples = [
-            sc.create_sampling_client(model_path=path).sample(PROMPT, 1, ONE_TOKEN) for path in model_paths
+            sc.create_sampling_client(model_path=path).result().sample(PROMPT, 1, ONE_TOKEN)
+            for path in model_paths
         ]
         for path, sample in zip(model_paths, samples, strict=True):
             assert len(sample.result().sequences[0].tokens) == 1, path
@@ -429,11 +440,31 @@ def test_kill_9_during(op: str, lineage: Lineage) -> None:
     finally:
         lineage.server.kill(signal.SIGKILL)
         settle(case)
-    server = lineage.restart()
-    sc = tinker.ServiceClient(base_url=server.url, api_key=lineage.key)
-    try:
-        listed = check_consistent(lineage, sc)
-    finally:
-        sc.close("success").result()
+    lineage.restart()
+    listed = check_consistent(lineage)
     check_told(case, lineage, listed)
     check_resumes(case, lineage, listed)
+
+
+def test_overwrite_cut_between_its_renames_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    """The one window of an overwriting save the matrix cannot aim at: killed after the old data is
+    moved aside and before the new data takes its place. The acknowledged checkpoint must survive
+    the restart as it was (the record still describes it), not vanish with its missing dir."""
+    run_id = "0" * 32 + ":train:0"
+    store = RunStore(tmp_path / "runs")
+    store.create_run(RunRecord(run_id, "owner", "base", {"rank": 4}, {}, "s", 0.0, 0.0))
+    ref = CheckpointRef(run_id, "weights", "w0")
+    old = store.staging_dir(run_id, "weights")
+    (old / "state.bin").write_bytes(b"old")
+    size = store.publish_data(ref, old)
+    store.register_checkpoint(CheckpointRecord(run_id, "weights", "w0", "owner", 1.0, size))
+    # What a kill leaves between publish_dir's two renames: the old dir aside, the new one staged.
+    final = store.data_dir(ref)
+    os.replace(final, final.with_name(f"{TRASH_PREFIX}w0-4242"))
+    new = store.staging_dir(run_id, "weights")
+    (new / "state.bin").write_bytes(b"new")
+
+    reopened = RunStore(tmp_path / "runs")
+    assert [r.ref for r in reopened.list_checkpoints(run_id)] == [ref]
+    assert (final / "state.bin").read_bytes() == b"old"
+    assert [p.name for p in final.parent.iterdir()] == ["w0"]  # trash and staging gone
