@@ -349,7 +349,10 @@ def check_catalog(lineage: Lineage) -> dict[str, list[Revision]]:
 
 
 def check_consistent(lineage: Lineage) -> Listed:
-    assert not any((lineage.data / "ephemeral").iterdir())  # exports and snapshots died with the process
+    # Uploads, exports and snapshots of the killed server died with it: its scratch space is in the
+    # data dir, emptied at startup, and nothing was left in its TMPDIR for good.
+    assert not any((lineage.data / "ephemeral").iterdir())
+    assert not any(lineage.tmp.iterdir())
     runs, checkpoints = check_runs(
         lineage, tinker.RestClient(base_url=lineage.server.url, api_key=lineage.key)
     )
