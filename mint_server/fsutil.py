@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+TRASH_PREFIX = ".trash-"  # what publish_dir names a dir it is replacing, until the new one is in place
 
 
 def fsync_dir(path: Path) -> None:
@@ -61,14 +64,37 @@ def publish_dir(staging: Path, final: Path) -> None:
                 os.fsync(f.fileno())
     fsync_dir(staging)
     if final.exists():
-        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
+        # Two renames: a crash between them leaves the old dir as trash, which
+        # recover_replaced_dir puts back.
+        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{os.getpid()}")
         shutil.rmtree(trash, ignore_errors=True)
         os.replace(final, trash)
-        os.replace(staging, final)
+        try:
+            os.replace(staging, final)
+        except BaseException:
+            os.replace(trash, final)
+            raise
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(staging, final)
     fsync_dir(final.parent)
+
+
+def recover_replaced_dir(final: Path) -> bool:
+    """Put back the old dir of a publish_dir that was cut short between its two renames (`final`
+    missing, its predecessor still whole under the trash name). Call before the parent's leftovers
+    are removed; returns whether `final` now exists."""
+    if final.exists():
+        return True
+    # The pid suffix is digits: ".trash-a-1-7" is a trash of "a-1", never of "a".
+    name = re.compile(rf"{re.escape(TRASH_PREFIX + final.name)}-\d+")
+    siblings = final.parent.iterdir() if final.parent.is_dir() else iter(())
+    trash = sorted((p for p in siblings if name.fullmatch(p.name)), key=lambda p: p.stat().st_mtime)
+    if not trash:
+        return False
+    os.replace(trash[-1], final)
+    fsync_dir(final.parent)
+    return True
 
 
 def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> None:

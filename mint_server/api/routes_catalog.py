@@ -70,6 +70,7 @@ def make_catalog_router(
     enable_seed: bool = False,
     max_upload_bytes: int = DEFAULT_MAX_UPLOAD_BYTES,
     served_base_models: Collection[str] | None = None,
+    scratch_dir: Path | None = None,
 ) -> APIRouter:
     """Routes for every catalog operation.
 
@@ -79,6 +80,8 @@ def make_catalog_router(
     enable_seed: expose POST /seed (bulk synthetic load) — for test and benchmark deployments only.
     served_base_models: the base models a policy may be created for (None: any); a policy for a
     model this server does not serve could never be sampled.
+    scratch_dir: where uploads and exports are unpacked and packed (None: the system temp dir); the
+    service gives a dir it empties at startup, so what a killed server left there is not kept.
     """
     router = APIRouter(route_class=CheckedRoute)
 
@@ -137,7 +140,7 @@ def make_catalog_router(
     ) -> dict[str, Any]:
         """Publish a PEFT directory uploaded as the request body: a tar or zip archive."""
         check_base_model(base_model)
-        workdir = Path(tempfile.mkdtemp(prefix="mint-import-"))
+        workdir = Path(tempfile.mkdtemp(prefix="mint-import-", dir=scratch_dir))
         try:
             upload = workdir / "upload"
             size = 0
@@ -219,7 +222,7 @@ def make_catalog_router(
         """The revision's PEFT directory as a tar or zip (files at the top level)."""
         catalog = get_catalog()
         revision = catalog.resolve(owner, ref)
-        workdir = Path(tempfile.mkdtemp(prefix="mint-export-"))
+        workdir = Path(tempfile.mkdtemp(prefix="mint-export-", dir=scratch_dir))
         try:
             catalog.materialize(revision, workdir / "peft")  # verified before anything is sent
             packed = archive.pack(workdir / "peft", workdir / f"export.{fmt}", fmt)

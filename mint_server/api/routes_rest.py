@@ -115,7 +115,7 @@ async def download_archive(token: str, request: Request) -> Response:
     ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])
     peft_dir, cleanup = await svc.peft_dir(claims["sub"], ref)
     try:
-        archive = await asyncio.to_thread(_archive, peft_dir, svc.tied_embeddings())
+        archive = await asyncio.to_thread(_archive, peft_dir, svc.tied_embeddings(), svc.core.ephemeral_root)
     finally:
         cleanup()
     return FileResponse(
@@ -126,16 +126,17 @@ async def download_archive(token: str, request: Request) -> Response:
     )
 
 
-def _archive(peft_dir: Path, tied_embeddings: bool) -> str:
-    """The checkpoint's adapter as a .tar.gz, with the names archives use (see model/peft_archive.py)."""
-    with tempfile.TemporaryDirectory(prefix="mint-archive-") as tmp:
+def _archive(peft_dir: Path, tied_embeddings: bool, scratch: Path) -> str:
+    """The checkpoint's adapter as a .tar.gz, with the names archives use (see model/peft_archive.py),
+    in `scratch` (emptied at startup: a kill mid-download leaves nothing behind for good)."""
+    with tempfile.TemporaryDirectory(prefix="archive-", dir=scratch) as tmp:
         write_archive_dir(peft_dir, Path(tmp), tied_embeddings)
-        return _tar_gz(Path(tmp))
+        return _tar_gz(Path(tmp), scratch)
 
 
-def _tar_gz(src: Path) -> str:
+def _tar_gz(src: Path, scratch: Path) -> str:
     """The files of `src` at the archive root, as PEFT's from_pretrained expects after extraction."""
-    fd, path = tempfile.mkstemp(suffix=".tar.gz")
+    fd, path = tempfile.mkstemp(suffix=".tar.gz", dir=scratch)
     os.close(fd)
     with tarfile.open(path, "w:gz") as tar:
         for f in sorted(src.rglob("*")):

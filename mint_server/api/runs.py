@@ -25,7 +25,14 @@ from typing import Any
 
 from mint_server.api.paths import KINDS, CheckpointRef, Kind, check_name, check_run_id
 from mint_server.api.validate import InvalidInput
-from mint_server.fsutil import atomic_write_json, dir_size, new_staging_dir, publish_dir, read_json
+from mint_server.fsutil import (
+    atomic_write_json,
+    dir_size,
+    new_staging_dir,
+    publish_dir,
+    read_json,
+    recover_replaced_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +133,8 @@ class RunStore:
             except (OSError, ValueError, TypeError) as e:
                 log.warning("skipping unreadable checkpoint record %s: %s", rec_json, e)
                 continue
-            if rec.run_id == run.run_id and rec.kind == kind and self.data_dir(rec.ref).is_dir():
+            # A kill in the middle of an overwrite leaves the old data aside: the record still holds.
+            if rec.run_id == run.run_id and rec.kind == kind and recover_replaced_dir(self.data_dir(rec.ref)):
                 self._checkpoints[rec.ref] = rec
             else:
                 rec_json.unlink(missing_ok=True)
