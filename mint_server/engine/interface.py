@@ -11,7 +11,7 @@ Adapter ids are opaque strings chosen by the engine. `None` as an adapter means 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,6 +30,11 @@ if TYPE_CHECKING:  # the jobs module imports this one for EngineError
         TrainJob,
     )
     from mint_server.engine.settings import EngineLimits, EngineSettings
+
+
+# Streaming: (sample index, token id, raw logprob), called on the engine's worker thread as each
+# token is drawn. It must be quick and must not raise: hand the token to another thread and return.
+TokenCallback = Callable[[int, int, float], None]
 
 
 class EngineError(ValueError):
@@ -67,7 +72,10 @@ class Engine(Protocol):
     def prepare_optim(self, params: Any) -> OptimJob: ...
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "") -> SampleJob: ...
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
+        """`stop_at_eos` keeps EOS as a stop next to stop strings (OpenAI's `stop`; Tinker's explicit
+        stop list replaces EOS). Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
+        ...
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob: ...
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
         """A forward_backward with a loss compiled by `engine.custom_loss.compile_loss`."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, TokenCallback
 from mint_server.engine.losses import (
     KLRow,
     LossSpec,
@@ -108,9 +109,16 @@ class SampleJob:
     record: bool = False  # keep sampling logprobs by sequence id (record_stability_info)
     score_only: bool = False
     key: str = ""  # whose work this is: admission is fair across keys
+    # Streaming: on_token sees each token as it is drawn (on the worker thread); setting `cancel`
+    # stops the job at the sampler's next step, frees its KV and fails its future (SampleCancelled).
+    on_token: TokenCallback | None = dataclasses.field(default=None, compare=False)
+    cancel: threading.Event | None = dataclasses.field(default=None, compare=False)
 
     def on(self, adapter: AdapterRef) -> SampleJob:
         return dataclasses.replace(self, adapter=adapter)
+
+    def streaming(self, on_token: TokenCallback | None, cancel: threading.Event | None) -> SampleJob:
+        return dataclasses.replace(self, on_token=on_token, cancel=cancel)
 
 
 @dataclass(frozen=True)
@@ -198,6 +206,7 @@ class Preparer:
     def sample(
         self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
+        stop_at_eos: bool = False,
     ) -> SampleJob:
         prompt = self._prompt(prompt_tokens, room=1)
         lim = self.limits
@@ -208,8 +217,12 @@ class Preparer:
                 0 <= topk_prompt_logprobs <= lim.vocab_size):
             raise EngineError(f"topk_prompt_logprobs: must be in 0..{lim.vocab_size}, got {topk_prompt_logprobs!r}")
         run = uuid.uuid4().hex[:16]
+        parsed = self._params(params, len(prompt))
+        if stop_at_eos:
+            stop = dataclasses.replace(parsed.stop, token_ids=parsed.stop.token_ids | self.eos.token_ids)
+            parsed = dataclasses.replace(parsed, stop=stop)
         return SampleJob(
-            adapter=adapter, prompt=prompt, num_samples=num_samples, params=self._params(params, len(prompt)),
+            adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
             record=bool(record), key=key,

@@ -142,9 +142,9 @@ class LocalEngine:
 
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "") -> SampleJob:
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
-                                   topk_prompt_logprobs, record=record, key=key)
+                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
 
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
         return self.prepare.custom(datums, loss)

@@ -31,6 +31,7 @@ a pin from admission (its slot is not evicted while rows read it).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -52,6 +53,12 @@ from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import PromptScores, choose_tokens, sample_seed, score_prompt, uniforms
 from mint_server.model.lora import LoraBatch
 from mint_server.model.transformer import CacheView, KVCache, Transformer
+
+log = logging.getLogger(__name__)
+
+
+class SampleCancelled(EngineError):
+    """The job's cancel event was set: its sequences stopped and their KV blocks were freed."""
 
 
 class SampleFuture(Future):
@@ -99,6 +106,10 @@ class _Request:
     @property
     def ready(self) -> bool:
         return self.adapter is None or self.adapter.slot is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.job.cancel is not None and self.job.cancel.is_set()
 
     # the job's fields, read often
     @property
@@ -217,7 +228,7 @@ class Sampler:
 
     def has_ready_work(self) -> bool:
         """Running rows, or queued requests whose adapter is on the device."""
-        return bool(self._rows) or any(r.ready for r in list(self._queue))
+        return bool(self._rows) or any(r.ready or r.cancelled for r in list(self._queue))
 
     def waiting_adapters(self, limit: int | None = None) -> list[Adapter]:
         """Adapters that queued requests need, most urgent first (the residency manager's wants): in
@@ -247,6 +258,7 @@ class Sampler:
         """Decode one token for every running sequence, then admit and prefill queued work."""
         self.stats.steps += 1
         try:
+            self._drop_cancelled()
             if self._rows:
                 self._decode()
             self._admit()
@@ -264,6 +276,32 @@ class Sampler:
             queued, self._queue = list(self._queue), deque()
         for r in queued:
             self._fail(r, exc)
+
+    def _drop_cancelled(self) -> None:
+        """Stop the rows and queued work of cancelled jobs; their blocks go back to the pool."""
+        with self._lock:
+            gone = [r for r in self._queue if r.cancelled]
+            if gone:
+                self._queue = deque(r for r in self._queue if not r.cancelled)
+        if any(r.request.cancelled for r in self._rows):
+            keep = []
+            for row in self._rows:
+                if row.request.cancelled:
+                    self.pool.release(row.blocks)
+                    self._count_rows(row.request.job.key, -1)
+                    gone.append(row.request)
+                else:
+                    keep.append(row)
+            self._rows = keep
+        for req in set(gone):
+            self._fail(req, SampleCancelled("the request was cancelled"))
+
+    def _count_rows(self, key: str, delta: int) -> None:
+        left = self._rows_by_key.get(key, 0) + delta
+        if left:
+            self._rows_by_key[key] = left
+        else:
+            self._rows_by_key.pop(key, None)
 
     def _admit(self) -> None:
         """Take queued work whose adapter is on the device while its KV blocks, batch rows and the
@@ -448,6 +486,11 @@ class Sampler:
         for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
             r.tokens.append(t)
             r.logprobs.append(lp)
+            if r.request.job.on_token is not None:
+                try:
+                    r.request.job.on_token(r.index, t, lp)
+                except Exception:  # a listener's bug must not fail the batch; the future still answers
+                    log.exception("token callback failed")
             p = r.request.params
             if p.stop.hit(r.tokens):
                 self._finish(r, "stop")
@@ -460,9 +503,7 @@ class Sampler:
     def _finish(self, row: _Row, reason: types.StopReason) -> None:
         self.pool.release(row.blocks)
         req = row.request
-        self._rows_by_key[req.job.key] -= 1
-        if not self._rows_by_key[req.job.key]:
-            del self._rows_by_key[req.job.key]
+        self._count_rows(req.job.key, -1)
         tokens = np.asarray(row.tokens, dtype=np.int32)
         logprobs = np.asarray(row.logprobs, dtype=np.float32)
         sid = req.job.sequence_ids[row.index]

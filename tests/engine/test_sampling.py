@@ -419,3 +419,58 @@ def test_shutdown_without_drain_fails_running_samples(sampling_llama_dir):
     for fut in [running, *queued]:  # none is left pending forever
         with pytest.raises(EngineError, match="shut down"):
             fut.result(timeout=30)
+
+
+# --- streaming: token callbacks, cancellation, EOS next to stop strings ---------------------------
+
+def stream_job(sampler, adapter_id, prompt, n, p, on_token=None, cancel=None, stop_at_eos=False) -> Future:
+    job = sampler.prep.sample(adapter_id, prompt, n, p, stop_at_eos=stop_at_eos).streaming(on_token, cancel)
+    return sampler._queue_job(job, adapter_id)
+
+
+def test_token_callback_sees_every_token_in_order(model, registry):
+    sampler = make_sampler(model, registry)
+    seen: list[tuple[int, int, float]] = []
+    f = stream_job(sampler, None, [5, 6, 7], 3, params(temperature=1.0, seed=3),
+                   on_token=lambda i, t, lp: seen.append((i, t, lp)))
+    drain(sampler)
+    for i, seq in enumerate(f.result().sequences):
+        assert [t for j, t, _ in seen if j == i] == seq.tokens
+        assert np.array_equal(np.asarray([lp for j, _, lp in seen if j == i], dtype=np.float32), seq.logprobs_np)
+
+
+def test_cancel_stops_running_and_queued_requests_and_frees_their_blocks(model, registry):
+    import threading
+
+    from mint_server.engine.sampling import SampleCancelled
+
+    aid = install(registry, 2, seed=91)
+    sampler = make_sampler(model, registry, kv_slots=2)
+    cancel_running, cancel_queued = threading.Event(), threading.Event()
+    running = stream_job(sampler, aid, [5, 6, 7], 2, params(max_tokens=80), cancel=cancel_running)
+    queued = stream_job(sampler, None, [5, 6, 7], 1, params(max_tokens=80), cancel=cancel_queued)  # no room yet
+    other = sampler.submit(None, [9, 10], 1, params(max_tokens=4))
+    sampler.step()
+    sampler.step()
+    assert sampler.kv_blocks_in_use > 0 and not running.done()
+    cancel_running.set()
+    cancel_queued.set()
+    sampler.step()
+    with pytest.raises(SampleCancelled):
+        running.result(timeout=0)
+    drain(sampler)  # asserts every block came back
+    with pytest.raises(SampleCancelled):
+        queued.result(timeout=0)
+    assert len(other.result().sequences[0].tokens) == 4
+    assert registry.get(aid).refs == 0
+
+
+def test_stop_at_eos_keeps_eos_next_to_stop_strings(model, registry, tokenizer):
+    first = solo(model, registry, None, [5, 6, 7], params(max_tokens=1))[0][0]
+    sampler = make_sampler(model, registry, tokenizer=tokenizer, eos_token_ids=[first])
+    with_eos = stream_job(sampler, None, [5, 6, 7], 1, params(stop=["never-said"]), stop_at_eos=True)
+    without = stream_job(sampler, None, [5, 6, 7], 1, params(stop=["never-said"]))
+    drain(sampler)
+    assert with_eos.result().sequences[0].tokens == [first]
+    assert with_eos.result().sequences[0].stop_reason == "stop"
+    assert len(without.result().sequences[0].tokens) == 12
