@@ -12,9 +12,24 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# ChatML with tools in the Hermes format (as Qwen2.5/Qwen3 templates write them): tools listed in a
+# system turn, calls as <tool_call>{"name": …, "arguments": …}</tool_call>, results in `tool` turns.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>JSON</tool_call>.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>\n"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Lines the tool tokenizer learns merges from, so a whole tool call is a few tokens.
+TOOL_CORPUS = ['<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', "the answer is 5"]
 
-def save_tiny_tokenizer(dest: Path) -> None:
-    """A byte-level BPE tokenizer trained on a few lines, vocab TINY_VOCAB, ChatML specials."""
+
+def save_tiny_tokenizer(dest: Path, tools: bool = False) -> None:
+    """A byte-level BPE tokenizer trained on a few lines, vocab TINY_VOCAB, ChatML specials; with
+    `tools`, a tool-capable chat template and merges for the tool-call test's lines."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -26,11 +41,13 @@ def save_tiny_tokenizer(dest: Path) -> None:
         vocab_size=TINY_VOCAB, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     corpus = ["the quick brown fox jumps over the lazy dog", "hello world, hello mint", "1 2 3 4 5 6 7 8 9 10"] * 20
+    if tools:
+        corpus += TOOL_CORPUS * 40
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     fast.save_pretrained(dest)
 
 
@@ -49,9 +66,12 @@ def tiny_moe_config(tie: bool = True, **overrides):
 
 
 def make_tiny_checkpoint(
-    dest: Path, family: str = "llama", tie: bool = True, seed: int = 0, fused_experts: bool = False, **moe
+    dest: Path, family: str = "llama", tie: bool = True, seed: int = 0, fused_experts: bool = False,
+    tools: bool = False, **moe
 ) -> Path:
     """Save a random tiny `family` model (llama | qwen3 | qwen3_moe) plus tokenizer into dest; returns dest.
+
+    tools: a tokenizer with a tool-capable chat template (see save_tiny_tokenizer).
 
     qwen3_moe: `moe` overrides tiny_moe_config's fields; the router gets a larger init than HF's
     0.02 so routing is decisive (no near-ties between experts). fused_experts: write transformers'
@@ -94,5 +114,5 @@ def make_tiny_checkpoint(
         for f in dest.glob("model*.safetensors*"):
             f.unlink()
         save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    save_tiny_tokenizer(dest)
+    save_tiny_tokenizer(dest, tools=tools)
     return dest

@@ -13,6 +13,7 @@ from mint_server.api.auth import Authenticator, Principal, Signer
 from mint_server.api.http import BodyLimit, install_error_handlers, principal
 from mint_server.api.jsonsafe import SafeJSONResponse
 from mint_server.api.metrics import Metrics
+from mint_server.api.openai import routes as openai_routes
 from mint_server.api.routes_catalog import make_catalog_router
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
@@ -54,6 +55,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(routes_service.metrics_router)
     app.include_router(routes_training.router)
     app.include_router(routes_rest.router)
+    for router in openai_routes.routers:
+        app.include_router(router)
     app.include_router(
         make_catalog_router(
             lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes,

@@ -27,6 +27,7 @@ from mint_server.api.auth import AuthError, Principal
 from mint_server.api.codec import DecodeError, describe_validation_error
 from mint_server.api.core import Busy, ShuttingDown
 from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
+from mint_server.api.openai.errors import OpenAIError, is_openai_path, openai_error_response
 from mint_server.api.ordering import SeqError
 from mint_server.api.paths import PathError
 from mint_server.api.runs import NotFound
@@ -118,15 +119,34 @@ def exception_response(exc: BaseException) -> JSONResponse:
     )
 
 
+def openai_exception_response(exc: BaseException) -> JSONResponse:
+    """The same statuses, in OpenAI's body shape, for the OpenAI face's paths (see api/openai)."""
+    if isinstance(exc, OpenAIError):
+        return openai_error_response(exc.status, str(exc), exc.param, exc.code)
+    if isinstance(exc, StarletteHTTPException):
+        return openai_error_response(exc.status_code, str(exc.detail))
+    status = status_for(exc)
+    if status == 500 and not isinstance(exc, IntegrityError):
+        log.exception("unhandled error", exc_info=exc)
+        return openai_error_response(500, f"internal error: {type(exc).__name__}")
+    detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
+    return openai_error_response(status, detail, getattr(exc, "field", None))
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    async def handler(_request: Request, exc: Exception) -> JSONResponse:
+    async def handler(request: Request, exc: Exception) -> JSONResponse:
+        if is_openai_path(request.url.path):
+            return openai_exception_response(exc)
         return exception_response(exc)
 
-    async def http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if is_openai_path(request.url.path):
+            return openai_exception_response(exc)
         return error_response(exc.status_code, str(exc.detail))
 
     for exc_type, _status in STATUS_OF:
         app.add_exception_handler(exc_type, handler)
+    app.add_exception_handler(OpenAIError, handler)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, handler)
 

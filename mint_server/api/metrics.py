@@ -55,6 +55,7 @@ class Metrics:
         )
         self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
                                registry=self.registry)
+        self.streams = Gauge("mint_openai_streams", "OpenAI-face responses in flight", registry=self.registry)
         self._engine: object | None = None
         self._seen: dict[tuple[str, str], float] = {}
 

@@ -13,6 +13,7 @@ from mint_server.api.checkpoints import CheckpointService
 from mint_server.api.core import Core
 from mint_server.api.extensions import MintService
 from mint_server.api.metrics import Metrics
+from mint_server.api.openai.service import OpenAIService
 from mint_server.api.runs import NotFound, check_project
 from mint_server.api.sampling import SamplingService
 from mint_server.api.sessions import Session
@@ -31,6 +32,7 @@ class Service:
         self.training = TrainingService(self.core, self.sampling.add_snapshot)
         self.checkpoints = CheckpointService(self.core)
         self.mint = MintService(self.core, self.training)
+        self.openai = OpenAIService(self.core)
         self._upkeep: asyncio.Task[None] | None = None
         self._retiring: set[asyncio.Task[Any]] = set()
 

@@ -3,6 +3,7 @@
 import typer
 
 from mint_server.cli import catalog as catalog_cli
+from mint_server.cli import chat as chat_cli
 from mint_server.cli import generate as generate_cli
 from mint_server.cli import model as model_cli
 from mint_server.cli import plan as plan_cli
@@ -16,6 +17,7 @@ catalog_cli.register(app)
 serve_cli.register(app)
 sweep_cli.register(app)
 plan_cli.register(app)
+chat_cli.register(app)
 
 
 def main() -> None:

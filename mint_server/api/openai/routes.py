@@ -1,0 +1,133 @@
+"""HTTP routes of the OpenAI face, mounted at /oai/api/v1 and at /v1 (what OpenAI clients assume).
+
+Auth is the Tinker API's: the same keys and owners, sent as `Authorization: Bearer KEY` (the
+`X-API-Key` header works too). Streams are Server-Sent Events: `data: {chunk}` per event, then
+`data: [DONE]`. A stream whose client disconnects is closed at once, which cancels its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from mint_server.api.auth import AuthError, Principal
+from mint_server.api.codec import describe_validation_error
+from mint_server.api.http import API_KEY_HEADER, json_body, service
+from mint_server.api.openai.errors import PREFIXES, OpenAIError, error_body
+from mint_server.api.openai.schemas import ChatRequest, CompletionRequest
+from mint_server.api.openai.service import OpenAIService
+from mint_server.api.runs import NotFound
+from mint_server.engine.interface import EngineError
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def openai(request: Request) -> OpenAIService:
+    return service(request).openai
+
+
+def principal(request: Request) -> Principal:
+    """The caller, from `Authorization: Bearer KEY` (or X-API-Key); 401 in OpenAI's shape otherwise."""
+    auth = request.headers.get("authorization", "")
+    scheme, _, credential = auth.partition(" ")
+    key = credential.strip() if scheme.lower() == "bearer" else request.headers.get(API_KEY_HEADER)
+    try:
+        return request.app.state.authenticator.authenticate(key or None)
+    except AuthError as e:
+        message = "missing API key: send Authorization: Bearer KEY" if not key else str(e)
+        raise OpenAIError(401, message, code="invalid_api_key") from None
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await json_body(request)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise OpenAIError(400, describe_validation_error(e), param) from None
+
+
+class EventStream(Response):
+    """An SSE response that notices a disconnect while it waits for the next event (not only when a
+    write fails), so a client that leaves releases its sequences at once."""
+
+    def __init__(self, events: AsyncIterator[dict[str, Any]]) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        headers += [(k.lower().encode(), v.encode()) for k, v in SSE_HEADERS.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        writer = asyncio.ensure_future(self._write(send))
+        watcher = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (writer, watcher):
+                task.cancel()
+            await asyncio.gather(writer, watcher, return_exceptions=True)
+            await self.events.aclose()  # runs the generator's cleanup: cancels what still runs
+
+    async def _write(self, send: Send) -> None:
+        try:
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
+        except (OpenAIError, EngineError, NotFound) as e:  # after the 200 went out: the error is an event
+            status = e.status if isinstance(e, OpenAIError) else (404 if isinstance(e, NotFound) else 400)
+            await send({"type": "http.response.body", "body": _frame(error_body(status, str(e))), "more_body": True})
+        except OSError:
+            return  # the client is gone
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _frame(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+def make_router(prefix: str) -> APIRouter:
+    router = APIRouter(prefix=prefix)
+
+    @router.get("/models")
+    async def list_models(request: Request, limit: int = Query(100, ge=1, le=1000), after: str | None = None,
+                          p: Principal = Depends(principal)) -> Any:  # fmt: skip
+        return await asyncio.to_thread(openai(request).list_models, p.owner, limit, after)
+
+    @router.get("/models/{model_id:path}")
+    async def get_model(model_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+        return openai(request).get_model(p.owner, model_id)
+
+    @router.post("/chat/completions")
+    async def chat(request: Request, p: Principal = Depends(principal)) -> Any:
+        req: ChatRequest = await _parse(request, ChatRequest)
+        face = openai(request)
+        reply = face.admit_chat(p.owner, req)
+        if req.stream:
+            return EventStream(face.chat_stream(reply, req))
+        return await face.chat(reply, req)
+
+    @router.post("/completions")
+    async def completions(request: Request, p: Principal = Depends(principal)) -> Any:
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        face = openai(request)
+        reply = face.admit_completion(p.owner, req)
+        if req.stream:
+            return EventStream(face.complete_stream(reply, req))
+        return await face.complete(reply, req)
+
+    return router
+
+
+routers = [make_router(prefix) for prefix in PREFIXES]

@@ -1,0 +1,100 @@
+"""Request bodies of the OpenAI face. Unknown fields are ignored, as OpenAI does; a field of the
+wrong type is a 400 naming it. Responses are plain dicts built in `service.py` (OpenAI's shapes)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MAX_CHOICES = 128  # n × prompts; the same bound as num_samples on the Tinker face
+MAX_STOPS = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension (vLLM's): -1 or 0 = no limit
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    return_tokens_as_token_ids: bool = False  # extension (vLLM's): logprob tokens as "token_id:N"
+    ignore_eos: bool = False  # extension (vLLM's): run to max_tokens or a stop string (benchmarks)
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedTool(_Body):
+    type: Literal["function"]
+    function: dict[str, Any]
+
+
+class ResponseFormat(_Body):
+    type: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None  # accepted: several calls in one answer are always parsed
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)

@@ -1,0 +1,528 @@
+"""The OpenAI face's operations: model listing and resolution, completions and chat completions,
+streamed or not. No HTTP here (routes.py turns these dicts into JSON and Server-Sent Events) and
+no tensors (the engine samples; `mint_server.serving` renders chats and detokenizes).
+
+A request's `model` is resolved once, when it is admitted, like a Tinker sampling session's path:
+an alias that moves afterwards changes only later requests. Every response runs one engine sample
+request per prompt; its tokens go through the same `TextStream` whether or not the client streams,
+so streamed text always equals non-streamed text. A streamed response whose client goes away sets
+its cancel event: the engine drops its sequences and frees their KV at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from tinker import types
+
+from mint_server.api.core import Busy, Core
+from mint_server.api.openai.errors import OpenAIError
+from mint_server.api.openai.schemas import MAX_CHOICES, MAX_STOPS, ChatRequest, CompletionRequest, _Sampling
+from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
+from mint_server.api.runs import NotFound
+from mint_server.api.validate import InvalidInput
+from mint_server.catalog.errors import CatalogError
+from mint_server.engine.interface import EngineError, TokenCallback
+from mint_server.engine.jobs import SampleJob
+from mint_server.engine.residency import AdapterSource
+from mint_server.serving.chat import ChatError, ChatTemplate, ToolCall, ToolCallGate
+from mint_server.serving.text import TextStream
+
+log = logging.getLogger(__name__)
+OWNED_BY = "mint"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a request samples from, pinned at admission."""
+
+    model: str  # as the client named it (echoed in responses)
+    source: AdapterSource | None  # None: the bare base model
+    fingerprint: str  # the revision it resolved to: "NAME@N:sha256-prefix", or "base"
+
+
+@dataclass
+class Choice:
+    index: int
+    text: TextStream
+    gate: ToolCallGate | None  # set when tool calls are parsed from this choice's text
+    logprobs: list[float] = field(default_factory=list)  # of the tokens `text` accepted
+    finish_reason: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    completion_tokens: int = 0
+
+
+@dataclass
+class Update:
+    """What a choice gained: new text, the tokens (and logprobs) that made it, or its end."""
+
+    choice: Choice
+    text: str = ""
+    tokens: list[tuple[int, float]] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class Reply:
+    """One admitted response: its engine jobs (one per prompt, parsed at admission) and its choices."""
+
+    target: Target
+    prompts: list[list[int]]
+    n: int
+    jobs: list[SampleJob]
+    choices: list[Choice]
+    created: int = field(default_factory=lambda: int(time.time()))
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class Mailbox:
+    """Carries tokens from the engine's thread to the event loop with one wakeup per batch of them
+    (a decode step draws a token for every running stream at once), not one per token."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: collections.deque[tuple[asyncio.Queue, tuple]] = collections.deque()
+        self._scheduled = False
+
+    def post(self, queue: asyncio.Queue, item: tuple) -> None:  # any thread
+        self._items.append((queue, item))
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the loop
+        self._scheduled = False  # before draining: a post that sees False schedules another pass
+        while self._items:
+            queue, item = self._items.popleft()
+            queue.put_nowait(item)
+
+
+class OpenAIService:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.engine = core.engine
+        self._mailbox: Mailbox | None = None
+
+    def mailbox(self) -> Mailbox:
+        loop = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        return self._mailbox
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.engine.model_dir)
+
+    @cached_property
+    def template(self) -> ChatTemplate:
+        return ChatTemplate(self.tokenizer)
+
+    @cached_property
+    def decode(self) -> Callable[[list[int]], str]:
+        """Token ids → text without special tokens; straight through the Rust tokenizer when that
+        is all transformers' decode would do (it runs for every streamed token)."""
+        tok = self.tokenizer
+        backend = getattr(tok, "_tokenizer", None)
+        if backend is not None and not getattr(tok, "clean_up_tokenization_spaces", False):
+            return lambda ids: backend.decode(ids, skip_special_tokens=True)
+        return lambda ids: tok.decode(ids, skip_special_tokens=True)
+
+    # --- models -----------------------------------------------------------------------------------
+    def list_models(self, owner: str, limit: int, after: str | None) -> dict[str, Any]:
+        """The base model, then each servable policy as NAME (its latest revision) and NAME@ALIAS."""
+        catalog = self.core.policies.catalog
+        data = [] if after else [self._model(self.engine.base_model, 0)]
+        try:
+            page = catalog.list_policies(owner, cursor=after, limit=limit)
+            for policy in page.items:
+                if policy.base_model != self.engine.base_model:
+                    continue
+                created = int(policy.created_at.timestamp())
+                data.append(self._model(policy.name, created))
+                cursor = None
+                while True:
+                    aliases = catalog.list_aliases(owner, policy.name, cursor=cursor, limit=1000)
+                    data.extend(self._model(f"{policy.name}@{a.name}", created) for a in aliases.items)
+                    if (cursor := aliases.next_cursor) is None:
+                        break
+        except CatalogError as e:  # a malformed `after` cursor
+            raise OpenAIError(400, str(e), "after") from None
+        return {"object": "list", "data": data, "has_more": page.next_cursor is not None,
+                "next_cursor": page.next_cursor}  # fmt: skip
+
+    def get_model(self, owner: str, model_id: str) -> dict[str, Any]:
+        self.resolve(model_id, owner)
+        return self._model(model_id, 0)
+
+    @staticmethod
+    def _model(model_id: str, created: int) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}
+
+    def resolve(self, model: str, owner: str) -> Target:
+        """The base model's name, NAME, NAME@ALIAS|N|<sha prefix>, or a tinker:// path (a sampler
+        checkpoint or a policy reference), pinned now."""
+        if model == self.engine.base_model:
+            return Target(model, None, "base")
+        try:
+            ref = parse_policy_ref(model) if is_checkpoint_path(model) else model
+            if ref is None:
+                source = self.core.read_source(model, owner)
+                return Target(model, source, source.key)
+            revision, policy = self.core.policies.resolve(ref, owner)
+            self.core.policies.check_servable(ref, policy)
+        except NotFound as e:
+            raise OpenAIError(404, f"model {model!r} not found: {e}", "model", "model_not_found") from None
+        except (InvalidInput, PathError) as e:
+            raise OpenAIError(400, f"model {model!r}: {e}", "model") from None
+        # Keyed by content, like the Tinker face's sources: equal revisions share one loaded adapter.
+        source = AdapterSource(f"rev:{revision.sha256}", checkout=self.core.policies.checkout_fn(revision))
+        return Target(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
+
+    # --- the engine -------------------------------------------------------------------------------
+    def prepare(self, owner: str, target: Target, prompt: list[int], n: int, params: types.SamplingParams,
+                stop_at_eos: bool) -> SampleJob:  # fmt: skip
+        """Parse one prompt's engine job now, so bad input is a 400 before any stream starts."""
+        try:
+            return self.engine.prepare_sample(target.source, prompt, n, params, key=owner, stop_at_eos=stop_at_eos)
+        except EngineError as e:
+            raise OpenAIError(400, str(e)) from None
+
+    async def sample(self, job: SampleJob, on_token: TokenCallback | None, cancel: threading.Event) -> types.SampleResponse:
+        """The one place this face runs engine work (re-point it here when the engine boundary moves).
+        A cold revision loads through the engine's residency manager like the Tinker sampler's."""
+        return await self.core.call(self.engine.submit(job.streaming(on_token, cancel)))
+
+    # --- admission --------------------------------------------------------------------------------
+    def _params(self, req: _Sampling, prompts: list[list[int]], max_tokens: int | None) -> types.SamplingParams:
+        if req.presence_penalty or req.frequency_penalty:
+            param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
+            raise OpenAIError(400, f"{param} is not supported by this server (only 0)", param)
+        if req.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported by this server", "logit_bias")
+        stops = req.stops()
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise OpenAIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise OpenAIError(400, f"n × prompts must be at most {MAX_CHOICES}", "n")
+        context = self.engine.limits.max_context
+        longest = max(len(p) for p in prompts)
+        if max_tokens is not None and longest + max_tokens > context:
+            raise OpenAIError(400, f"the prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
+                                   f"model's context length ({context})", "max_tokens")  # fmt: skip
+        if longest >= context:
+            raise OpenAIError(400, f"the prompt ({longest} tokens) leaves no room in the model's context "
+                                   f"length ({context})", "messages")  # fmt: skip
+        for p in prompts:
+            if not p:
+                raise OpenAIError(400, "the prompt is empty", "prompt")
+            bad = [t for t in p if not 0 <= t < self.engine.limits.vocab_size]
+            if bad:
+                raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.engine.limits.vocab_size})",
+                                  "prompt")
+        top_k = req.top_k if req.top_k not in (None, 0) else -1
+        return types.SamplingParams(
+            # An explicit list replaces EOS ([] never stops); None stops at EOS. EOS is added back
+            # next to stop strings by the engine's stop_at_eos unless the request ignores EOS.
+            max_tokens=max_tokens, seed=req.seed, stop=stops if stops or req.ignore_eos else None, top_k=top_k,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+        )
+
+    def _admit(self, owner: str, target: Target, prompts: list[list[int]], n: int, params: types.SamplingParams,
+               req: _Sampling, tools: bool) -> Reply:  # fmt: skip
+        jobs = [self.prepare(owner, target, p, n, params, stop_at_eos=not req.ignore_eos) for p in prompts]
+        if self.core.sampling_inflight + len(prompts) > self.core.settings.max_inflight_samples:
+            raise Busy("too many sample requests in flight; retry shortly")
+        choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
+                   for i in range(len(prompts) * n)]  # fmt: skip
+        return Reply(target, prompts, n, jobs, choices)
+
+    # --- running ----------------------------------------------------------------------------------
+    async def run(self, reply: Reply, stream: bool) -> AsyncIterator[Update]:
+        """Updates for every choice until all have finished. Streaming gets one per token as the engine
+        draws it; otherwise the tokens arrive with the result. Leaving early (the client went away)
+        cancels what is still running."""
+        mailbox = self.mailbox()
+        events: asyncio.Queue[tuple[str, int, Any, Any]] = asyncio.Queue()
+        tasks = []
+        for k, engine_job in enumerate(reply.jobs):
+            base = k * reply.n
+
+            def on_token(i: int, token: int, logprob: float, base: int = base) -> None:
+                mailbox.post(events, ("token", base + i, token, logprob))
+
+            running = asyncio.ensure_future(self._one(reply, engine_job, on_token if stream else None))
+            # Through the mailbox too, so the result never overtakes the request's last tokens.
+            running.add_done_callback(lambda t, k=k: mailbox.post(events, ("done", k, t, None)))
+            tasks.append(running)
+        self.core.sampling_inflight += len(tasks)
+        self.core.metrics.streams.inc()
+        pending = len(tasks)
+        try:
+            while pending:
+                kind, index, value, logprob = await events.get()
+                if kind == "token":
+                    if (update := self._push(reply.choices[index], value, logprob)) is not None:
+                        yield update
+                    continue
+                pending -= 1
+                done: asyncio.Future[types.SampleResponse] = value
+                if done.cancelled():
+                    raise EngineError("the request was cancelled")
+                if (error := done.exception()) is not None:
+                    raise error
+                for i, seq in enumerate(done.result().sequences):
+                    for update in self._finish(reply.choices[index * reply.n + i], seq):
+                        yield update
+        finally:
+            self.core.metrics.streams.dec()
+            if pending:
+                reply.cancel.set()  # the engine frees their KV at its next step
+            for task in tasks:
+                # Their errors (SampleCancelled, or a failure after another request's) are seen here only.
+                task.add_done_callback(_consume)
+
+    async def _one(self, reply: Reply, engine_job: SampleJob, on_token: TokenCallback | None) -> types.SampleResponse:
+        try:
+            return await self.sample(engine_job, on_token, reply.cancel)
+        finally:
+            self.core.sampling_inflight -= 1
+
+    @staticmethod
+    def _push(choice: Choice, token: int, logprob: float) -> Update | None:
+        if choice.text.stopped or choice.finish_reason is not None:
+            return None  # tokens past a stop string, before the engine noticed: not shown
+        text = choice.text.push(token)
+        choice.logprobs.append(logprob)
+        if choice.gate is not None:
+            text = choice.gate.push(text)
+        return Update(choice, text, [(token, logprob)])
+
+    def _finish(self, choice: Choice, seq: types.SampledSequence) -> list[Update]:
+        """The sequence's result: push the tokens the stream has not seen, then end the choice."""
+        out = []
+        seen = len(choice.text.tokens)
+        for token, logprob in zip(seq.tokens[seen:], seq.logprobs[seen:], strict=False):
+            if (update := self._push(choice, token, logprob)) is not None:
+                out.append(update)
+        # The engine's logprobs are the truth (the streamed ones are the same numbers).
+        choice.logprobs = list(seq.logprobs[: len(choice.text.tokens)])
+        rest = choice.text.finish()
+        choice.completion_tokens = len(seq.tokens)
+        reason = "stop" if seq.stop_reason == "stop" or choice.text.stopped else "length"
+        if choice.gate is not None:
+            rest = choice.gate.push(rest)
+            tail, choice.tool_calls = choice.gate.finish()
+            rest += tail
+            if choice.tool_calls:
+                reason = "tool_calls"
+        choice.finish_reason = reason
+        out.append(Update(choice, rest, finished=True))
+        return out
+
+    # --- chat completions -------------------------------------------------------------------------
+    def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
+        self.core.check_accepting()
+        target = self.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
+        if req.response_format is not None and req.response_format.type != "text":
+            raise OpenAIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                              "response_format")
+        if req.logprobs and req.top_logprobs:
+            raise OpenAIError(400, "top_logprobs > 0 is not supported by this server (logprobs of the chosen "
+                                   "tokens are)", "top_logprobs")  # fmt: skip
+        choice = req.tool_choice
+        if choice is not None and choice not in ("none", "auto"):
+            raise OpenAIError(400, "tool_choice: only 'auto' and 'none' are supported (nothing forces a call)",
+                              "tool_choice")
+        if choice is not None and not req.tools:
+            raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        try:
+            prompt = self.template.render([m.model_dump(exclude_none=True) for m in req.messages], tools)
+        except ChatError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        params = self._params(req, [prompt], max_tokens)
+        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none")
+
+    async def chat(self, reply: Reply, req: ChatRequest) -> dict[str, Any]:
+        async with contextlib.aclosing(self.run(reply, stream=False)) as updates:
+            async for _ in updates:
+                pass
+        choices = []
+        for c in reply.choices:
+            content = c.text.text
+            if c.tool_calls:
+                content = content[: content.find("<tool_call>")] if "<tool_call>" in content else content
+                content = content if content.strip() else None
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if c.tool_calls:
+                message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
+            choices.append({
+                "index": c.index, "message": message, "finish_reason": c.finish_reason,
+                "logprobs": self._chat_logprobs(c, c.text.tokens, c.logprobs, req) if req.logprobs else None,
+            })  # fmt: skip
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": reply.created,
+                "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices,
+                "usage": reply.usage}  # fmt: skip
+
+    async def chat_stream(self, reply: Reply, req: ChatRequest) -> AsyncIterator[dict[str, Any]]:
+        chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            out = {"id": chunk_id, "object": "chat.completion.chunk", "created": reply.created,
+                   "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices}
+            if usage:
+                out["usage"] = None
+            return out  # fmt: skip
+
+        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in reply.choices])  # fmt: skip
+        async with contextlib.aclosing(self.run(reply, stream=True)) as updates:
+            async for u in updates:
+                for chunk_ in self._chat_chunks(u, req, chunk):
+                    yield chunk_
+        if usage:
+            yield {**chunk([]), "usage": reply.usage}
+
+    def _chat_chunks(self, u: Update, req: ChatRequest, chunk: Callable[[list[dict]], dict]) -> list[dict]:
+        """The chunks one update becomes: its text (and logprobs), then, at the end, calls and finish."""
+        out: list[dict] = []
+        c = u.choice
+        logprobs = self._chat_logprobs(c, [t for t, _ in u.tokens], [lp for _, lp in u.tokens], req) \
+            if req.logprobs and u.tokens else None
+        if u.text or logprobs:
+            out.append(chunk([{"index": c.index, "delta": {"content": u.text}, "logprobs": logprobs,
+                               "finish_reason": None}]))  # fmt: skip
+        if u.finished:
+            if c.tool_calls:
+                calls = [{"index": k, **_tool_call(t)} for k, t in enumerate(c.tool_calls)]
+                out.append(chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                   "finish_reason": None}]))  # fmt: skip
+            out.append(chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                               "finish_reason": c.finish_reason}]))  # fmt: skip
+        return out
+
+    def _token_text(self, token: int, as_ids: bool) -> str:
+        return f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+
+    def _chat_logprobs(self, c: Choice, tokens: list[int], logprobs: list[float], req: ChatRequest) -> dict:
+        entries = []
+        for t, lp in zip(tokens, logprobs, strict=True):
+            text = self._token_text(t, req.return_tokens_as_token_ids)
+            entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"content": entries, "refusal": None}
+
+    # --- completions ------------------------------------------------------------------------------
+    def admit_completion(self, owner: str, req: CompletionRequest) -> Reply:
+        self.core.check_accepting()
+        target = self.resolve(req.model, owner)
+        for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, req.n))):
+            if bad:
+                raise OpenAIError(400, f"{name} is not supported by this server", name)
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported by this server", "echo")
+        if req.logprobs:
+            raise OpenAIError(400, "logprobs > 0 (top alternatives) is not supported by this server; "
+                                   "logprobs=0 gives the chosen tokens' logprobs", "logprobs")  # fmt: skip
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [list(prompt)]  # type: ignore[arg-type]
+        else:
+            prompts = list(prompt)  # type: ignore[arg-type]
+        if not prompts:
+            raise OpenAIError(400, "prompt is empty", "prompt")
+        ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
+        max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        params = self._params(req, ids, max_tokens)
+        return self._admit(owner, target, ids, req.n, params, req, tools=False)
+
+    def _echo(self, reply: Reply, c: Choice) -> str:
+        return self.decode(reply.prompts[c.index // reply.n])
+
+    async def complete(self, reply: Reply, req: CompletionRequest) -> dict[str, Any]:
+        async with contextlib.aclosing(self.run(reply, stream=False)) as updates:
+            async for _ in updates:
+                pass
+        choices = []
+        for c in reply.choices:
+            echo = self._echo(reply, c) if req.echo else ""
+            logprobs = self._completion_logprobs(c.text.tokens, c.logprobs, req, len(echo)) \
+                if req.logprobs is not None else None
+            choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": logprobs,
+                            "finish_reason": c.finish_reason})  # fmt: skip
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": reply.created,
+                "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices,
+                "usage": reply.usage}  # fmt: skip
+
+    async def complete_stream(self, reply: Reply, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
+        chunk_id = f"cmpl-{uuid.uuid4().hex}"
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        offsets = {c.index: 0 for c in reply.choices}
+
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+            out = {"id": chunk_id, "object": "text_completion", "created": reply.created, "model": reply.target.model,
+                   "system_fingerprint": reply.target.fingerprint, "choices": choices}
+            if usage:
+                out["usage"] = None
+            return out  # fmt: skip
+
+        if req.echo:
+            for c in reply.choices:
+                echo = self._echo(reply, c)
+                offsets[c.index] = len(echo)
+                yield chunk([{"index": c.index, "text": echo, "logprobs": None, "finish_reason": None}])
+        async with contextlib.aclosing(self.run(reply, stream=True)) as updates:
+            async for u in updates:
+                c = u.choice
+                logprobs = None
+                if req.logprobs is not None and u.tokens:
+                    logprobs = self._completion_logprobs([t for t, _ in u.tokens], [lp for _, lp in u.tokens], req,
+                                                         offsets[c.index])  # fmt: skip
+                offsets[c.index] += len(u.text)
+                if u.text or logprobs or u.finished:
+                    yield chunk([{"index": c.index, "text": u.text, "logprobs": logprobs,
+                                  "finish_reason": c.finish_reason if u.finished else None}])  # fmt: skip
+        if usage:
+            yield {**chunk([]), "usage": reply.usage}
+
+    def _completion_logprobs(self, tokens: list[int], logprobs: list[float], req: CompletionRequest,
+                             offset: int) -> dict[str, Any]:  # fmt: skip
+        texts = [self._token_text(t, req.return_tokens_as_token_ids) for t in tokens]
+        starts = []
+        for text in texts:
+            starts.append(offset)
+            offset += len(text)
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": starts}
+
+
+def _tool_call(t: ToolCall) -> dict[str, Any]:
+    return {"id": t.id, "type": "function", "function": {"name": t.name, "arguments": t.arguments}}
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+

@@ -1,0 +1,158 @@
+"""Chat prompts and tool calls: OpenAI-style messages through the model's own chat template, and
+tool calls found in generated text. No HTTP and no tensors here; the tokenizer is transformers'.
+
+Tool calls are read in the Hermes format that Qwen2.5/Qwen3, Hermes and SmolLM3 templates teach
+their models:
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+Text before the first `<tool_call>` is the message's content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_TOOL_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)(?:" + re.escape(TOOL_CALL_CLOSE) + r"|\Z)", re.DOTALL)
+
+
+class ChatError(ValueError):
+    """A chat request the template cannot render; `param` names the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+
+class ChatTemplate:
+    """Renders messages (plain dicts in OpenAI's shape) to prompt token ids with the tokenizer's template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        template = getattr(tokenizer, "chat_template", None)
+        self.source = template if isinstance(template, str) else ""
+        # A template that never reads `tools` would drop them silently: refuse tools for it instead.
+        self.supports_tools = bool(re.search(r"\btools\b", self.source))
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        if not self.source:
+            raise ChatError("this model has no chat template; use /completions", "messages")
+        if tools and not self.supports_tools:
+            raise ChatError("this model's chat template does not support tools", "tools")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [_template_message(m, i) for i, m in enumerate(messages)],
+                tools=tools or None, add_generation_prompt=True, tokenize=False,
+            )
+        except TemplateError as e:  # e.g. raise_exception("roles must alternate")
+            raise ChatError(f"the chat template refused these messages: {e}", "messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_message(m: dict[str, Any], index: int) -> dict[str, Any]:
+    """One message as chat templates expect it: text content, tool-call arguments as objects."""
+    role = "system" if m["role"] == "developer" else m["role"]
+    out: dict[str, Any] = {"role": role, "content": message_text(m.get("content"), f"messages[{index}].content")}
+    if m.get("name"):
+        out["name"] = m["name"]
+    if m.get("tool_call_id"):
+        out["tool_call_id"] = m["tool_call_id"]
+    if m.get("tool_calls"):
+        calls = []
+        for call in m["tool_calls"]:
+            fn = call["function"]
+            try:
+                args: Any = json.loads(fn["arguments"])
+            except ValueError:
+                args = fn["arguments"]  # not JSON: the template gets the text as it came
+            calls.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out["tool_calls"] = calls
+    return out
+
+
+def message_text(content: Any, where: str) -> str:
+    """A message's content as text: a string, or a list of text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ChatError(f"{where}[{j}]: only text parts are supported", where)
+        parts.append(part["text"])
+    return "".join(parts)
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of generated text. Text whose tool-call blocks do not all parse as
+    `{"name": str, "arguments": object}` is returned whole, as content, with no calls."""
+    start = text.find(TOOL_CALL_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for block in _TOOL_CALL.finditer(text, start):
+        try:
+            obj = json.loads(block.group(1))
+        except ValueError:
+            return text, []
+        args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict | str):
+            return text, []
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append(ToolCall(f"call_{secrets.token_hex(12)}", obj["name"], arguments))
+    content = text[:start]
+    return (content if content.strip() else None), calls
+
+
+class ToolCallGate:
+    """Streams content until a tool call begins; after that, holds everything for parse_tool_calls."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent = 0
+        self.open = False  # a tool-call block has begun
+
+    def push(self, delta: str) -> str:
+        self.text += delta
+        if self.open:
+            return ""
+        at = self.text.find(TOOL_CALL_OPEN, self._sent)
+        if at >= 0:
+            self.open = True
+            end = at
+        else:  # hold back a tail that may be the start of the marker
+            end = len(self.text)
+            for n in range(min(len(TOOL_CALL_OPEN) - 1, len(self.text) - self._sent), 0, -1):
+                if self.text.endswith(TOOL_CALL_OPEN[:n]):
+                    end -= n
+                    break
+        out = self.text[self._sent : end]
+        self._sent = end
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """(content not yet streamed, tool calls) at the end of the sequence."""
+        content, calls = parse_tool_calls(self.text)
+        if calls:
+            return "", calls
+        rest = self.text[self._sent :]  # no calls after all: what was held is plain content
+        self._sent = len(self.text)
+        return rest, []

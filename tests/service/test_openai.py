@@ -1,0 +1,390 @@
+"""The OpenAI-compatible face through the official `openai` SDK (sync, async, streaming) and raw
+HTTP, against a live server on the real engine over a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import tinker
+from tinker import types
+
+from mint_server.api.auth import owner_id
+from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, datum, tiny_engine, train
+from tests.tiny import make_tiny_checkpoint
+
+POLICY = "pol"
+PROMPT = [5, 17, 33, 60, 61]
+HELLO = [{"role": "user", "content": "hello world"}]
+
+
+@pytest.fixture(scope="module")
+def live(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server for the module, holding policy `pol` with revisions 1 and 2 and `pol@prod` → 1."""
+    with LiveServer(tiny_engine(tiny_dir), tmp_path_factory.mktemp("oai") / "data") as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1, user_metadata={"policy": POLICY}).result()
+        train(tc, 2)
+        tc.save_weights_for_sampler("r1").result()
+        train(tc, 2)
+        tc.save_weights_for_sampler("r2").result()
+        catalog(server).set_alias(owner_id(KEY_A), POLICY, "prod", 1, actor="test")
+        client.close("success")
+        yield server
+
+
+def catalog(server: LiveServer) -> Any:
+    return server.service.core.policies.catalog
+
+
+@pytest.fixture
+def oai(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY_A, max_retries=0)
+
+
+def tinker_sample(server: LiveServer, path: str, prompt: list[int], n: int, params: types.SamplingParams) -> Any:
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    try:
+        sc = client.create_sampling_client(model_path=path).result()
+        return sc.sample(types.ModelInput.from_ints(prompt), n, params).result()
+    finally:
+        client.close("success")
+
+
+def ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def metric(server: LiveServer, name: str) -> float:
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+# --- models, auth, ownership ----------------------------------------------------------------------
+
+def test_models_auth_and_ownership(live: LiveServer, oai: openai.OpenAI) -> None:
+    assert [m.id for m in oai.models.list()] == [BASE, POLICY, f"{POLICY}@prod"]
+    assert oai.models.retrieve(f"{POLICY}@prod").id == f"{POLICY}@prod"
+    assert oai.models.retrieve(BASE).id == BASE  # a name with a '/'
+    # Both prefixes serve the face.
+    same = openai.OpenAI(base_url=f"{live.url}/oai/api/v1", api_key=KEY_A, max_retries=0)
+    assert [m.id for m in same.models.list()] == [BASE, POLICY, f"{POLICY}@prod"]
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{live.url}/v1", api_key="tml-not-a-known-key", max_retries=0).models.list()
+    r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": BASE, "messages": HELLO})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key" and "Bearer" in r.json()["error"]["message"]
+
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.chat.completions.create(model="no-such-policy", messages=HELLO, max_tokens=2)
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+
+    # Another key's policy is invisible: not listed, not resolvable, not by any reference form.
+    other = openai.OpenAI(base_url=f"{live.url}/v1", api_key=KEY_B, max_retries=0)
+    assert [m.id for m in other.models.list()] == [BASE]
+    for ref in (POLICY, f"{POLICY}@prod", f"{POLICY}@1", f"tinker://{POLICY}@prod"):
+        with pytest.raises(openai.NotFoundError):
+            other.completions.create(model=ref, prompt=PROMPT, max_tokens=2)
+        with pytest.raises(openai.NotFoundError):
+            other.models.retrieve(ref)
+
+
+# --- numerics: the Tinker sampler's -----------------------------------------------------------------
+
+@pytest.mark.parametrize("model", [f"{POLICY}@prod", f"{POLICY}@2", BASE])
+def test_completion_tokens_and_logprobs_equal_the_tinker_sampling_clients(
+    live: LiveServer, oai: openai.OpenAI, model: str
+) -> None:
+    path = f"tinker://{model}" if model != BASE else None
+    params = types.SamplingParams(max_tokens=10, temperature=1.0, seed=7)
+    out = oai.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=1.0, seed=7, n=2,
+                                 logprobs=0, extra_body={"return_tokens_as_token_ids": True})
+    if path is None:
+        client = tinker.ServiceClient(base_url=live.url, api_key=KEY_A)
+        ref = client.create_sampling_client(base_model=BASE).result().sample(types.ModelInput.from_ints(PROMPT), 2, params).result()
+        client.close("success")
+    else:
+        ref = tinker_sample(live, path, PROMPT, 2, params)
+    for choice, seq in zip(out.choices, ref.sequences, strict=True):
+        assert ids(choice.logprobs.tokens) == list(seq.tokens)
+        assert choice.logprobs.token_logprobs == pytest.approx(list(seq.logprobs), abs=1e-4)
+    assert out.usage.prompt_tokens == len(PROMPT)
+    assert out.usage.completion_tokens == sum(len(s.tokens) for s in ref.sequences)
+
+
+def test_chat_logprobs_equal_the_tinker_sampling_clients(live: LiveServer, oai: openai.OpenAI) -> None:
+    face = live.service.openai
+    prompt = face.template.render(HELLO)
+    out = oai.chat.completions.create(model=f"{POLICY}@prod", messages=HELLO, max_tokens=8, seed=3, logprobs=True,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    ref = tinker_sample(live, f"tinker://{POLICY}@prod", prompt, 1, types.SamplingParams(max_tokens=8, seed=3))
+    (seq,) = ref.sequences
+    entries = out.choices[0].logprobs.content
+    assert ids([e.token for e in entries]) == list(seq.tokens)
+    assert [e.logprob for e in entries] == pytest.approx(list(seq.logprobs), abs=1e-4)
+    assert out.choices[0].message.content == face.decode(list(seq.tokens))
+    assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(seq.tokens)
+
+
+# --- streaming ------------------------------------------------------------------------------------
+
+def collect(stream: Any) -> tuple[dict[int, str], dict[int, str], Any]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    return texts, reasons, usage
+
+
+def test_streamed_text_equals_non_streamed(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=f"{POLICY}@prod", messages=HELLO, max_tokens=24, seed=11, n=3)
+    whole = oai.chat.completions.create(**kw)
+    texts, reasons, usage = collect(oai.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert reasons == {c.index: c.finish_reason for c in whole.choices}
+    assert usage == whole.usage and usage.completion_tokens == sum(
+        len(c.logprobs.content) for c in oai.chat.completions.create(**kw, logprobs=True).choices
+    )
+    assert len(set(texts.values())) == 3  # n samples, each on its own stream
+
+    kw = dict(model=POLICY, prompt=["hello world", "the quick"], max_tokens=12, seed=5, n=2)
+    whole_c = oai.completions.create(**kw)
+    texts, reasons, _ = collect(oai.completions.create(**kw, stream=True))
+    assert texts == {c.index: c.text for c in whole_c.choices} and len(texts) == 4
+    assert reasons == {c.index: c.finish_reason for c in whole_c.choices}
+
+
+def test_async_client(live: LiveServer) -> None:
+    async def main() -> tuple[Any, str]:
+        client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=KEY_A, max_retries=0)
+        kw: dict[str, Any] = dict(model=f"{POLICY}@2", messages=HELLO, max_tokens=16, seed=2)
+        whole, stream = await asyncio.gather(
+            client.chat.completions.create(**kw), client.chat.completions.create(**kw, stream=True)
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return whole, text
+
+    whole, text = asyncio.run(main())
+    assert whole.choices[0].message.content == text and whole.system_fingerprint.startswith(f"{POLICY}@2:")
+
+
+def test_stop_strings_cut_across_token_boundaries(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=BASE, prompt="hello world", max_tokens=40, temperature=0.0,
+                              extra_body={"return_tokens_as_token_ids": True}, logprobs=0)
+    full = oai.completions.create(**kw).choices[0]
+    text = full.text
+    # A stop string that ends inside the text, starting past its first characters (and not at a
+    # replacement character, which only marks bytes that never formed a character).
+    start = next(i for i in range(2, len(text) - 3) if "\ufffd" not in text[i : i + 3] and text[:i].find(text[i : i + 3]) < 0)
+    stop = text[start : start + 3]
+    cut = oai.completions.create(**kw, stop=[stop, "never-generated"]).choices[0]
+    assert cut.text == text[:start] and cut.finish_reason == "stop"
+    assert len(cut.logprobs.tokens) < len(full.logprobs.tokens)  # the engine stopped there too
+    texts, reasons, _ = collect(oai.completions.create(**kw, stop=stop, stream=True))
+    assert texts == {0: text[:start]} and reasons == {0: "stop"}
+
+
+# --- SSE framing, disconnects, alias moves ------------------------------------------------------------
+
+def test_raw_sse_framing(live: LiveServer) -> None:
+    body = {"model": BASE, "prompt": PROMPT, "max_tokens": 5, "stream": True, "seed": 1,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{live.url}/oai/api/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as r:  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_bytes()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]][-1] == "length"
+
+
+def test_client_disconnect_cancels_the_stream_and_frees_its_kv(live: LiveServer) -> None:
+    engine = live.engine
+    decoded_before = engine.sampler.stats.decode_tokens
+    body = {"model": BASE, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{live.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")  # tokens are flowing
+        engine.pause()  # hold the worker before its next turn, so the stream cannot finish on its own
+        assert metric(live, "mint_kv_blocks_in_use") > 0
+    # The connection is closed: the server notices, closes the stream and sets its cancel event.
+    wait_for(lambda: metric(live, "mint_openai_streams") == 0)
+    engine.resume()
+    wait_for(lambda: metric(live, "mint_kv_blocks_in_use") == 0)
+    assert engine.sampler.stats.decode_tokens - decoded_before < 199  # it stopped early
+
+
+def wait_for(condition: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_alias_move_during_a_stream(live: LiveServer, oai: openai.OpenAI) -> None:
+    owner = owner_id(KEY_A)
+    catalog(live).set_alias(owner, POLICY, "live", 1, actor="test")
+    kw: dict[str, Any] = dict(model=f"{POLICY}@live", messages=HELLO, max_tokens=30, seed=4, extra_body={"ignore_eos": True})
+    rev1 = oai.chat.completions.create(**{**kw, "model": f"{POLICY}@1"})
+    rev2 = oai.chat.completions.create(**{**kw, "model": f"{POLICY}@2"})
+    assert rev1.choices[0].message.content != rev2.choices[0].message.content
+
+    stream = oai.chat.completions.create(**kw, stream=True)
+    first = next(stream)  # admitted: the alias is resolved, the revision pinned
+    assert first.system_fingerprint.startswith(f"{POLICY}@1:")
+    catalog(live).set_alias(owner, POLICY, "live", 2, actor="test")
+    after = oai.chat.completions.create(**kw)  # a new request sees the move
+    assert after.choices[0].message.content == rev2.choices[0].message.content
+    assert after.system_fingerprint.startswith(f"{POLICY}@2:")
+    rest = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert rest == rev1.choices[0].message.content  # the running stream kept its revision
+
+
+# --- tools ----------------------------------------------------------------------------------------
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+ASK = [{"role": "user", "content": "add 2 and 3"}]
+
+
+def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny model with a tool-capable template, taught one tool call and one answer, is asked
+    through the SDK: the call comes back parsed, its result goes back as a `tool` message, and the
+    model answers."""
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("tools") / "llama", tools=True)
+    with LiveServer(tiny_engine(model_dir), tmp_path_factory.mktemp("tools-data") / "data") as server:
+        tok = server.service.openai.tokenizer
+        call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+        answered = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "5"}]  # fmt: skip
+        face = server.service.openai
+        examples = []
+        for messages, reply in ((ASK, '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'),
+                                (answered, "the answer is 5")):  # fmt: skip
+            prompt = face.template.render(messages, [ADD])
+            completion = tok(reply, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            tokens = prompt + completion
+            weights = [0.0] * (len(prompt) - 1) + [1.0] * len(completion)
+            examples.append(datum(tokens, weights))
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(base_model=BASE, rank=8, seed=0,
+                                                user_metadata={"policy": "tooly"}).result()  # fmt: skip
+        for _ in range(30):  # memorize both replies, so greedy decoding says them back
+            steps = [(tc.forward_backward(examples, "cross_entropy"), tc.optim_step(types.AdamParams(learning_rate=5e-3)))
+                     for _ in range(10)]  # fmt: skip
+            losses = [fb.result().metrics["loss:sum"] for fb, opt in steps if opt.result()]
+            if losses[-1] < 0.5:
+                break
+        tc.save_weights_for_sampler("taught").result()
+        client.close("success")
+
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY_A, max_retries=0)
+        out = oai.chat.completions.create(model="tooly", messages=ASK, tools=[ADD], temperature=0, max_tokens=40)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (got,) = choice.message.tool_calls
+        assert got.function.name == "add" and json.loads(got.function.arguments) == {"a": 2, "b": 3}
+        assert got.id.startswith("call_") and choice.message.content is None
+
+        # Streamed: the same call arrives as a tool_calls delta.
+        chunks = list(oai.chat.completions.create(model="tooly", messages=ASK, tools=[ADD], temperature=0,
+                                                  max_tokens=40, stream=True))  # fmt: skip
+        deltas = [d for c in chunks for ch in c.choices if (d := ch.delta.tool_calls)]
+        assert len(deltas) == 1 and deltas[0][0].function.name == "add"
+        assert json.loads(deltas[0][0].function.arguments) == {"a": 2, "b": 3}
+        assert [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason] == ["tool_calls"]
+
+        back = [*ASK, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": got.id, "content": "5"}]  # fmt: skip
+        final = oai.chat.completions.create(model="tooly", messages=back, tools=[ADD], temperature=0, max_tokens=20)
+        assert final.choices[0].message.content == "the answer is 5"
+        assert final.choices[0].finish_reason == "stop" and final.choices[0].message.tool_calls is None
+
+        # tool_choice "none": the text is not parsed into calls.
+        plain = oai.chat.completions.create(model="tooly", messages=ASK, tools=[ADD], tool_choice="none",
+                                            temperature=0, max_tokens=40)  # fmt: skip
+        assert plain.choices[0].finish_reason == "stop" and "<tool_call>" in plain.choices[0].message.content
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "fragment"),
+    [
+        ("chat/completions", {"model": BASE}, "messages", "missing field 'messages'"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "max_tokens": "many"}, "max_tokens", "max_tokens"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "n": 0}, "n", "n"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "temperature": 3}, "temperature", "temperature"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "presence_penalty": 0.5}, "presence_penalty",
+         "not supported"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "tools": [ADD]}, "tools", "does not support tools"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "max_tokens": 10_000}, "max_tokens", "context"),
+        ("chat/completions", {"model": BASE, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role",
+         "role"),
+        ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content", "only text parts"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "logprobs": True, "top_logprobs": 2}, "top_logprobs",
+         "not supported"),
+        ("chat/completions", {"model": "bad name!", "messages": HELLO}, "model", "model"),
+        ("completions", {"model": BASE, "prompt": [1, 2, 10_000]}, "prompt", "outside the vocabulary"),
+        ("completions", {"model": BASE, "prompt": []}, "prompt", "empty"),
+        ("completions", {"model": BASE, "prompt": "x", "stop": [""]}, "stop", "stop"),
+        ("completions", {"model": BASE, "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+    ],
+)
+def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: dict, param: str, fragment: str) -> None:
+    r = httpx.post(f"{live.url}/v1/{path}", json=body, headers={"Authorization": f"Bearer {KEY_A}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and fragment in error["message"], error
+    assert metric(live, "mint_kv_blocks_in_use") == 0
+
+
+def test_unknown_fields_are_ignored_and_bodies_must_be_json(live: LiveServer) -> None:
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    r = httpx.post(f"{live.url}/v1/completions", headers=headers, timeout=30,
+                   json={"model": BASE, "prompt": "x", "max_tokens": 1, "some_new_openai_field": {"x": 1}})  # fmt: skip
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    r = httpx.post(f"{live.url}/v1/completions", headers=headers, content=b"{nope", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+# --- mint chat ------------------------------------------------------------------------------------
+
+def test_mint_chat_streams_a_conversation(live: LiveServer, oai: openai.OpenAI) -> None:
+    from typer.testing import CliRunner
+
+    from mint_server.cli import app
+
+    kw: dict[str, Any] = dict(max_tokens=6, temperature=0.0)
+    first = oai.chat.completions.create(model=f"{POLICY}@prod", messages=HELLO, **kw).choices[0].message.content
+    history = [*HELLO, {"role": "assistant", "content": first}, {"role": "user", "content": "again"}]
+    second = oai.chat.completions.create(model=f"{POLICY}@prod", messages=history, **kw).choices[0].message.content
+    result = CliRunner().invoke(app, ["chat", f"{POLICY}@prod", "--server", live.url, "--api-key", KEY_A,
+                                      "--max-tokens", "6", "--temperature", "0"],
+                                input="hello world\nagain\n/exit\n")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert f"> {first}\n> {second}\n> " in result.stdout
+    result = CliRunner().invoke(app, ["chat", "nope", "--server", live.url, "--api-key", KEY_A], input="hi\n")
+    assert "error: 404" in result.output
