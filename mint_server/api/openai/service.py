@@ -25,7 +25,7 @@ from typing import Any
 
 from tinker import types
 
-from mint_server.api.core import Busy, Core
+from mint_server.api.core import Busy, Core, same_base_model
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.schemas import MAX_CHOICES, MAX_STOPS, ChatRequest, CompletionRequest, _Sampling
 from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
@@ -180,7 +180,7 @@ class OpenAIService:
     def resolve(self, model: str, owner: str) -> Target:
         """The base model's name, NAME, NAME@ALIAS|N|<sha prefix>, or a tinker:// path (a sampler
         checkpoint or a policy reference), pinned now."""
-        if model == self.engine.base_model:
+        if same_base_model(model, self.engine.base_model, self.engine.model_dir):  # as the Tinker face does
             return Target(model, None, "base")
         try:
             ref = parse_policy_ref(model) if is_checkpoint_path(model) else model
