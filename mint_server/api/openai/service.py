@@ -193,8 +193,8 @@ class OpenAIService:
             raise OpenAIError(404, f"model {model!r} not found: {e}", "model", "model_not_found") from None
         except (InvalidInput, PathError) as e:
             raise OpenAIError(400, f"model {model!r}: {e}", "model") from None
-        # Keyed by content, like the Tinker face's sources: equal revisions share one loaded adapter.
-        source = AdapterSource(f"rev:{revision.sha256}", checkout=self.core.policies.checkout_fn(revision))
+        # The Tinker face's own source for this revision, named by number so it stays the one resolved now.
+        source = self.core.read_source(f"tinker://{revision.policy}@{revision.number}", owner)
         return Target(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
 
     # --- the engine -------------------------------------------------------------------------------
