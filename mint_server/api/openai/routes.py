@@ -22,6 +22,7 @@ from mint_server.api.http import API_KEY_HEADER, json_body, service
 from mint_server.api.openai.errors import PREFIXES, OpenAIError, error_body
 from mint_server.api.openai.schemas import ChatRequest, CompletionRequest
 from mint_server.api.openai.service import OpenAIService
+from mint_server.api.openapi import body_doc
 from mint_server.api.runs import NotFound
 from mint_server.engine.interface import EngineError
 
@@ -109,7 +110,7 @@ def make_router(prefix: str) -> APIRouter:
     async def get_model(model_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
         return openai(request).get_model(p.owner, model_id)
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", openapi_extra=body_doc(ChatRequest))
     async def chat(request: Request, p: Principal = Depends(principal)) -> Any:
         req: ChatRequest = await _parse(request, ChatRequest)
         face = openai(request)
@@ -118,7 +119,7 @@ def make_router(prefix: str) -> APIRouter:
             return EventStream(face.chat_stream(reply, req))
         return await face.chat(reply, req)
 
-    @router.post("/completions")
+    @router.post("/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request, p: Principal = Depends(principal)) -> Any:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         face = openai(request)
