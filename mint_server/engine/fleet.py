@@ -258,9 +258,9 @@ class FleetEngine:
 
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "") -> SampleJob:
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
-                                   topk_prompt_logprobs, record=record, key=key)
+                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
 
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
         return self.prepare.score(adapter, tokens, key=key)

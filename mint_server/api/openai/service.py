@@ -209,7 +209,9 @@ class OpenAIService:
     async def sample(self, job: SampleJob, on_token: TokenCallback | None, cancel: threading.Event) -> types.SampleResponse:
         """The one place this face runs engine work (re-point it here when the engine boundary moves).
         A cold revision loads through the engine's residency manager like the Tinker sampler's."""
-        return await self.core.call(self.engine.submit(job.streaming(on_token, cancel)))
+        # Only streams carry the callback and the event (neither crosses a process: see docs/openai.md).
+        streamed = job.streaming(on_token, cancel) if on_token is not None else job
+        return await self.core.call(self.engine.submit(streamed))
 
     # --- admission --------------------------------------------------------------------------------
     def _params(self, req: _Sampling, prompts: list[list[int]], max_tokens: int | None) -> types.SamplingParams:
