@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
@@ -24,6 +25,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and kernels.fast():  # one fused op (no cast to keep parity for)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like HF, then cast back: keeps bf16 parity.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -50,6 +53,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, D]; cos/sin [B, 1, T, D]; HF's rotate-half convention."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: apply_rope_fast's form of rotate-half's sign."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_fast(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """apply_rope with the sign folded into sin (see signed_sin): one copy and one fused multiply-add
+    instead of a negation, a concatenation, two products and a sum."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin_signed)
 
 
 class KVCache:
@@ -149,7 +165,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kernels.fast():
+            ssin = signed_sin(sin)
+            q, k = apply_rope_fast(q, cos, ssin), apply_rope_fast(k, cos, ssin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
@@ -177,7 +197,14 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
         g = project(self.gate_proj, x, lora, "gate_proj", self.layer)
         u = project(self.up_proj, x, lora, "up_proj", self.layer)
-        return project(self.down_proj, F.silu(g) * u, lora, "down_proj", self.layer)
+        return project(self.down_proj, silu_mul(g, u), lora, "down_proj", self.layer)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) · u; fast kernels without autograd reuse g's memory (it is a fresh projection output)."""
+    if kernels.fast() and not torch.is_grad_enabled():
+        return F.silu(g, inplace=True).mul_(u)
+    return F.silu(g) * u
 
 
 class Block(nn.Module):
@@ -192,6 +219,9 @@ class Block(nn.Module):
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None) -> Tensor:
+        if kernels.fast() and not torch.is_grad_enabled():  # residual adds in place: x is ours (see hidden_states)
+            x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, lora, cache))
+            return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, lora, cache)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
@@ -226,7 +256,7 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)  # a fresh tensor: blocks may add into it in place
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         recompute = checkpoint and cache is None and torch.is_grad_enabled()
         for block in self.layers:
