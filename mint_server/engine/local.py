@@ -70,6 +70,7 @@ class LocalEngine:
 
         self.settings = s = settings or EngineSettings()
         s.check()
+        torch.set_num_threads(s.intra_op_threads())
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)

@@ -9,6 +9,7 @@ capabilities all read these two objects, so a rule is written once.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class EngineSettings:
     load_bytes_per_step: int = 256 * 1024 * 1024
     # Where paged-out training state lives; None: a private temporary dir.
     store_dir: Path | None = None
+    # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
+    threads: int | None = None
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -47,11 +50,22 @@ class EngineSettings:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
         if not (isinstance(self.records_ttl_s, int | float) and math.isfinite(self.records_ttl_s)
                 and self.records_ttl_s > 0):
             raise ValueError(f"records_ttl_s must be > 0, got {self.records_ttl_s!r}")
+
+    def intra_op_threads(self) -> int:
+        """threads, or the cores given to this process (its CPU affinity) when unset."""
+        if self.threads is not None:
+            return self.threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
