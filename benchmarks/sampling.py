@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--skip-full", action="store_true", help="skip the full a-d runs (e.g. with --step-rounds)")
     ap.add_argument("--step-rounds", type=int, default=0, help="also compare single decode steps, N rounds")
     ap.add_argument("--ranks", default="8,32", help="ranks of the --step-rounds comparison (PEFT at --rank only)")
+    ap.add_argument("--skip-e", action="store_true", help="skip the shared-prefill comparison (e)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
@@ -291,6 +292,9 @@ def main() -> None:
 
     # (e): n/8 prompts × 8 samples on one adapter each; shared = one request with num_samples=8,
     # separate = 8 requests of one sample with prompt sharing switched off.
+    if args.skip_e:
+        print(json.dumps(result))
+        return
     groups = max(n // 8, 1)
     long_prompts = prompts(groups, args.e_prompt_len, cfg.vocab_size, seed=1)
     e_len = args.e_prompt_len + args.e_new_tokens

@@ -205,7 +205,7 @@ class LocalEngine:
         waiting = waiting_work + sum(1 for a in self.sampler.waiting_adapters() if a.slot is None)
         return {"resident": counts, "loads": dict(stats.loads), "evictions": dict(stats.evictions),
                 "load_seconds": loads, "step_seconds": steps, "waiting_for_adapter": waiting,
-                "kv_blocks_in_use": self.sampler.kv_blocks_in_use}
+                "kv_blocks_in_use": self.sampler.kv_blocks_in_use, "sampler": self.sampler.totals()}
 
     # --- queue ----------------------------------------------------------------------------------
     def _submit(self, work: _Work) -> Future:
