@@ -127,6 +127,9 @@ class CacheView:
         self.table = block_table[:, : -(-self.kv_len // bs)]
         self.write_block = block_table.gather(1, positions // bs)  # [B, T]
         self.write_offset = positions % bs
+        # fast kernels: one flat index per token into [blocks · positions] (index_copy_/index_select
+        # dispatch less than two-index assignment and tensor __getitem__).
+        self.write_flat = (self.write_block * bs + self.write_offset).flatten() if kernels.fast() else None
         # [B, 1, T, kv_len]: a query sees keys at positions ≤ its own; whatever lies beyond (stale
         # entries, padding, the scratch block) is masked.
         keys = torch.arange(self.kv_len, device=positions.device)
@@ -135,11 +138,20 @@ class CacheView:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this forward's k, v [B, H, T, D]; return each row's keys/values [B, H, kv_len, D]."""
         ck, cv = self.cache.k[layer], self.cache.v[layer]
+        if self.write_flat is not None:
+            B, H, T, D = k.shape
+            ck.view(-1, H, D).index_copy_(0, self.write_flat, k.transpose(1, 2).reshape(B * T, H, D))
+            cv.view(-1, H, D).index_copy_(0, self.write_flat, v.transpose(1, 2).reshape(B * T, H, D))
+            return self._read(ck), self._read(cv)
         ck[self.write_block, self.write_offset] = k.transpose(1, 2)
         cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         return self._read(ck), self._read(cv)
 
     def _read(self, c: Tensor) -> Tensor:
+        if self.write_flat is not None:
+            rows = self.table.shape[0]
+            blocks = c.index_select(0, self.table.flatten())
+            return blocks.view(rows, -1, *c.shape[2:])[:, : self.kv_len].transpose(1, 2)
         return c[self.table].flatten(1, 2)[:, : self.kv_len].transpose(1, 2)
 
 
