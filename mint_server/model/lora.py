@@ -286,7 +286,7 @@ def _add_mixed_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, p
         s = scale[lo:hi].to(x.dtype)[:, None, None]
         if plan.identity:
             xa = torch.bmm(x.reshape(width, per * T, fi), Aw) * s
-            return torch.baddbmm(y.view(width, per * T, out), xa, Bw).view(rows, T, out)
+            return torch.baddbmm(y.reshape(width, per * T, out), xa, Bw).view(rows, T, out)
         xs = x.index_select(0, plan.src)
         if plan.dest is not None:  # zero rows where an adapter has fewer than `per` rows
             xs = x.new_zeros(width * per, T, fi).index_copy(0, plan.dest, xs)
