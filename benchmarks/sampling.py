@@ -10,7 +10,13 @@ Workloads, each `seqs` concurrent sequences × `new-tokens` new tokens (temperat
 Reports aggregate tokens/s (prefill included) and the ratios b/a (goal ≥ 0.85), b/d (goal ≥ 10),
 e = shared / separate prefill time (goal ≤ 0.2). a, b and c run interleaved, one step each in turn;
 --step-rounds also times single decode steps of a, b, c and d in turn (medians), which holds up best
-when other processes share the machine. Prints results as they come, then one JSON line.
+when other processes share the machine, at each of --ranks (goals: b/a ≥ 0.85 at r8, ≥ 0.7 at r32,
+b ≥ 5× d at r32, b's step ≤ 1.25× its floor); `b_reference` is workload b on MINT_KERNELS=reference
+(the per-row gather, plain elementwise ops) stepped in the same rounds: the before/after ratio.
+
+First it prints the machine's measured read bandwidth and fp32 matmul peak (benchmarks.common), and
+each step time also as a multiple of its floor (bytes / bandwidth, FLOPs / peak; the larger).
+Prints results as they come, then one JSON line.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from pathlib import Path
 import torch
 from tinker import types
 
-from benchmarks.common import smollm2_dir
+from benchmarks.common import decode_floor, load_average, machine_floors, smollm2_dir
+from mint_server.model import kernels
 from mint_server.model.loader import load_model
 from mint_server.model.lora import ALL_TARGETS, target_shapes
 from mint_server.model.peft_io import LoraWeights, save_peft
@@ -128,8 +135,10 @@ def compare_steps(samplers: dict[str, Sampler], workloads: dict[str, list[str | 
     with torch.inference_mode():
         ids = torch.tensor(batch)
         mask = torch.ones_like(ids)
-        out = hf(input_ids=ids, attention_mask=mask, adapter_names=names, use_cache=True)
-        state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1), "mask": mask}
+        state: dict = {}
+        if hf is not None:
+            out = hf(input_ids=ids, attention_mask=mask, adapter_names=names, use_cache=True)
+            state = {"cache": out.past_key_values, "next": out.logits[:, -1:].argmax(-1), "mask": mask}
 
         def peft_step() -> None:  # what generate does per token, minus its bookkeeping
             state["mask"] = torch.cat([state["mask"], torch.ones(n, 1, dtype=torch.long)], dim=1)
@@ -138,7 +147,9 @@ def compare_steps(samplers: dict[str, Sampler], workloads: dict[str, list[str | 
             probs = torch.softmax(o.logits[:, -1].float(), dim=-1)
             state["cache"], state["next"] = o.past_key_values, torch.multinomial(probs, 1)
 
-        steps = {**{k: s.step for k, s in samplers.items()}, "d_transformers_peft": peft_step}
+        steps = {k: _stepper(k, s) for k, s in samplers.items()}
+        if hf is not None:
+            steps["d_transformers_peft"] = peft_step
         times: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(rounds):
             for k, fn in steps.items():
@@ -149,6 +160,18 @@ def compare_steps(samplers: dict[str, Sampler], workloads: dict[str, list[str | 
         while s.has_work():
             s.step()
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _stepper(name: str, sampler: Sampler):
+    """The sampler's step, on the reference kernels if the workload's name ends in _reference."""
+    if not name.endswith("_reference"):
+        return sampler.step
+
+    def step() -> None:
+        with kernels.use("reference"):
+            sampler.step()
+
+    return step
 
 
 def profile_decode(sampler: Sampler, adapters: list[str | None], batch: list[list[int]], steps: int = 5) -> str:
@@ -180,6 +203,8 @@ def main() -> None:
     ap.add_argument("--skip-peft", action="store_true")
     ap.add_argument("--skip-full", action="store_true", help="skip the full a-d runs (e.g. with --step-rounds)")
     ap.add_argument("--step-rounds", type=int, default=0, help="also compare single decode steps, N rounds")
+    ap.add_argument("--ranks", default="8,32", help="ranks of the --step-rounds comparison (PEFT at --rank only)")
+    ap.add_argument("--skip-e", action="store_true", help="skip the shared-prefill comparison (e)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default=None)
     args = ap.parse_args()
@@ -188,6 +213,10 @@ def main() -> None:
     model = load_model(model_dir, device=args.device)
     cfg, dev, dtype = model.config, model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     n = args.seqs
+    floors = machine_floors(str(dev))
+    print(f"machine: read {floors['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
+          f"{floors['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s, load average {load_average()}, "
+          f"MINT_KERNELS={kernels.mode()}", flush=True)
     registry = AdapterRegistry(cfg, num_slots=n + 1, max_rank=args.rank, device=dev, dtype=dtype)
     weights = [random_adapter(cfg, args.rank, seed=i) for i in range(n)]
     ids = [registry.install(w, trainable=False).id for w in weights]
@@ -211,15 +240,42 @@ def main() -> None:
     })
     workloads = {"a_one_adapter": [ids[0]] * n, "b_distinct_adapters": ids, "c_base": [None] * n}
     hf = None if args.skip_peft else load_peft_model(model_dir, weights)
+    report(read_gb_s=floors["read_bytes_per_s"] / 1e9, matmul_gflop_s=floors["matmul_flop_per_s"] / 1e9,
+           load_average_start=load_average())
     if args.step_rounds:
         # Per-step medians, every workload stepping in turn at the same context length: the most
         # load-robust comparison on a shared machine (the full runs below take minutes each).
-        if hf is None:
-            raise SystemExit("--step-rounds needs the PEFT model; drop --skip-peft")
-        med = compare_steps({k: sampler() for k in workloads}, workloads, hf, batch, args.step_rounds)
-        report(**{f"step_s_{k}": v for k, v in med.items()})
-        report(step_ratio_b_over_a=med["a_one_adapter"] / med["b_distinct_adapters"],
-               step_ratio_b_over_d=med["d_transformers_peft"] / med["b_distinct_adapters"])
+        for rank in sorted({int(r) for r in args.ranks.split(",")} | {args.rank}):
+            if rank == args.rank:
+                reg, peft_model = registry, hf
+                rids = ids
+            else:  # another bank and set of adapters at this rank; no PEFT run
+                reg = AdapterRegistry(cfg, num_slots=n + 1, max_rank=rank, device=dev, dtype=dtype)
+                rids = [reg.install(random_adapter(cfg, rank, seed=i), trainable=False).id for i in range(n)]
+                peft_model = None
+            wl = {"a_one_adapter": [rids[0]] * n, "b_distinct_adapters": rids, "b_distinct_adapters_reference": rids,
+                  "c_base": [None] * n}
+            kw = {"kv_slots": n, "max_seq_len": args.prompt_len + args.step_rounds + 2}
+            med = compare_steps({k: Sampler(model, reg, **kw) for k in wl}, wl, peft_model, batch, args.step_rounds)
+            ctx = args.prompt_len + args.step_rounds // 2
+            floor_b = decode_floor(cfg, n, ctx, rank, n, floors)
+            floor_a = decode_floor(cfg, n, ctx, rank, 1, floors)
+            b, a = med["b_distinct_adapters"], med["a_one_adapter"]
+            report(**{f"r{rank}_step_s_{k}": v for k, v in med.items()})
+            report(**{
+                f"r{rank}_step_ratio_b_over_a": a / b,
+                f"r{rank}_step_ratio_b_over_a_reference": a / med["b_distinct_adapters_reference"],
+                f"r{rank}_speedup_b_fast_over_reference": med["b_distinct_adapters_reference"] / b,
+                f"r{rank}_floor_s_b": floor_b["floor_s"], f"r{rank}_floor_s_a": floor_a["floor_s"],
+                f"r{rank}_b_over_floor": b / floor_b["floor_s"], f"r{rank}_a_over_floor": a / floor_a["floor_s"],
+                f"r{rank}_b_memory_floor_s": floor_b["memory_floor_s"],
+                f"r{rank}_b_compute_floor_s": floor_b["compute_floor_s"],
+            })
+            if peft_model is not None:
+                report(**{f"r{rank}_step_ratio_b_over_d": med["d_transformers_peft"] / b})
+            if reg is not registry:
+                del reg
+        report(load_average_end=load_average())
     if not args.skip_full:
         # a, b, c step in turn (see run_interleaved), so load from other processes skews them alike.
         samplers = {k: sampler() for k in workloads}
@@ -236,6 +292,9 @@ def main() -> None:
 
     # (e): n/8 prompts × 8 samples on one adapter each; shared = one request with num_samples=8,
     # separate = 8 requests of one sample with prompt sharing switched off.
+    if args.skip_e:
+        print(json.dumps(result))
+        return
     groups = max(n // 8, 1)
     long_prompts = prompts(groups, args.e_prompt_len, cfg.vocab_size, seed=1)
     e_len = args.e_prompt_len + args.e_new_tokens

@@ -14,7 +14,11 @@ Measures, each variant in a fresh subprocess (clean memory peaks, no shared cach
    micro-batches at one adapter's size (max_tokens_per_pass), trading wall time for memory.
 
 Medians over --steps steps after --warmup (pooled over --rounds interleaved repeats); wall time
-and process CPU time. The last stdout line is a JSON summary.
+and process CPU time. First it prints the machine's measured read bandwidth and fp32 matmul peak;
+a training step's floor is its FLOPs / that peak, and each step is also given as a multiple of it.
+`--only ab` alternates ours (MINT_KERNELS=fast), ours on the reference kernels and PEFT in one
+process: the before/after ratio of the kernels, measured side by side. Goals: ≥ 1.5× PEFT tokens/s,
+≥ 75% of the matmul peak. The last stdout line is a JSON summary.
 
     python benchmarks/train.py [--model-dir DIR] [--steps 5] [--warmup 2] [--rounds 1] [--device cpu]
 """
@@ -190,14 +194,24 @@ def cuda_peak(args) -> dict:
 
 
 def worker_ab(args) -> dict:
-    """Ours and PEFT in one process, steps alternated: on a shared machine, slow spells then hit
-    both alike, so their ratio stays meaningful even when absolute times do not."""
+    """Ours (fast kernels), ours on the reference kernels and PEFT in one process, steps
+    alternated: on a shared machine, slow spells then hit all alike, so their ratios stay
+    meaningful even when absolute times do not."""
+    from mint_server.model import kernels
+
     args.variant = "ours"
     ours = worker_ours(args, build_only=True)
+    ours_ref_step = worker_ours(args, build_only=True)
+
+    def ours_ref() -> None:
+        with kernels.use("reference"):
+            ours_ref_step()
+
     peft = peft_step(args)
-    res: dict[str, dict] = {"ours": {"step_s": [], "step_cpu_s": []}, "peft": {"step_s": [], "step_cpu_s": []}}
+    trio = [("ours", ours), ("ours_reference", ours_ref), ("peft", peft)]
+    res: dict[str, dict] = {k: {"step_s": [], "step_cpu_s": []} for k, _ in trio}
     for i in range(args.warmup + args.steps):
-        for name, step in (("ours", ours), ("peft", peft)) if i % 2 else (("peft", peft), ("ours", ours)):
+        for name, step in trio[i % 3:] + trio[: i % 3]:
             t0, c0 = time.perf_counter(), time.process_time()
             step()
             sync(args.device)
@@ -287,7 +301,15 @@ def main() -> None:
         return
 
     only = set((args.only or "single,fused").split(","))
-    summary: dict = {"device": args.device, "dtype": args.dtype, "threads": args.threads or _threads(), "rows": args.rows,
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.common import load_average, machine_floors
+
+    floors = machine_floors(args.device)
+    print(f"machine: read {floors['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
+          f"{floors['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s, load average {load_average()}", flush=True)
+    summary: dict = {"read_gb_s": floors["read_bytes_per_s"] / 1e9,
+                     "matmul_gflop_s": floors["matmul_flop_per_s"] / 1e9, "load_average_start": load_average(),
+                     "device": args.device, "dtype": args.dtype, "threads": args.threads or _threads(), "rows": args.rows,
                      "seq": args.seq, "rank": args.rank, "steps": args.steps, "warmup": args.warmup,
                      "rounds": args.rounds}
     if "single" in only:
@@ -304,18 +326,28 @@ def main() -> None:
             "flop_per_token": fm["flop_per_token"], "matmul_params": fm["matmul_params"],
             "peak_matmul_flops": peak["peak_flops"],
             "ours_fraction_of_peak": tok_ours * fm["flop_per_token"] / peak["peak_flops"],
+            "ours_step_over_floor": peak["peak_flops"] / (tok_ours * fm["flop_per_token"]),
             "peft_fraction_of_peak": tok_peft * fm["flop_per_token"] / peak["peak_flops"],
             "attention_flops_left_out_vs_model": attn_share,
             "ours_peak_rss_mb": ours["peak_rss_mb"], "peft_peak_rss_mb": peft["peak_rss_mb"],
         }
     if "ab" in only:
         res = spawn("ab", args)  # alternates internally; --rounds does not apply
-        med = {k: {m: statistics.median(res[k][m]) for m in ("step_s", "step_cpu_s")} for k in ("ours", "peft")}
+        names = ("ours", "ours_reference", "peft")
+        med = {k: {m: statistics.median(res[k][m]) for m in ("step_s", "step_cpu_s")} for k in names}
+        fm = flop_model(model_dir(args.model_dir))
+        floor_s = res["tokens_per_step"] * fm["flop_per_token"] / floors["matmul_flop_per_s"]
         summary["ab_interleaved"] = {
             "ours_median_step_s": med["ours"]["step_s"], "peft_median_step_s": med["peft"]["step_s"],
+            "ours_reference_median_step_s": med["ours_reference"]["step_s"],
             "speedup_vs_peft": med["peft"]["step_s"] / med["ours"]["step_s"],
+            "speedup_reference_vs_peft": med["peft"]["step_s"] / med["ours_reference"]["step_s"],
+            "speedup_fast_over_reference": med["ours_reference"]["step_s"] / med["ours"]["step_s"],
             "speedup_vs_peft_cpu_time": med["peft"]["step_cpu_s"] / med["ours"]["step_cpu_s"],
             "ours_tokens_per_s": res["tokens_per_step"] / med["ours"]["step_s"],
+            "floor_s": floor_s, "ours_over_floor": med["ours"]["step_s"] / floor_s,
+            "ours_fraction_of_peak": floor_s / med["ours"]["step_s"],
+            "ours_reference_fraction_of_peak": floor_s / med["ours_reference"]["step_s"],
         }
     if "fused" in only:
         res = run_variants(["sequential", "fused", "fused-microbatch"], args)
@@ -333,6 +365,7 @@ def main() -> None:
             "rss_ratio_microbatch": micro["peak_rss_mb"] / seq_["peak_rss_mb"],
             "setup_rss_mb": seq_["setup_rss_mb"],
         }
+    summary["load_average_end"] = load_average()
     print(json.dumps(summary))
 
 

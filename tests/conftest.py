@@ -18,3 +18,44 @@ def mint_test_cache() -> Path:
 def smollm2_dir(mint_test_cache: Path) -> Path:
     """The prepared HuggingFaceTB/SmolLM2-135M-Instruct HF checkpoint dir (converted on first use)."""
     return prepare(None, mint_test_cache).path
+
+
+# --- kernels: the parity tests run on both MINT_KERNELS paths -----------------------------------
+# Everything runs on the mode the environment selects (default fast). The parity tests below (our
+# model vs transformers/PEFT, mixed batches vs each row alone, sampled vs trained logprobs) also run
+# on the other mode, so CI checks both paths at the cost of those tests only; `--kernels=both` runs
+# every test of these suites on both.
+PARITY_FILES = ("tests/model/test_parity.py", "tests/moe/test_moe_model.py", "tests/moe/test_moe_sampling.py",
+                "tests/engine/test_sampling.py", "tests/engine/test_training.py")
+PARITY_SUITES = ("tests/model/", "tests/moe/", "tests/engine/")
+PARITY_WORDS = ("match", "equal", "alone", "isolates")
+PARITY_SKIP = ("test_smollm2_logits_match_transformers", "test_bad_requests_fail_alone_and_leave_state_unchanged",
+               "test_bad_input_names_the_field_and_leaves_the_batch_alone")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--kernels", choices=("parity", "both", "env"), default="parity",
+                     help="parity: the parity tests run on MINT_KERNELS=fast and reference, the rest on the "
+                          "environment's mode; both: every test of tests/model, moe, engine on both; env: no extra runs")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    choice = metafunc.config.getoption("--kernels")
+    path = Path(str(metafunc.definition.path)).resolve()
+    rel = path.relative_to(Path(__file__).resolve().parent.parent).as_posix()
+    name = metafunc.definition.originalname
+    if choice == "env" or not rel.startswith(PARITY_SUITES):
+        return
+    if choice == "parity" and not (rel in PARITY_FILES and any(w in name for w in PARITY_WORDS)
+                                   and name not in PARITY_SKIP):
+        return
+    metafunc.fixturenames.append("kernels_mode")
+    metafunc.parametrize("kernels_mode", ["fast", "reference"], indirect=True)
+
+
+@pytest.fixture
+def kernels_mode(request: pytest.FixtureRequest):
+    from mint_server.model import kernels
+
+    with kernels.use(request.param):
+        yield request.param

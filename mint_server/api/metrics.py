@@ -53,6 +53,11 @@ class Metrics:
             "mint_engine_step_seconds", "One turn of the engine worker (a training pass or op, plus a sampler step)",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
         )
+        self.sampler_totals = {
+            kind: Counter(f"mint_sampler_{kind}", f"Sampler {kind} in decode and prefill forwards", ["phase"],
+                          registry=self.registry)
+            for kind in ("seconds", "tokens", "forwards")
+        }
         self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
                                registry=self.registry)
         self.streams = Gauge("mint_openai_streams", "OpenAI-face responses in flight", registry=self.registry)
@@ -86,6 +91,12 @@ class Metrics:
             self.adapter_load_seconds.observe(seconds)
         for seconds in r["step_seconds"]:
             self.engine_step.observe(seconds)
+        for kind, phases in r.get("sampler", {}).items():  # cumulative in the engine: add what is new
+            for phase, total in phases.items():
+                delta = total - self._seen.get((f"sampler_{kind}", phase), 0)
+                if delta > 0:
+                    self.sampler_totals[kind].labels(phase).inc(delta)
+                self._seen[(f"sampler_{kind}", phase)] = total
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])
 

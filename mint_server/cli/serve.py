@@ -63,6 +63,7 @@ def engine_settings(
     device_slots: int | None, adapter_slots: int | None, host_cache_mb: float | None, max_rank: int | None,
     kv_budget_tokens: int | None, max_context: int | None, max_step_tokens: int | None, store_dir: Path,
     kv_budget_mb: float | None = None,
+    threads: int | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -72,7 +73,8 @@ def engine_settings(
         log.warning("--adapter-slots is deprecated; use --device-slots")
         device_slots = device_slots if device_slots is not None else adapter_slots
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
-             "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb}
+             "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
+             "threads": threads}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -167,6 +169,10 @@ def register(app: typer.Typer) -> None:
         export_dir: Path = typer.Option(
             None, "--export-dir", help="Root that save_weights_external may write PEFT exports under (off if unset).",
         ),
+        threads: int = typer.Option(
+            None, "--threads",
+            help="Intra-op threads of the engine's tensor math [default: the cores this process may run on].",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -193,7 +199,7 @@ def register(app: typer.Typer) -> None:
 
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
-                                     max_seq_len, max_step_tokens, root / "pages", kv_budget_mb)
+                                     max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -83,6 +83,7 @@ class LocalEngine:
 
         self.settings = s = settings or EngineSettings()
         s.check()
+        torch.set_num_threads(s.intra_op_threads())
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
@@ -255,7 +256,7 @@ class LocalEngine:
         waiting = waiting_work + sum(1 for a in self.sampler.waiting_adapters() if a.slot is None)
         return {"resident": counts, "loads": dict(stats.loads), "evictions": dict(stats.evictions),
                 "load_seconds": loads, "step_seconds": steps, "waiting_for_adapter": waiting,
-                "kv_blocks_in_use": self.sampler.kv_blocks_in_use}
+                "kv_blocks_in_use": self.sampler.kv_blocks_in_use, "sampler": self.sampler.totals()}
 
     # --- queue ----------------------------------------------------------------------------------
     def _submit(self, work: _Work) -> Future:

@@ -245,6 +245,13 @@ class Sampler:
         for r in failed:
             self._fail(r, exc)
 
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Cumulative seconds and tokens of the decode and prefill forwards (for /metrics)."""
+        s = self.stats
+        return {"seconds": {"decode": s.decode_s, "prefill": s.prefill_s},
+                "tokens": {"decode": float(s.decode_tokens), "prefill": float(s.prefill_tokens)},
+                "forwards": {"decode": float(s.decode_forwards), "prefill": float(s.prefill_forwards)}}
+
     @property
     def kv_blocks_in_use(self) -> int:
         return self.pool.used

@@ -9,6 +9,7 @@ capabilities all read these two objects, so a rule is written once.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -39,6 +40,8 @@ class EngineSettings:
     load_bytes_per_step: int = 256 * 1024 * 1024
     # Where paged-out training state lives; None: a private temporary dir.
     store_dir: Path | None = None
+    # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
+    threads: int | None = None
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -52,6 +55,8 @@ class EngineSettings:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
         if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):
             raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb!r}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:
             raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
         if not (isinstance(self.records_ttl_s, int | float) and math.isfinite(self.records_ttl_s)
@@ -63,6 +68,15 @@ class EngineSettings:
         if self.kv_budget_mb is None:
             return self.kv_budget_tokens
         return max(1, int(self.kv_budget_mb * 2**20) // bytes_per_token)
+
+    def intra_op_threads(self) -> int:
+        """threads, or the cores given to this process (its CPU affinity) when unset."""
+        if self.threads is not None:
+            return self.threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

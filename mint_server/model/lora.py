@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -174,6 +175,7 @@ class LoraBatch:
     uniform: int | None = None  # every row uses this adapter
     row_scale: Tensor | None = None
     row_index: Tensor | None = None
+    plan: MixedPlan | None = None  # fast kernels, mixed rows: how add_lora groups them
 
     def __post_init__(self) -> None:
         rows = self.rows.tolist()
@@ -181,6 +183,8 @@ class LoraBatch:
         self.uniform = first if first >= 0 and all(r == first for r in rows) else None
         self.row_index = self.rows.clamp(min=0)
         self.row_scale = torch.where(self.rows >= 0, self.scale[self.row_index], torch.zeros_like(self.scale[:1]))
+        if self.uniform is None and kernels.fast():
+            self.plan = MixedPlan.of(rows, self.rows.device)
 
     @property
     def num_adapters(self) -> int:
@@ -212,8 +216,9 @@ def add_lora(
 ) -> Tensor:
     """y + scale · (x Aᵀ) Bᵀ for x [rows, tokens, in], A [n, r, in], B [n, out, r], y [rows, tokens, out].
 
-    One adapter for the whole batch: two plain matmuls. Mixed: gather each row's A/B and run two
-    batched matmuls, so cost grows with rows × rank, never with a Python loop over rows or adapters.
+    One adapter for the whole batch: two plain matmuls. Mixed, fast kernels (`kernels.fast()`):
+    rows grouped by adapter, each adapter's A/B read once straight from its slot (see MixedPlan).
+    Mixed, reference kernels: gather each row's A/B and run two batched matmuls (copies rows × A/B).
     The scale is applied to the small rank-r intermediate and the second product accumulates into y
     (addmm), so no output-sized temporary is made — it matters for the 49k-wide lm_head.
 
@@ -227,10 +232,100 @@ def add_lora(
         u = batch.uniform
         xa = (x.reshape(rows * tokens, -1) @ A[u].transpose(0, 1)) * batch.scale[u].to(x.dtype)
         return torch.addmm(y.reshape(rows * tokens, out), xa, B[u].transpose(0, 1)).view(rows, tokens, out)
+    if batch.plan is not None:
+        return _add_mixed_lora(y, x, A, B, batch.scale, batch.plan)
     a = A[batch.row_index]  # [rows, r, in]
     b = B[batch.row_index]  # [rows, out, r]
     xa = torch.bmm(x, a.transpose(1, 2)) * batch.row_scale[:, None, None].to(x.dtype)
     return torch.baddbmm(y, xa, b.transpose(1, 2))
+
+
+@dataclass
+class MixedPlan:
+    """How the fast kernels apply several adapters to one batch without copying any A/B per row.
+
+    range:    the rows' adapters lie in lo..hi (a few unused ones in between are fine); rows are laid
+              out as [hi - lo + 1, per, tokens] (adapter-major, zero padding where an adapter has
+              fewer than `per` rows) so one bmm reads A[lo:hi + 1] / B[lo:hi + 1] — plain views of
+              the bank — each adapter's weights exactly once (BGMV-style for decode rows, and for
+              training rows grouped by adapter with no copy of x at all when `identity`).
+    segments: adapters too spread out or too uneven for that padding: rows sorted by adapter, one
+              matmul pair per adapter's segment (SGMV-style), the segment's weights read once.
+    Base rows (-1) get no delta in either.
+    """
+
+    kind: str  # "range" | "segments"
+    src: Tensor  # rows with an adapter (range: in padded order; segments: sorted by adapter)
+    lo: int = 0
+    hi: int = -1
+    per: int = 1
+    dest: Tensor | None = None  # range: padded position of each src row; None = every position has one
+    identity: bool = False  # range: rows already are the padded layout (no copy of x or y)
+    adapters: list[int] = field(default_factory=list)  # segments: adapter of each segment
+    sizes: list[int] = field(default_factory=list)  # segments: rows in each
+
+    @classmethod
+    def of(cls, rows: list[int], device: torch.device) -> MixedPlan | None:
+        used = [(a, i) for i, a in enumerate(rows) if a >= 0]
+        if not used:
+            return None
+        counts: dict[int, int] = {}
+        for a, _ in used:
+            counts[a] = counts.get(a, 0) + 1
+        lo, hi, per = min(counts), max(counts), max(counts.values())
+        width = hi - lo + 1
+        # Padding costs compute on zero rows and reads the weights of unused adapters in the range;
+        # a Python-level segment costs a few matmul launches. Allow up to about 2× rows of padding.
+        if width * per <= 2 * len(used) + 8:
+            seen: dict[int, int] = {}
+            dest = []
+            for a, _ in used:
+                dest.append((a - lo) * per + seen.get(a, 0))
+                seen[a] = seen.get(a, 0) + 1
+            order = sorted(range(len(used)), key=dest.__getitem__)
+            src = [used[j][1] for j in order]
+            dest = [dest[j] for j in order]
+            full = len(used) == width * per
+            identity = full and len(rows) == len(used) and src == list(range(len(rows)))
+            return cls("range", torch.tensor(src, device=device), lo, hi, per,
+                       None if full else torch.tensor(dest, device=device), identity)
+        used.sort()
+        adapters = sorted(counts)
+        return cls("segments", torch.tensor([i for _, i in used], device=device),
+                   adapters=adapters, sizes=[counts[a] for a in adapters])
+
+
+def _add_mixed_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, plan: MixedPlan) -> Tensor:
+    """Fast mixed-adapter LoRA (see MixedPlan): y [rows, T, out] + each row's delta; no per-row A/B.
+
+    In place into y when autograd is off (y is the fresh output of the base projection).
+    """
+    rows, T, out = y.shape
+    fi = x.shape[-1]
+    grad = torch.is_grad_enabled() and (x.requires_grad or A.requires_grad or B.requires_grad)
+    if plan.kind == "range":
+        lo, hi, per = plan.lo, plan.hi + 1, plan.per
+        width = hi - lo
+        Aw, Bw = A[lo:hi].transpose(1, 2), B[lo:hi].transpose(1, 2)  # [S, in, r], [S, r, out]: views
+        s = scale[lo:hi].to(x.dtype)[:, None, None]
+        if plan.identity:
+            xa = torch.bmm(x.reshape(width, per * T, fi), Aw) * s
+            return torch.baddbmm(y.reshape(width, per * T, out), xa, Bw).view(rows, T, out)
+        xs = x.index_select(0, plan.src)
+        if plan.dest is not None:  # zero rows where an adapter has fewer than `per` rows
+            xs = x.new_zeros(width * per, T, fi).index_copy(0, plan.dest, xs)
+        xa = torch.bmm(xs.view(width, per * T, fi), Aw) * s
+        delta = torch.bmm(xa, Bw).view(width * per, T, out)
+        if plan.dest is not None:
+            delta = delta.index_select(0, plan.dest)
+        return y.index_add(0, plan.src, delta) if grad else y.index_add_(0, plan.src, delta)
+    xs = x.index_select(0, plan.src).split(plan.sizes)
+    parts = []
+    for a, xa_in in zip(plan.adapters, xs, strict=True):
+        xa = (xa_in.reshape(-1, fi) @ A[a].transpose(0, 1)) * scale[a].to(x.dtype)
+        parts.append((xa @ B[a].transpose(0, 1)).view(-1, T, out))
+    delta = torch.cat(parts)
+    return y.index_add(0, plan.src, delta) if grad else y.index_add_(0, plan.src, delta)
 
 
 def _add_expert_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch, groups: ExpertGroups) -> Tensor:

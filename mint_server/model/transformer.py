@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and kernels.fast():  # one fused op (no cast to keep parity for)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like HF, then cast back: keeps bf16 parity.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +75,19 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x [B, H, T, D]; cos/sin [B, 1, T, D]; HF's rotate-half convention."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def signed_sin(sin: Tensor) -> Tensor:
+    """sin with its first half negated: apply_rope_fast's form of rotate-half's sign."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope_fast(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """apply_rope with the sign folded into sin (see signed_sin): one copy and one fused multiply-add
+    instead of a negation, a concatenation, two products and a sum."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), sin_signed)
 
 
 class KVCache:
@@ -148,6 +164,9 @@ class CacheView:
         self.table = block_table[:, : -(-self.kv_len // bs)]
         self.write_block = block_table.gather(1, positions // bs)  # [B, T]
         self.write_offset = positions % bs
+        # fast kernels: one flat index per token into [blocks · positions] (index_copy_/index_select
+        # dispatch less than two-index assignment and tensor __getitem__).
+        self.write_flat = (self.write_block * bs + self.write_offset).flatten() if kernels.fast() else None
         # [B, 1, T, kv_len]: a query sees keys at positions ≤ its own; whatever lies beyond (stale
         # entries, padding, the scratch block) is masked.
         keys = torch.arange(self.kv_len, device=positions.device)
@@ -156,6 +175,11 @@ class CacheView:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store this forward's k, v [B, H, T, D]; return each row's keys/values [B, H, kv_len, D]."""
         ck, cv = self.cache.k[layer], self.cache.v[layer]
+        if self.write_flat is not None:
+            B, H, T, D = k.shape
+            ck.view(-1, H, D).index_copy_(0, self.write_flat, k.transpose(1, 2).reshape(B * T, H, D))
+            cv.view(-1, H, D).index_copy_(0, self.write_flat, v.transpose(1, 2).reshape(B * T, H, D))
+            return self._read(ck), self._read(cv)
         ck[self.write_block, self.write_offset] = k.transpose(1, 2)
         cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         return self._read(ck), self._read(cv)
@@ -168,6 +192,10 @@ class CacheView:
         return c[self.table].flatten(1, 2)[:, : self.kv_len]
 
     def _read(self, c: Tensor) -> Tensor:
+        if self.write_flat is not None:
+            rows = self.table.shape[0]
+            blocks = c.index_select(0, self.table.flatten())
+            return blocks.view(rows, -1, *c.shape[2:])[:, : self.kv_len].transpose(1, 2)
         return c[self.table].flatten(1, 2)[:, : self.kv_len].transpose(1, 2)
 
 
@@ -193,7 +221,11 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kernels.fast():
+            ssin = signed_sin(sin)
+            q, k = apply_rope_fast(q, cos, ssin), apply_rope_fast(k, cos, ssin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
@@ -221,7 +253,14 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
         g = project(self.gate_proj, x, lora, "gate_proj", self.layer)
         u = project(self.up_proj, x, lora, "up_proj", self.layer)
-        return project(self.down_proj, F.silu(g) * u, lora, "down_proj", self.layer)
+        return project(self.down_proj, silu_mul(g, u), lora, "down_proj", self.layer)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) · u; fast kernels without autograd reuse g's memory (it is a fresh projection output)."""
+    if kernels.fast() and not torch.is_grad_enabled():
+        return F.silu(g, inplace=True).mul_(u)
+    return F.silu(g) * u
 
 
 class Block(nn.Module):
@@ -236,6 +275,9 @@ class Block(nn.Module):
         )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None) -> Tensor:
+        if kernels.fast() and not torch.is_grad_enabled():  # residual adds in place: x is ours (see hidden_states)
+            x = x.add_(self.self_attn(self.input_layernorm(x), cos, sin, lora, cache))
+            return x.add_(self.mlp(self.post_attention_layernorm(x), lora))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, lora, cache)
         return x + self.mlp(self.post_attention_layernorm(x), lora)
 
@@ -271,7 +313,7 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens)  # a fresh tensor: blocks may add into it in place
         cos, sin = angles.cos(), angles.sin()
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor

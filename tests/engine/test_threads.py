@@ -1,0 +1,21 @@
+"""The engine's --threads setting."""
+
+import os
+
+import pytest
+import typer
+
+from mint_server.cli.serve import engine_settings
+from mint_server.engine.settings import EngineSettings
+
+
+def test_threads_default_to_the_cores_given_and_bad_values_name_the_flag(tmp_path):
+    assert EngineSettings().intra_op_threads() == len(os.sched_getaffinity(0))
+    assert EngineSettings(threads=3).intra_op_threads() == 3
+    with pytest.raises(ValueError, match="threads"):
+        EngineSettings(threads=0).check()
+    s = engine_settings(None, None, None, None, None, None, None, tmp_path, threads=1)
+    assert s.threads == 1
+    with pytest.raises(typer.BadParameter) as err:
+        engine_settings(None, None, None, None, None, None, None, tmp_path, threads=-2)
+    assert err.value.param_hint == "--threads"
