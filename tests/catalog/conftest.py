@@ -64,7 +64,7 @@ def app(catalog: Catalog) -> FastAPI:
 @pytest.fixture
 def server(app: FastAPI) -> Iterator[str]:
     """The app served by real uvicorn on a loopback port, in a thread."""
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # asyncio sets TCP_NODELAY only then
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -4,7 +4,9 @@ field at fault; afterwards the server still serves and nothing it holds has chan
 requests the server refuses still give up their seq_id (the last test proves the model's next
 request runs).
 
-One server for the whole table (cheap: each case is a few loopback requests).
+One server and one HTTP client for the whole table (cheap: each case is a few loopback requests on
+a kept-alive connection), and one state snapshot per case: the state after a case is the state
+before the next.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class Ctx:
     sampler_path: str
     policy: str
     next_seq: int = 1
+    http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=60))
+    state: dict[str, Any] | None = None  # the last snapshot taken, which no case may change
 
     def seq(self) -> int:
         """A fresh seq_id for the model: every ordered case the server refuses must give it up."""
@@ -447,7 +451,7 @@ def _request(ctx: Ctx, case: Case) -> httpx.Response:
     elif body is not None:
         kwargs["json"] = body
     path = _fill(case.path, ctx)
-    return httpx.request(case.method, f"{ctx.server.url}/api/v1/{path}", headers=headers, timeout=60, **kwargs)
+    return ctx.http.request(case.method, f"{ctx.server.url}/api/v1/{path}", headers=headers, **kwargs)
 
 
 def _files(root: Path) -> list[str]:
@@ -493,7 +497,8 @@ def ctx(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ct
         sampler_id = next(s.sampler_id for s in server.service.core.samplers.values() if s.model_path == sampler_path)
         ctx = Ctx(server, model.session_id, tc.model_id, sampler_id, weights, sampler_path, "pol",
                   model.sequencer.next_seq)  # fmt: skip
-        yield ctx
+        with ctx.http:
+            yield ctx
         client.close("success")
 
 
@@ -504,14 +509,15 @@ def test_table_is_big_enough() -> None:
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(ctx: Ctx, case: Case) -> None:
-    before = snapshot(ctx)
+    before = ctx.state if ctx.state is not None else snapshot(ctx)
     r = _request(ctx, case)
     assert r.status_code == case.status, f"{case.id}: {r.status_code} {r.text[:500]}"
     detail = r.json()["detail"]
     assert isinstance(detail, str) and case.names in detail, f"{case.id}: {detail!r} does not name {case.names!r}"
-    still = httpx.get(f"{ctx.server.url}/api/v1/training_runs", headers={"X-API-Key": KEY_A}, timeout=10)
+    still = ctx.http.get(f"{ctx.server.url}/api/v1/training_runs", headers={"X-API-Key": KEY_A}, timeout=10)
     assert still.status_code == 200 and still.json()["training_runs"]
-    assert snapshot(ctx) == before, case.id
+    ctx.state = snapshot(ctx)
+    assert ctx.state == before, case.id
 
 
 def test_refused_requests_gave_up_their_seq_ids(ctx: Ctx) -> None:
