@@ -10,7 +10,11 @@ use; a tiny random Llama with --tiny), with `mint serve`'s default engine sizes,
    the two so that load from other processes hits both alike. Medians; the ratio's goal is ≤ 1.15.
 2. --samples concurrent sample requests through the SDK (one thread each, so all are in flight
    at once): requests/s, sampled tokens/s, p50/p99 latency; and the same burst on the engine
-   directly, for reference.
+   directly, for reference; the engine's own decode-step throughput during the SDK burst (sampler
+   decode tokens / decode seconds) and the SDK's tokens/s as a fraction of it (goal ≥ 0.8).
+3. one sample request at a time (--single times), through the SDK and on the engine directly,
+   alternated: seconds per sampled token, and as a multiple of the memory floor per token (every
+   weight read once / the measured read bandwidth; goal ≤ 1.5).
 
 Prints a table and, last, one JSON line.
 """
@@ -30,6 +34,7 @@ import numpy as np
 import tinker
 from tinker import types
 
+from benchmarks.common import decode_floor, load_average, machine_floors
 from tests.service.live import KEY_A, LiveServer
 
 ROWS, SEQ, RANK = 8, 256, 16
@@ -81,7 +86,7 @@ def bench_forward_backward(server: LiveServer, base: str, repeats: int) -> dict:
             "fb_sdk_all_s": sdk_s, "fb_engine_all_s": direct_s}
 
 
-def bench_sampling(server: LiveServer, base: str, n: int, max_tokens: int) -> dict:
+def bench_sampling(server: LiveServer, base: str, n: int, max_tokens: int, single: int = 3) -> dict:
     engine = server.engine
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
     sampler = client.create_sampling_client(base_model=base).result()
@@ -113,10 +118,22 @@ def bench_sampling(server: LiveServer, base: str, n: int, max_tokens: int) -> di
         return len(engine.submit(engine.prepare_sample(None, prompt, 1, params)).result().sequences[0].tokens)
 
     via_sdk(prompts[0])  # warm-up
+    before = engine.sampler.totals()
     sdk = burst(via_sdk)
+    after = engine.sampler.totals()
     eng = burst(direct)
+    decode_rate = ((after["tokens"]["decode"] - before["tokens"]["decode"])
+                   / max(after["seconds"]["decode"] - before["seconds"]["decode"], 1e-9))
+    single_sdk, single_eng = [], []
+    for _ in range(single):  # alternate, so a noisy neighbour slows both sides alike
+        single_sdk.append(seconds(lambda: via_sdk(prompts[0])) / max_tokens)
+        single_eng.append(seconds(lambda: direct(prompts[0])) / max_tokens)
     client.close("success")
-    return {**{f"sample_sdk_{k}": v for k, v in sdk.items()}, **{f"sample_engine_{k}": v for k, v in eng.items()}}
+    return {**{f"sample_sdk_{k}": v for k, v in sdk.items()}, **{f"sample_engine_{k}": v for k, v in eng.items()},
+            "engine_decode_step_tokens_per_s": decode_rate,
+            "sdk_tokens_per_s_over_engine_decode": sdk["tokens_per_s"] / decode_rate,
+            "single_sdk_s_per_token": statistics.median(single_sdk) if single else None,
+            "single_engine_s_per_token": statistics.median(single_eng) if single else None}
 
 
 def main() -> None:
@@ -125,6 +142,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=100, help="concurrent sample requests")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--tiny", action="store_true", help="tiny random Llama instead of SmolLM2")
+    ap.add_argument("--single", type=int, default=3, help="one-at-a-time sample requests per side")
     args = ap.parse_args()
 
     from mint_server.engine.local import LocalEngine
@@ -140,12 +158,22 @@ def main() -> None:
 
         model_dir, base = resolve_base_model(None, None), DEFAULT_BASE_MODEL
     settings = EngineSettings()  # what `mint serve` runs with by default
+    floors = machine_floors()
+    print(f"machine: read {floors['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
+          f"{floors['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s, load average {load_average()}", flush=True)
     server = LiveServer(LocalEngine(model_dir, base_model=base, settings=settings), work / "data").start()
     try:
         result = {"model": base, "rows": ROWS, "seq": SEQ, "rank": RANK, "samples": args.samples,
                   "max_tokens": args.max_tokens}
         result.update(bench_forward_backward(server, base, args.repeats))
-        result.update(bench_sampling(server, base, args.samples, args.max_tokens))
+        result.update(bench_sampling(server, base, args.samples, args.max_tokens, args.single))
+        cfg = server.engine.model.config
+        floor = decode_floor(cfg, 1, 8 + args.max_tokens // 2, RANK, 0, floors)["memory_floor_s"]
+        result.update(read_gb_s=floors["read_bytes_per_s"] / 1e9, load_average_end=load_average(),
+                      memory_floor_s_per_token=floor)
+        if result["single_sdk_s_per_token"] is not None:
+            result["single_sdk_over_floor"] = result["single_sdk_s_per_token"] / floor
+            result["single_engine_over_floor"] = result["single_engine_s_per_token"] / floor
     finally:
         server.stop()
 
