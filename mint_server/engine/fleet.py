@@ -44,12 +44,12 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.engine.custom_loss import CompiledLoss
 from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
     Job,
+    JobParsing,
     OptimJob,
     Preparer,
     ReverseKLJob,
@@ -166,7 +166,7 @@ class _Placement:
     incarnation: str
 
 
-class FleetEngine:
+class FleetEngine(JobParsing):
     """The Engine protocol over Ray replicas (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, base_model: str, settings: EngineSettings | None = None,
@@ -244,29 +244,6 @@ class FleetEngine:
     @property
     def replicas(self) -> int:
         return len(self._replicas)
-
-    # --- parse (pure, any thread) ---------------------------------------------------------------
-    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-                      backward: bool = True) -> TrainJob:
-        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
-
-    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
-        return self.prepare.reverse_kl(datums, temperature, reference)
-
-    def prepare_optim(self, params: Any) -> OptimJob:
-        return self.prepare.optim(params)
-
-    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
-                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
-        return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
-                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
-
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
-        return self.prepare.score(adapter, tokens, key=key)
-
-    def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
-        return self.prepare.custom(datums, loss)
 
     # --- routing --------------------------------------------------------------------------------
     def home_of(self, key: str) -> int:

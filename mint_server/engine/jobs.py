@@ -316,3 +316,32 @@ def _finite(value: Any, where: str) -> float:
     if not math.isfinite(x):
         raise EngineError(f"{where}: must be finite, got {value!r}")
     return x
+
+
+class JobParsing:
+    """The `prepare_*` half of the Engine protocol, for an engine that parses with a `Preparer`
+    (`self.prepare`): the same pure, thread-safe parsing whatever runs the jobs."""
+
+    prepare: Preparer
+
+    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
+                      backward: bool = True) -> TrainJob:
+        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
+
+    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
+        return self.prepare.reverse_kl(datums, temperature, reference)
+
+    def prepare_optim(self, params: Any) -> OptimJob:
+        return self.prepare.optim(params)
+
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
+        return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
+                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
+
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
+        return self.prepare.score(adapter, tokens, key=key)
+
+    def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
+        return self.prepare.custom(datums, loss)

@@ -29,12 +29,12 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState, check_family
-from mint_server.engine.custom_loss import CompiledLoss
 from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
     Job,
+    JobParsing,
     OptimJob,
     Preparer,
     ReverseKLJob,
@@ -70,7 +70,7 @@ class _Work:
         return {a.id for a in self.resolved or () if a is not None}
 
 
-class LocalEngine:
+class LocalEngine(JobParsing):
     def __init__(
         self,
         model_dir: str | Path,
@@ -129,29 +129,6 @@ class LocalEngine:
     @property
     def loss_fns(self) -> frozenset[str]:
         return self.limits.loss_fns
-
-    # --- parse (pure, any thread) ---------------------------------------------------------------
-    def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-                      backward: bool = True) -> TrainJob:
-        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
-
-    def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
-        return self.prepare.reverse_kl(datums, temperature, reference)
-
-    def prepare_optim(self, params: Any) -> OptimJob:
-        return self.prepare.optim(params)
-
-    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
-                       params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
-        return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
-                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
-
-    def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
-        return self.prepare.custom(datums, loss)
-
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
-        return self.prepare.score(adapter, tokens, key=key)
 
     # --- submit ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> Future:
