@@ -26,7 +26,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and kernels.fast():  # one fused op (no cast to keep parity for)
+        # One fused op (fp32: no cast to keep parity for). Inference only: its backward measured
+        # slower than autograd through the plain form (benchmarks/train.py --only ab).
+        if x.dtype == torch.float32 and kernels.fast() and not torch.is_grad_enabled():
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 like HF, then cast back: keeps bf16 parity.
         xf = x.float()
