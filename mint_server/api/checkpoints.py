@@ -26,7 +26,6 @@ from mint_server.api.paths import (
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, check_project
 from mint_server.api.training import check_ttl
 from mint_server.api.validate import InvalidInput
-from mint_server.model.config import ModelConfig
 
 
 def _time(ts: float) -> datetime:
@@ -50,7 +49,6 @@ class CheckpointService:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.runs = core.runs
-        self._tied: bool | None = None
         self._copies: dict[tuple[str, str], types.CopyWeightsResponse] = {}  # (owner, idempotency key) → answer
 
     def ref(self, run_id: str, kind: str, name: str) -> CheckpointRef:
@@ -170,13 +168,29 @@ class CheckpointService:
         )
 
     def tied_embeddings(self) -> bool:
-        """Whether the base shares its embedding with the output layer (archives name that LoRA apart)."""
-        if self._tied is None:
-            self._tied = ModelConfig.from_hf_dir(self.core.engine.model_dir).tie_word_embeddings
-        return self._tied
+        return self.core.tied_embeddings()
 
     def readable(self, p: Principal, ref: CheckpointRef) -> CheckpointRecord:
         return self.runs.get_checkpoint(ref, p.owner)
+
+    def external_files(self, p: Principal, ref: CheckpointRef) -> tuple[CheckpointRecord, list[str]]:
+        """An external weights checkpoint `p` may read, and its files (paths relative to its root)."""
+        if ref.kind != "external_weights":
+            raise InvalidInput(f"{ref.tinker_path!r} is not an external weights checkpoint "
+                               "(tinker://<run>/external_weights/<name>, from save_weights_external)")
+        rec = self.runs.get_checkpoint(ref, p.owner)
+        root = self.runs.data_dir(ref)
+        return rec, sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
+
+    def external_file(self, owner: str, ref: CheckpointRef, created_at: float, name: str) -> Path:
+        """One file of an external weights checkpoint, as a signed URL names it; NotFound once the
+        checkpoint is deleted, expired or replaced by a newer one of the same name."""
+        rec = self.runs.get_checkpoint(ref, owner)
+        root = self.runs.data_dir(ref)
+        path = root / name
+        if rec.created_at != created_at or not path.resolve().is_relative_to(root.resolve()) or not path.is_file():
+            raise NotFound(f"{name!r} of {ref.tinker_path!r} not found")
+        return path
 
     async def peft_dir(self, owner: str, ref: CheckpointRef) -> tuple[Path, Callable[[], None]]:
         """A PEFT adapter dir for the checkpoint, and how to clean up after reading it.
@@ -185,6 +199,9 @@ class CheckpointService:
         it is loaded into a temporary adapter and exported.
         """
         rec = self.runs.get_checkpoint(ref, owner)
+        if rec.kind == "external_weights":
+            raise InvalidInput(f"{ref.tinker_path!r}: external weights have no archive; fetch their files "
+                               "through external_weights_urls")
         if rec.kind == "sampler_weights":
             return self.runs.data_dir(ref), lambda: None
         run = self.runs.find_run(rec.run_id)

@@ -31,6 +31,7 @@ from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.records import Revision
 from mint_server.engine.interface import Engine, EngineError
 from mint_server.engine.residency import AdapterSource
+from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -134,6 +135,13 @@ class Core:
         self.ephemeral_root = settings.data_dir / "ephemeral"
         shutil.rmtree(self.ephemeral_root, ignore_errors=True)
         self.ephemeral_root.mkdir(parents=True, exist_ok=True)
+        self._tied: bool | None = None
+
+    def tied_embeddings(self) -> bool:
+        """Whether the base shares its embedding with the output layer (exports name that LoRA apart)."""
+        if self._tied is None:
+            self._tied = ModelConfig.from_hf_dir(self.engine.model_dir).tie_word_embeddings
+        return self._tied
 
     # --- admission --------------------------------------------------------------------------------
     def check_accepting(self) -> None:
@@ -267,6 +275,10 @@ class Core:
     def resolve(self, path: str, owner: str) -> tuple[CheckpointRecord, RunRecord]:
         """A checkpoint path `owner` may read (own or published), with its run."""
         rec = self.runs.get_checkpoint(parse_checkpoint_path(path), owner)
+        if rec.kind == "external_weights":
+            # Exports may be encrypted to someone else's key: they are only ever downloaded.
+            raise InvalidInput(f"path {path!r}: external weights are for download (external_weights_urls); "
+                               "sample or load from a weights or sampler_weights checkpoint")
         run = self.runs.find_run(rec.run_id)
         if run is None:
             raise NotFound(f"checkpoint {path!r} not found")

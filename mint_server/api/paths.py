@@ -15,9 +15,12 @@ from typing import Literal
 from mint_server.catalog.errors import InvalidReference
 from mint_server.catalog.refs import parse_ref
 
-Kind = Literal["weights", "sampler_weights"]
-KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
-CHECKPOINT_TYPE: dict[Kind, Literal["training", "sampler"]] = {"weights": "training", "sampler_weights": "sampler"}
+# external_weights: save_weights_external's exports, kept only to be downloaded (never sampled or loaded).
+Kind = Literal["weights", "sampler_weights", "external_weights"]
+KINDS: tuple[Kind, ...] = ("weights", "sampler_weights", "external_weights")
+CHECKPOINT_TYPE: dict[Kind, Literal["training", "sampler", "external"]] = {
+    "weights": "training", "sampler_weights": "sampler", "external_weights": "external",
+}
 SCHEMES = ("tinker://", "mint://")
 
 # Run ids are ours ("<session hex>:train:<n>"); names are the client's, so they are kept to a safe

@@ -6,6 +6,8 @@ import asyncio
 import os
 import tarfile
 import tempfile
+import time
+from datetime import UTC, datetime
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
@@ -106,10 +108,40 @@ async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Pr
     return Response(status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
 
 
+@router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
+async def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
+                                p: Principal = Depends(principal)) -> Any:
+    """One signed URL per file of an external weights checkpoint (what `weights.download` and
+    `tinker checkpoint download` fetch, with no key): served here, valid until `expires`."""
+    svc = service(request).checkpoints
+    ref = svc.ref(run_id, kind, name)
+    rec, files = svc.external_files(p, ref)
+    lifetime = service(request).core.settings.download_url_ttl_s
+    urls, expires = {}, 0
+    for f in files:
+        token, expires = request.app.state.authenticator.issue_download(
+            {"sub": p.owner, "run": ref.run_id, "kind": ref.kind, "name": ref.name, "file": f,
+             "created": rec.created_at}, lifetime_s=lifetime,
+        )
+        urls[f] = str(request.url_for("download_external_file", token=token, file=f))
+    expires_at = datetime.fromtimestamp(expires or time.time() + lifetime, UTC)
+    return types.ExternalWeightsUrlsResponse(urls=urls, expires=expires_at).model_dump(mode="json")
+
+
+@router.get("/external_weights/{token}/{file:path}", name="download_external_file")
+async def download_external_file(token: str, file: str, request: Request) -> Response:
+    claims = request.app.state.authenticator.verify_download(token)
+    if claims is None or claims.get("file") != file:
+        raise NotFound("download link is invalid or has expired")
+    ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])
+    path = service(request).checkpoints.external_file(claims["sub"], ref, claims["created"], file)
+    return FileResponse(path, media_type="application/octet-stream", filename=path.name)
+
+
 @router.get("/archives/{token}", name="download_archive")
 async def download_archive(token: str, request: Request) -> Response:
     claims = request.app.state.authenticator.verify_download(token)
-    if claims is None:
+    if claims is None or "file" in claims:  # a file URL of external weights is not an archive link
         raise NotFound("download link is invalid or has expired")
     svc = service(request).checkpoints
     ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])

@@ -32,5 +32,5 @@ class Settings:
     upkeep_interval_s: float = 5.0
     # How long shutdown waits for in-flight work before giving up on it.
     drain_timeout_s: float = 120.0
-    # Where save_weights_external may write PEFT exports (paths are relative to it); None: refused.
-    export_dir: Path | None = None
+    # Lifetime of the signed URLs external_weights_urls hands out (and of archive download links).
+    download_url_ttl_s: int = 900

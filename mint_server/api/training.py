@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -28,7 +29,7 @@ from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
 from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import AdapterLost
-from mint_server.fsutil import dir_size, new_staging_dir, publish_dir
+from mint_server.model.peft_archive import write_archive_dir
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 MAX_CUSTOM_LOSSES = 64  # per session
@@ -81,21 +82,6 @@ def check_optim_params(params: Any, family: str) -> types.AdamParams | types.Dim
 
 
 MAX_AGE_RECIPIENTS = 10
-
-
-def export_path(root: Path | None, name: str) -> Path:
-    """`name` as a new dir under the export root; 400 if there is no root or it points outside."""
-    if root is None:
-        raise InvalidInput("save_weights_external: this server has no export root (start it with "
-                           "`mint serve --export-dir DIR`)")
-    rel = Path(name)
-    if not name or rel.is_absolute() or ".." in rel.parts or any(part.startswith(".") for part in rel.parts):
-        raise InvalidInput(f"path {name!r} must be a relative path inside the export root (no '..', no "
-                           "absolute paths, no hidden parts)")
-    dest = (root / rel).resolve()
-    if not dest.is_relative_to(root.resolve()) or dest == root.resolve():
-        raise InvalidInput(f"path {name!r} resolves outside the export root")
-    return dest
 
 
 def age_recipients(recipients: list[str] | None) -> list[Any]:
@@ -435,29 +421,32 @@ class TrainingService:
         return run
 
     def save_weights_external(self, p: Principal, req: types.SaveWeightsExternalRequest) -> types.UntypedAPIFuture:
-        """The model's weights as a PEFT adapter dir at `path` under the export root (`mint serve
-        --export-dir`), each file age-encrypted when recipients are given."""
+        """The model's weights as a checkpoint `tinker://<run>/external_weights/<path>`: the adapter
+        files an archive holds (PEFT layout, names the cookbook's merge accepts), each age-encrypted
+        when recipients are given. Listed, TTL'd and deleted like any checkpoint; its files are
+        fetched through the signed URLs of `external_weights_urls`."""
         def check(model: TrainingModel) -> Op:
-            dest = export_path(self.core.settings.export_dir, req.path)
-            if req.ttl_seconds is not None:
-                raise InvalidInput("ttl_seconds: exports under the export root are the operator's files; "
-                                   "this server does not expire them")
+            ref = self._new_ref(model, "external_weights", req.path, overwrite=False)
+            expires = check_ttl(req.ttl_seconds)
             recipients = age_recipients(req.age_encryption_recipients)
+            tied = self.core.tied_embeddings()
+
+            async def write(staging: Path) -> None:
+                peft = Path(tempfile.mkdtemp(dir=self.core.ephemeral_root, prefix="external-"))
+                try:
+                    await self.core.call(self.engine.export_peft(model.adapter(), peft))
+                    await asyncio.to_thread(write_archive_dir, peft, staging, tied)
+                finally:
+                    shutil.rmtree(peft, ignore_errors=True)
+                if recipients:
+                    await asyncio.to_thread(encrypt_files, staging, recipients)
 
             async def run() -> types.SaveWeightsExternalResponseInternal:
-                if dest.exists():
-                    raise InvalidInput(f"path {req.path!r} already exists under the export root")
-                staging = new_staging_dir(dest.parent, prefix=f".{dest.name}.")
-                try:
-                    await self.core.call(self.engine.export_peft(model.adapter(), staging))
-                    if recipients:
-                        await asyncio.to_thread(encrypt_files, staging, recipients)
-                    size = dir_size(staging)
-                    await asyncio.to_thread(publish_dir, staging, dest)
-                except BaseException:
-                    shutil.rmtree(staging, ignore_errors=True)
-                    raise
-                return types.SaveWeightsExternalResponseInternal(path=str(dest), size_bytes=size)
+                if self.core.runs.exists(ref):  # two saves of one name raced past the check
+                    raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists")
+                await self.save_checkpoint(model.owner, ref, expires, None, write)
+                size = self.core.runs.get_checkpoint(ref, model.owner).size_bytes
+                return types.SaveWeightsExternalResponseInternal(path=ref.tinker_path, size_bytes=size)
 
             return run
 

@@ -166,9 +166,6 @@ def register(app: typer.Typer) -> None:
             "see docs/fleet.md.",
         ),
         replicas: int = typer.Option(2, "--replicas", help="Engine replicas with --ray (each its own adapter tiers)."),
-        export_dir: Path = typer.Option(
-            None, "--export-dir", help="Root that save_weights_external may write PEFT exports under (off if unset).",
-        ),
         threads: int = typer.Option(
             None, "--threads",
             help="Intra-op threads of the engine's tensor math [default: the cores this process may run on].",
@@ -214,7 +211,6 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
         settings = Settings(
             data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, max_body_bytes=max_body_mb * 1024 * 1024,
-            export_dir=export_dir.resolve() if export_dir is not None else None,
         )
         try:
             app = create_app(engine, settings)

@@ -3,6 +3,7 @@ cookbook's build_hf_model (merge) and build_lora_adapter, and back into our own 
 
 from __future__ import annotations
 
+import io
 import json
 import tarfile
 from pathlib import Path
@@ -99,26 +100,84 @@ def test_peft_loads_the_stored_adapter_with_lm_head(server: LiveServer, tiny_dir
     assert any("lm_head.lora_A" in n for n, _ in model.named_parameters())
 
 
-def _serves_external_weights(server: LiveServer) -> bool:
-    return any("external" in getattr(route, "path", "") for route in server.app.routes)
-
-
 def test_weights_download_then_build_hf_model(server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
-    """The cookbook's documented path: weights.download of a training checkpoint, then merge."""
-    if not _serves_external_weights(server):
-        pytest.skip("weights.download needs save_weights_external and external_weights_urls, which this "
-                    "server does not serve yet (the Tinker-completeness work adds them); the archive "
-                    "route carries the same files (test_build_hf_model_merges_archive_of_tied_model)")
-    from tinker_cookbook.weights import build_hf_model, download
+    """The cookbook's documented path: weights.download of a training checkpoint (a temporary
+    encrypted save_weights_external, fetched through signed URLs, then deleted), then merge."""
+    from tinker_cookbook.weights import build_hf_model, build_lora_adapter, download
 
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
     try:
         tc = client.create_lora_training_client(base_model=server.engine.base_model, rank=4).result()
         train(tc, 1, batch())
         state = tc.save_state("final").result().path
+        sampler = tc.save_weights_for_sampler("final").result().path
     finally:
         client.close("success")
     adapter = download(tinker_path=state, output_dir=str(tmp_path / "adapter"), base_url=server.url)
+    assert sorted(p.name for p in Path(adapter).iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    # The same weights as the sampler checkpoint saved at that step, under the archive's names.
+    downloaded = load_file(Path(adapter) / "adapter_model.safetensors")
+    archived = load_file(trained_archive_of(server, sampler, tmp_path) / "adapter_model.safetensors")
+    assert downloaded.keys() == archived.keys()
+    assert all(torch.equal(downloaded[k], archived[k]) for k in downloaded)
+    # The temporary export was deleted after the download.
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+    run_id = state.removeprefix("tinker://").split("/")[0]
+    kinds = {c.checkpoint_type for c in rest.list_checkpoints(run_id).result().checkpoints}
+    assert "external" not in kinds
+
     build_hf_model(base_model=str(tiny_dir), adapter_path=adapter, output_path=str(tmp_path / "merged"),
                    dtype="float32")
     assert any((tmp_path / "merged").glob("*.safetensors"))
+    build_lora_adapter(base_model=str(tiny_dir), adapter_path=adapter, output_path=str(tmp_path / "peft"))
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+
+
+def trained_archive_of(server: LiveServer, sampler_path: str, dest: Path) -> Path:
+    run_id, name = sampler_path.removeprefix("tinker://").split("/sampler_weights/")
+    url = f"{server.url}/api/v1/training_runs/{run_id}/checkpoints/sampler_weights/{name}/archive"
+    resp = httpx.get(url, headers={"X-API-Key": KEY_A}, follow_redirects=True, timeout=60)
+    resp.raise_for_status()
+    out = dest / "archive"
+    with tarfile.open(fileobj=io.BytesIO(resp.content)) as tar:
+        tar.extractall(out, filter="data")
+    return out
+
+
+def test_external_weights_urls_are_signed_owned_and_expire_with_the_checkpoint(server: LiveServer,
+                                                                                tmp_path: Path) -> None:
+    """An external export of one owner: plain files behind signed URLs that need no key, that
+    another owner cannot obtain, and that stop working once the checkpoint is deleted."""
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    try:
+        tc = client.create_lora_training_client(base_model=server.engine.base_model, rank=4).result()
+        train(tc, 1, batch())
+        path = tc.save_weights_external("plain", ttl_seconds=7200).result().path
+        assert path == f"tinker://{tc.model_id}/external_weights/plain"
+        with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="already exists"):
+            tc.save_weights_external("plain").result()
+        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
+            tc.save_weights_external("sealed", age_encryption_recipients=["not-a-key"]).result()
+        with pytest.raises(tinker.BadRequestError, match="ttl_seconds"):
+            tc.save_weights_external("short", ttl_seconds=5).result()
+        # Exports are for download only: not a sampler source.
+        with pytest.raises(tinker.BadRequestError, match="external weights"):
+            client.create_sampling_client(model_path=path).result()
+    finally:
+        client.close("success")
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+    ckpt = next(c for c in rest.list_checkpoints(tc.model_id).result().checkpoints if c.checkpoint_type == "external")
+    assert ckpt.tinker_path == path and ckpt.expires_at is not None and ckpt.size_bytes > 0
+    answer = rest.get_external_weights_urls(path).result()
+    assert sorted(answer.urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    url = answer.urls["adapter_config.json"]
+    assert url.startswith(server.url) and json.loads(httpx.get(url).content)["r"] == 4  # no key needed
+    assert httpx.get(url.replace("adapter_config.json", "adapter_model.safetensors")).status_code == 404
+
+    from tests.service.live import KEY_B
+
+    other = tinker.RestClient(base_url=server.url, api_key=KEY_B)
+    with pytest.raises(tinker.NotFoundError):
+        other.get_external_weights_urls(path).result()
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert httpx.get(url).status_code == 404

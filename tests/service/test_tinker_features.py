@@ -523,44 +523,33 @@ def test_projects_and_copy_weights(server: LiveServer) -> None:
         c.close("success")
 
 
-def test_save_weights_external(tiny_dir, tmp_path) -> None:
+def test_save_weights_external(server: LiveServer) -> None:
+    """Exports are checkpoints (tinker://<run>/external_weights/<name>); with recipients every file
+    is age-encrypted (`<name>.age`) and decrypts to the plain export's bytes."""
+    import httpx
     import pyrage
     import torch as _torch
     from safetensors.torch import load
 
-    from tests.service.live import KEY_A, tiny_engine
+    from tests.service.live import KEY_A
 
-    export_root = tmp_path / "exports"
-    export_root.mkdir()
-    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data", export_dir=export_root) as server:
-        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-        tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
-        train(tc, 1)
-        out = tc.save_weights_external("runs/plain").result()
-        assert out.path == str(export_root / "runs" / "plain")
-        assert (export_root / "runs" / "plain" / "adapter_config.json").is_file()
-        identity = pyrage.x25519.Identity.generate()
-        sealed = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]).result()
-        files = sorted(p.name for p in (export_root / "sealed").iterdir())
-        assert files and all(name.endswith(".age") for name in files)
-        plain_tensors = load((export_root / "runs" / "plain" / "adapter_model.safetensors").read_bytes())
-        opened = load(pyrage.decrypt((export_root / "sealed" / "adapter_model.safetensors.age").read_bytes(), [identity]))
-        assert plain_tensors.keys() == opened.keys()
-        assert all(_torch.equal(plain_tensors[k], opened[k]) for k in opened)
-        assert sealed.path.endswith("sealed")
-        for bad, needle in [("../escape", "export root"), ("/abs/path", "export root"), ("runs/plain", "exists"),
-                            (".hidden", "hidden")]:
-            with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match=needle):
-                tc.save_weights_external(bad).result()
-        with pytest.raises(tinker.BadRequestError, match="age_encryption_recipients"):
-            tc.save_weights_external("x", age_encryption_recipients=["not-a-key"]).result()
-        assert not (tmp_path / "escape").exists() and not (export_root / "x").exists()
-        client.close("success")
-
-    # Without --export-dir the feature is off, with a 400 that says how to turn it on.
-    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data2") as server:
-        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
-        tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
-        with pytest.raises(tinker.BadRequestError, match="--export-dir"):
-            tc.save_weights_external("anything").result()
-        client.close("success")
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    tc = client.create_lora_training_client(base_model=BASE, rank=4).result()
+    train(tc, 1)
+    plain = tc.save_weights_external("plain").result().path
+    identity = pyrage.x25519.Identity.generate()
+    sealed = tc.save_weights_external("sealed", age_encryption_recipients=[str(identity.to_public())]).result().path
+    assert sealed == f"tinker://{tc.model_id}/external_weights/sealed"
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
+    plain_urls = rest.get_external_weights_urls(plain).result().urls
+    sealed_urls = rest.get_external_weights_urls(sealed).result().urls
+    assert sealed_urls and all(name.endswith(".age") for name in sealed_urls)
+    plain_tensors = load(httpx.get(plain_urls["adapter_model.safetensors"]).content)
+    opened = load(pyrage.decrypt(httpx.get(sealed_urls["adapter_model.safetensors.age"]).content, [identity]))
+    assert plain_tensors.keys() == opened.keys()
+    assert all(_torch.equal(plain_tensors[k], opened[k]) for k in opened)
+    for bad in ["../escape", "/abs/path", ".hidden", "a/b"]:
+        with pytest.raises((tinker.BadRequestError, tinker.RequestFailedError), match="name"):
+            tc.save_weights_external(bad).result()
+    assert not any("escape" in str(p) for p in (server.settings.data_dir).rglob("*"))
+    client.close("success")
