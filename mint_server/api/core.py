@@ -99,6 +99,7 @@ class Sampler:
     # retrieve_futures completion queues, by clone id (seq_id // 1e9; 0 for the original client)
     completions: dict[int, CompletionLog] = field(default_factory=dict)
     recorded: list[str] = field(default_factory=list)  # id prefixes of its recorded sequences
+    pending: set[str] = field(default_factory=set)  # request ids of its unfinished samples
 
 
 @dataclass(frozen=True)
@@ -263,6 +264,14 @@ class Core:
     def engine_future(self, request_id: str) -> Future[Any] | None:
         holder = self.engine_waits.get(request_id)
         return holder[0] if holder else None
+
+    def cancel_sample(self, request_id: str, owner: str) -> None:
+        """Stop a pending sample of `owner`: dropped if still queued in the engine, else its rows
+        end and free their KV (a finished one is left as is)."""
+        engine_future = self.engine_future(request_id)  # before the cancel's callbacks forget it
+        self.futures.cancel(request_id, owner)  # checks owner and kind
+        if engine_future is not None:
+            self.engine.cancel(engine_future)
 
     def queue_position(self, request_id: str) -> tuple[int, int] | None:
         """(position, depth) while the request's engine work waits behind others; None otherwise."""

@@ -136,11 +136,7 @@ async def cancel_future(request: Request, p: Principal = Depends(principal)) -> 
     request_id = body.get("request_id")
     if not isinstance(request_id, str) or set(body) - {"request_id"}:
         raise codec.DecodeError("expected {'request_id': <id of a sample request>}")
-    core = service(request).core
-    engine_future = core.engine_future(request_id)
-    core.futures.cancel(request_id, p.owner)  # checks owner and kind
-    if engine_future is not None:
-        core.engine.cancel(engine_future)  # stops the sample in the engine and frees its KV
+    service(request).core.cancel_sample(request_id, p.owner)
     return Response(status_code=204)
 
 

@@ -114,21 +114,26 @@ class SamplingService:
 
         async def run() -> types.SampleResponse:
             waits_on_engine(engine_wait)
-            try:
-                return await self.core.call(self.engine.submit(job))
-            finally:
-                self.core.sampling_inflight -= 1
+            return await self.core.call(self.engine.submit(job))
 
         if job.record and job.sequence_ids:  # scope the records to this session (Core.check_sequence_ids)
             prefix = job.sequence_ids[0].rsplit("-", 1)[0]
             self.core.note_recorded(prefix, p.owner, sampler.sampler_id)
             sampler.recorded.append(prefix)
         future = self.core.spawn(run())
+
+        def finished(_f: Any) -> None:
+            # A callback, not a `finally` in run(): a task cancelled before its first step never runs it.
+            self.core.sampling_inflight -= 1
+            sampler.pending.discard(answer.request_id)
+
         answer = self.core.register(
             p.owner, "sample", future, scope=sampler.sampler_id, seq_id=req.seq_id,
             sample_sequence_ids=list(job.sequence_ids),  # the engine's ids: stability records use them
             engine_wait=engine_wait,
         )
+        sampler.pending.add(answer.request_id)
+        future.add_done_callback(finished)
         log = sampler.completions.setdefault((req.seq_id or 0) // CLONE_BLOCK, CompletionLog())
         future.add_done_callback(lambda f: log.add(answer.request_id, f))
         return answer
@@ -146,7 +151,11 @@ class SamplingService:
         return await log.poll(req.prev_cursor, min(timeout, limit), self.core.futures.closing)
 
     def retire(self, sampler: Sampler) -> None:
+        """The session is over: its samples are abandoned, so they stop (queued or running) and
+        free their KV; its snapshot and records go too."""
         self.core.samplers.pop(sampler.sampler_id, None)
+        for request_id in list(sampler.pending):
+            self.core.cancel_sample(request_id, sampler.owner)
         for prefix in sampler.recorded:
             if prefix in self.core.recorded:
                 self.core.recorded[prefix] = None  # session over: its records are expired for training
