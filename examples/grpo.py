@@ -30,7 +30,7 @@ def run(argv: list[str] | None = None) -> Path:
     )
     asyncio.run(math_rl.cli_main(config))
     csv_path, png = write_curve(args.out, "env/all/reward/total", f"GRPO on arithmetic, {args.model}",
-                                extra=("env/all/correct",))
+                                extra=("env/all/correct", "env/all/format"))
     print(f"metrics: {csv_path}\ncurve: {png}")
     return args.out
 
