@@ -36,9 +36,9 @@ def metric(server: LiveServer, name: str) -> float:
 
 @pytest.fixture
 def server(tiny_dir: Path, tmp_path: Path) -> Iterator[LiveServer]:
-    # Sessions expire 4 s after their last heartbeat; upkeep looks often. The SDK heartbeats only
+    # Sessions expire 8 s after their last heartbeat; upkeep looks often. The SDK heartbeats only
     # every 10 s, so the tests keep their sessions alive themselves (see keepalive).
-    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data", session_ttl_s=4.0, upkeep_interval_s=0.05) as s:
+    with LiveServer(tiny_engine(tiny_dir), tmp_path / "data", session_ttl_s=8.0, upkeep_interval_s=0.05) as s:
         yield s
 
 
