@@ -32,9 +32,12 @@ if TYPE_CHECKING:  # the jobs module imports this one for EngineError
     from mint_server.engine.settings import EngineLimits, EngineSettings
 
 
-# Streaming: (sample index, token id, raw logprob), called on the engine's worker thread as each
-# token is drawn. It must be quick and must not raise: hand the token to another thread and return.
-TokenCallback = Callable[[int, int, float], None]
+# Streaming: (sample index, token id, raw logprob, top) called on the engine's worker thread as each
+# token is drawn; `top` is the job's `top_logprobs` most likely (token id, logprob) pairs, best
+# first, or None when it asked for none. It must be quick and must not raise: hand the token to
+# another thread and return.
+TopLogprobs = list[tuple[int, float]]
+TokenCallback = Callable[[int, int, float, TopLogprobs | None], None]
 
 
 class EngineError(ValueError):
@@ -72,9 +75,13 @@ class Engine(Protocol):
     def prepare_optim(self, params: Any) -> OptimJob: ...
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> SampleJob:
         """`stop_at_eos` keeps EOS as a stop next to stop strings (OpenAI's `stop`; Tinker's explicit
-        stop list replaces EOS). Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
+        stop list replaces EOS). `top_logprobs` (≤ limits.max_top_logprobs) reports that many
+        alternatives per sampled token (`SampledSequence.topk_logprobs_np`, and to `on_token`);
+        the penalties are OpenAI's, shaping the draw only (reported logprobs stay the raw model's).
+        Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
         ...
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob: ...
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:

@@ -93,6 +93,14 @@ class SampleParams:
     top_p: float
     seed: int
     stop: StopCondition
+    # OpenAI's penalties, over the tokens this sample generated so far: the draw sees
+    # logit[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty)
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,7 @@ class SampleJob:
     sequence_ids: tuple[str, ...]  # the ids clients see, one per sample
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    top_logprobs: int = 0  # the k most likely tokens reported at each sampled position
     record: bool = False  # keep sampling logprobs by sequence id (record_stability_info)
     score_only: bool = False
     key: str = ""  # whose work this is: admission is fair across keys
@@ -206,7 +215,8 @@ class Preparer:
     def sample(
         self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
-        stop_at_eos: bool = False,
+        stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
     ) -> SampleJob:
         prompt = self._prompt(prompt_tokens, room=1)
         lim = self.limits
@@ -216,8 +226,13 @@ class Preparer:
         if isinstance(topk_prompt_logprobs, bool) or not isinstance(topk_prompt_logprobs, int) or not (
                 0 <= topk_prompt_logprobs <= lim.vocab_size):
             raise EngineError(f"topk_prompt_logprobs: must be in 0..{lim.vocab_size}, got {topk_prompt_logprobs!r}")
+        if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int) or not (
+                0 <= top_logprobs <= lim.max_top_logprobs):
+            raise EngineError(f"top_logprobs: must be an integer in 0..{lim.max_top_logprobs}, got {top_logprobs!r}")
         run = uuid.uuid4().hex[:16]
         parsed = self._params(params, len(prompt))
+        parsed = dataclasses.replace(parsed, frequency_penalty=_finite(frequency_penalty, "frequency_penalty"),
+                                     presence_penalty=_finite(presence_penalty, "presence_penalty"))
         if stop_at_eos:
             stop = dataclasses.replace(parsed.stop, token_ids=parsed.stop.token_ids | self.eos.token_ids)
             parsed = dataclasses.replace(parsed, stop=stop)
@@ -225,7 +240,7 @@ class Preparer:
             adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
-            record=bool(record), key=key,
+            top_logprobs=top_logprobs, record=bool(record), key=key,
         )
 
     def score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
@@ -336,9 +351,12 @@ class JobParsing:
 
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
-                       *, record: bool = False, key: str = "", stop_at_eos: bool = False) -> SampleJob:
+                       *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
-                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos)
+                                   topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos,
+                                   top_logprobs=top_logprobs, frequency_penalty=frequency_penalty,
+                                   presence_penalty=presence_penalty)
 
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
         return self.prepare.score(adapter, tokens, key=key)

@@ -3,7 +3,8 @@
 Reported logprobs are always log_softmax of the raw model logits (temperature 1, no top-k/top-p) at
 the chosen token: exactly what the training forward computes for the same adapter and sequence, so
 importance ratios and StableReinforce compare like with like. Temperature, top-k and top-p only
-shape which token is drawn.
+shape which token is drawn, as do OpenAI's presence and frequency penalties; the top-n
+alternatives reported next to a token come from the same raw distribution as its own logprob.
 
 Draws are inverse-CDF with one uniform number per row taken from that row's own generator, and
 every tensor op here is row-wise, so a row's token depends on its own logits and generator only —
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -24,22 +26,47 @@ from torch import Tensor
 Decode = Callable[[list[int]], str]
 
 
+class Chosen(NamedTuple):
+    tokens: Tensor  # [B] long
+    logprobs: Tensor  # [B] float32: the raw model's logprob of each chosen token
+    top_ids: Tensor | None  # [B, top_n] long: the most likely tokens under that same distribution, best first
+    top_logprobs: Tensor | None  # [B, top_n] float32: their logprobs (a chosen token among them has its own value)
+
+
 def choose_tokens(
-    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Pick one token per row; return (tokens [B] long, their raw logprobs [B] float32).
+    logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
+    penalty: Tensor | None = None, top_n: int = 0,
+) -> Chosen:
+    """Pick one token per row; return them with their raw logprobs (and the top_n alternatives).
 
     logits [B, V]; temperature [B] (0 = greedy); top_k [B] long (≤ 0 = no limit); top_p [B] in (0, 1];
-    uniform [B] float64 in [0, 1), ignored for greedy rows.
+    uniform [B] float64 in [0, 1), ignored for greedy rows; penalty [B, V] or None: subtracted from
+    the logits the draw sees (see `penalties`), never from the reported logprobs.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = logits.argmax(dim=-1)
+    shaped = logits if penalty is None else logits - penalty
+    tokens = shaped.argmax(dim=-1)
     drawn = (temperature > 0).nonzero().flatten()
     if drawn.numel():
-        scaled = logits[drawn] / temperature[drawn, None].float()
+        scaled = shaped[drawn] / temperature[drawn, None].float()
         tokens[drawn] = draw(scaled, top_k[drawn], top_p[drawn], uniform[drawn])
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    top_ids = top_logprobs = None
+    if top_n > 0:
+        top_logprobs, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
+    return Chosen(tokens, logp.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)
+
+
+def penalties(histories: Sequence[Sequence[int]], frequency: Sequence[float], presence: Sequence[float],
+              vocab: int, device: torch.device) -> Tensor:
+    """OpenAI's presence and frequency penalties [B, V] from each row's generated tokens so far:
+    frequency × count[t] + presence × (count[t] > 0)."""
+    out = torch.zeros(len(histories), vocab)
+    for i, (tokens, freq, pres) in enumerate(zip(histories, frequency, presence, strict=True)):
+        if tokens and (freq or pres):
+            counts = torch.bincount(torch.tensor(tokens), minlength=vocab).float()
+            out[i] = freq * counts + pres * (counts > 0).float()
+    return out.to(device)
 
 
 def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor) -> Tensor:

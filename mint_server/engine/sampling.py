@@ -44,13 +44,21 @@ from typing import Any
 import numpy as np
 import torch
 from tinker import types
+from tinker.types.topk_logprobs import TopkLogprobs
 
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, TopLogprobs
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
-from mint_server.engine.sampler_ops import PromptScores, choose_tokens, sample_seed, score_prompt, uniforms
+from mint_server.engine.sampler_ops import (
+    PromptScores,
+    choose_tokens,
+    penalties,
+    sample_seed,
+    score_prompt,
+    uniforms,
+)
 from mint_server.model.lora import LoraBatch
 from mint_server.model.transformer import CacheView, KVCache, Transformer
 
@@ -148,6 +156,7 @@ class _Row:
     generator: torch.Generator | None  # None = greedy
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: list[TopLogprobs] = field(default_factory=list)  # per token, when the job asked for top_logprobs
 
 
 @dataclass(eq=False)
@@ -483,19 +492,33 @@ class Sampler:
         """Draw each row's next token from its logits [len(rows), V]; keep it running or finish it."""
         dev = self.device
         params = [r.request.params for r in rows]
-        tokens, logprobs = choose_tokens(
+        penalty = None
+        if any(p.penalized for p in params):
+            penalty = penalties([r.tokens for r in rows], [p.frequency_penalty for p in params],
+                                [p.presence_penalty for p in params], logits.shape[-1], dev)
+        top_n = max(r.request.job.top_logprobs for r in rows)
+        chosen = choose_tokens(
             logits,
             torch.tensor([p.temperature for p in params], device=dev),
             torch.tensor([p.top_k for p in params], device=dev),
             torch.tensor([p.top_p for p in params], device=dev),
             uniforms([r.generator for r in rows]).to(dev),
+            penalty=penalty,
+            top_n=top_n,
         )
-        for r, t, lp in zip(rows, tokens.tolist(), logprobs.tolist(), strict=True):
+        top_ids = top_lps = None
+        if chosen.top_ids is not None and chosen.top_logprobs is not None:
+            top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
+        for j, (r, t, lp) in enumerate(zip(rows, chosen.tokens.tolist(), chosen.logprobs.tolist(), strict=True)):
             r.tokens.append(t)
             r.logprobs.append(lp)
+            top = None
+            if (k := r.request.job.top_logprobs) and top_ids is not None and top_lps is not None:
+                top = list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+                r.top.append(top)
             if r.request.job.on_token is not None:
                 try:
-                    r.request.job.on_token(r.index, t, lp)
+                    r.request.job.on_token(r.index, t, lp, top)
                 except Exception:  # a listener's bug must not fail the batch; the future still answers
                     log.exception("token callback failed")
             p = r.request.params
@@ -514,8 +537,12 @@ class Sampler:
         tokens = np.asarray(row.tokens, dtype=np.int32)
         logprobs = np.asarray(row.logprobs, dtype=np.float32)
         sid = req.job.sequence_ids[row.index]
+        top = None
+        if req.job.top_logprobs:
+            top = TopkLogprobs(token_ids=np.array([[t for t, _ in pos] for pos in row.top], dtype=np.int32),
+                               logprobs=np.array([[lp for _, lp in pos] for pos in row.top], dtype=np.float32))
         req.results[row.index] = types.SampledSequence(
-            stop_reason=reason, sequence_id=sid, tokens_np=tokens, logprobs_np=logprobs
+            stop_reason=reason, sequence_id=sid, tokens_np=tokens, logprobs_np=logprobs, topk_logprobs_np=top
         )
         if req.job.record and self.records is not None:
             self.records.put(sid, SamplingRecord(

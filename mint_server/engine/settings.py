@@ -33,6 +33,8 @@ class EngineSettings:
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
     max_num_samples: int = 128
+    # Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).
+    max_top_logprobs: int = 20
     max_batch_rows: int = 256  # running sequences at once
     records_ttl_s: float = 3600.0
     loader_threads: int = 2
@@ -51,6 +53,8 @@ class EngineSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
+            raise ValueError(f"max_top_logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
         if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):
@@ -95,6 +99,7 @@ class EngineLimits:
     max_num_samples: int
     max_top_k: int  # = vocab_size; -1 and 0 both mean "no limit"
     loss_fns: frozenset[str]
+    max_top_logprobs: int = 20  # alternatives per sampled token (0: none)
 
     @classmethod
     def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,
@@ -102,7 +107,7 @@ class EngineLimits:
         context = min(model_context, settings.max_context or model_context)
         return cls(base_model=base_model, arch=arch, vocab_size=vocab_size, max_context=context,
                    max_rank=settings.max_rank, max_num_samples=settings.max_num_samples, max_top_k=vocab_size,
-                   loss_fns=loss_fns)
+                   loss_fns=loss_fns, max_top_logprobs=min(settings.max_top_logprobs, vocab_size))
 
 
 @dataclass(frozen=True)

@@ -66,9 +66,11 @@ class SamplerHarness:
         return getattr(self.sampler, name)
 
     def submit(self, adapter_id: str | None, prompt: list[int], n: int, params: Any, prompt_logprobs: bool = False,
-               topk_prompt_logprobs: int = 0, *, record_stability_info: bool = False, key: str = "") -> Future:
+               topk_prompt_logprobs: int = 0, *, record_stability_info: bool = False, key: str = "",
+               **options: Any) -> Future:
+        """`options`: Preparer.sample's keyword options (top_logprobs, penalties)."""
         job = self.prep.sample(adapter_id, prompt, n, params, prompt_logprobs, topk_prompt_logprobs,
-                               record=record_stability_info, key=key)
+                               record=record_stability_info, key=key, **options)
         return self._queue_job(job, adapter_id)
 
     def compute_logprobs(self, adapter_id: str | None, tokens: list[int]) -> Future:

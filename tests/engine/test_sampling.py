@@ -327,6 +327,11 @@ def test_admitted_requests_finish_on_their_revision(model, registry):
         ("stop", dict(p=params(stop=[320]))),
         ("stop", dict(p=params(stop=["ok", ""]))),
         ("topk_prompt_logprobs", dict(topk=-1)),
+        ("top_logprobs", dict(opts={"top_logprobs": -1})),
+        ("top_logprobs", dict(opts={"top_logprobs": 21})),  # the engine's max_top_logprobs is 20
+        ("top_logprobs", dict(opts={"top_logprobs": True})),
+        ("frequency_penalty", dict(opts={"frequency_penalty": float("nan")})),
+        ("presence_penalty", dict(opts={"presence_penalty": "high"})),
         ("adapter", dict(adapter="no-such-adapter")),
     ],
 )
@@ -337,9 +342,9 @@ def test_bad_input_names_the_field_and_leaves_the_batch_alone(model, registry, f
     sampler = make_sampler(model, registry)
     f = sampler.submit(aid, prompt, 1, p)
     sampler.step()
-    bad = dict(adapter=aid, prompt=prompt_of(82, 10), n=1, p=params(), topk=0) | kwargs
+    bad = dict(adapter=aid, prompt=prompt_of(82, 10), n=1, p=params(), topk=0, opts={}) | kwargs
     with pytest.raises(EngineError, match=field):
-        sampler.submit(bad["adapter"], bad["prompt"], bad["n"], bad["p"], topk_prompt_logprobs=bad["topk"])
+        sampler.submit(bad["adapter"], bad["prompt"], bad["n"], bad["p"], topk_prompt_logprobs=bad["topk"], **bad["opts"])
     assert registry.get(aid).refs == 1  # a refused request holds no pin
     drain(sampler)
     assert f.result().sequences[0].tokens == reference
@@ -432,11 +437,58 @@ def test_token_callback_sees_every_token_in_order(model, registry):
     sampler = make_sampler(model, registry)
     seen: list[tuple[int, int, float]] = []
     f = stream_job(sampler, None, [5, 6, 7], 3, params(temperature=1.0, seed=3),
-                   on_token=lambda i, t, lp: seen.append((i, t, lp)))
+                   on_token=lambda i, t, lp, top: seen.append((i, t, lp)))
     drain(sampler)
     for i, seq in enumerate(f.result().sequences):
         assert [t for j, t, _ in seen if j == i] == seq.tokens
         assert np.array_equal(np.asarray([lp for j, _, lp in seen if j == i], dtype=np.float32), seq.logprobs_np)
+
+
+def test_top_logprobs_are_the_training_forwards_and_stream_as_they_are_returned(model, registry):
+    aid = install(registry, 4, seed=6)
+    sampler = make_sampler(model, registry)
+    prompt = prompt_of(8, 11)
+    seen: dict[int, list] = {0: [], 1: []}
+    job = sampler.prep.sample(aid, prompt, 2, params(temperature=1.0, seed=9, max_tokens=10), top_logprobs=5)
+    f = sampler._queue_job(job.streaming(lambda i, t, lp, top: seen[i].append((t, lp, top)), None), aid)
+    plain = sampler.submit(aid, prompt, 2, params(temperature=1.0, seed=9, max_tokens=10))
+    drain(sampler)
+    for i, seq in enumerate(f.result().sequences):
+        top = seq.topk_logprobs
+        assert len(top) == len(seq.tokens) and all(len(t) == 5 for t in top)
+        ref = full_logprobs(model, registry, aid, prompt + seq.tokens)[len(prompt) - 1 : -1]
+        v, ids = ref.topk(5, dim=-1)
+        assert [[tok for tok, _ in t] for t in top] == ids.tolist()
+        lps = np.array([[lp for _, lp in t] for t in top])
+        assert np.abs(lps - v.numpy()).max() <= 1e-5 and (lps[:, :-1] >= lps[:, 1:]).all()
+        for tok, lp, alts in zip(seq.tokens, seq.logprobs, top, strict=True):
+            assert dict(alts).get(tok, lp) == lp  # exactly its own logprob when listed
+        assert [(t, lp, alts) for t, lp, alts in seen[i]] == list(zip(seq.tokens, seq.logprobs, top, strict=True))
+        # Asking for alternatives changes nothing else.
+        assert seq.tokens == plain.result().sequences[i].tokens and seq.logprobs == plain.result().sequences[i].logprobs
+    assert plain.result().sequences[0].topk_logprobs is None
+
+
+def test_frequency_and_presence_penalties_steer_greedy_decoding(model, registry):
+    prompt = prompt_of(12, 6)
+    sampler = make_sampler(model, registry)
+    p = params(max_tokens=40)
+    (repeats,) = solo(model, registry, None, prompt, p)
+    assert len(set(repeats)) < len(repeats)  # the tiny model repeats itself when greedy
+    zero = sampler.submit(None, prompt, 1, p, frequency_penalty=0.0, presence_penalty=0.0)
+    freq = sampler.submit(None, prompt, 1, p, frequency_penalty=2.0, top_logprobs=3)
+    pres = sampler.submit(None, prompt, 1, p, presence_penalty=2.0)
+    drain(sampler)
+    assert zero.result().sequences[0].tokens == repeats  # zero penalties: the plain sampler's tokens
+    for f in (freq, pres):
+        seq = f.result().sequences[0]
+        assert seq.tokens != repeats and len(set(seq.tokens)) > len(set(repeats))
+        # Reported logprobs (and alternatives) stay the raw model's: what training computes.
+        ref = full_logprobs(model, registry, None, prompt + seq.tokens)[len(prompt) - 1 : -1]
+        want = ref.gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1).numpy()
+        assert np.abs(np.array(seq.logprobs) - want).max() <= 1e-5
+        if f is freq:
+            assert [[tok for tok, _ in t] for t in seq.topk_logprobs] == ref.topk(3, dim=-1).indices.tolist()
 
 
 def test_cancel_stops_running_and_queued_requests_and_frees_their_blocks(model, registry):

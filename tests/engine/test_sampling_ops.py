@@ -6,7 +6,14 @@ import torch
 
 from mint_server.engine.kv import BlockPool
 from mint_server.engine.records import SamplingRecord, SamplingRecords
-from mint_server.engine.sampler_ops import StopCondition, choose_tokens, inverse_cdf, sample_seed, uniforms
+from mint_server.engine.sampler_ops import (
+    StopCondition,
+    choose_tokens,
+    inverse_cdf,
+    penalties,
+    sample_seed,
+    uniforms,
+)
 
 
 def filtered_softmax(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -37,7 +44,7 @@ def test_draw_frequencies_match_filtered_softmax(temperature, top_k, top_p):
     logits = torch.randn(12, generator=torch.Generator().manual_seed(0), dtype=torch.float32) * 1.5
     gen = torch.Generator().manual_seed(1)
     u = torch.rand(DRAWS, generator=gen, dtype=torch.float64)
-    tokens, logprobs = choose_tokens(
+    tokens, logprobs, _, _ = choose_tokens(
         logits.expand(DRAWS, -1),
         torch.full((DRAWS,), temperature),
         torch.full((DRAWS,), max(top_k, 0)),
@@ -58,11 +65,43 @@ def test_greedy_rows_ignore_uniform_and_mixed_rows_are_independent():
     temp = torch.tensor([0.0, 1.0, 0.0, 0.7, 1.2])
     top_k, top_p = torch.tensor([0, 0, 3, 10, 0]), torch.tensor([1.0, 1.0, 1.0, 0.9, 0.5])
     u = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.77], dtype=torch.float64)
-    tokens, _ = choose_tokens(logits, temp, top_k, top_p, u)
+    tokens = choose_tokens(logits, temp, top_k, top_p, u).tokens
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     for i in range(5):  # each row alone picks what it picked in the batch
-        alone, _ = choose_tokens(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], u[i : i + 1])
+        alone = choose_tokens(logits[i : i + 1], temp[i : i + 1], top_k[i : i + 1], top_p[i : i + 1], u[i : i + 1]).tokens
         assert alone.item() == tokens[i].item()
+
+
+def test_top_logprobs_come_from_the_chosen_tokens_distribution():
+    logits = torch.randn(4, 60, generator=torch.Generator().manual_seed(5)) * 2
+    temp, top_k, top_p = torch.tensor([0.0, 1.0, 0.7, 1.3]), torch.tensor([0, 0, 5, 0]), torch.tensor([1.0, 1.0, 1.0, 0.8])
+    u = torch.tensor([0.0, 0.3, 0.6, 0.9], dtype=torch.float64)
+    plain = choose_tokens(logits, temp, top_k, top_p, u)
+    chosen = choose_tokens(logits, temp, top_k, top_p, u, top_n=7)
+    assert plain.top_ids is None and torch.equal(plain.tokens, chosen.tokens) and torch.equal(plain.logprobs, chosen.logprobs)
+    raw = torch.log_softmax(logits, -1)
+    assert torch.equal(chosen.top_ids, raw.topk(7, dim=-1).indices)
+    assert (chosen.top_logprobs[:, :-1] >= chosen.top_logprobs[:, 1:]).all()  # best first
+    for i, t in enumerate(chosen.tokens.tolist()):
+        listed = chosen.top_ids[i].tolist()
+        if t in listed:  # the very same number, not a recomputation
+            assert chosen.top_logprobs[i, listed.index(t)].item() == chosen.logprobs[i].item()
+    assert chosen.tokens[0].item() == chosen.top_ids[0, 0].item()  # greedy: the best one
+
+
+def test_penalties_shape_the_draw_and_not_the_reported_logprobs():
+    assert penalties([[], [3, 3, 1]], [0.5, 0.5], [0.0, 0.25], 5, torch.device("cpu")).tolist() == [
+        [0.0] * 5, [0.0, 0.75, 0.0, 1.25, 0.0]]
+    logits = torch.tensor([[0.0, 3.0, 2.5, 1.0], [1.0, 2.0, 0.0, 0.0]])
+    penalty = penalties([[1], [0]], [1.0, 0.0], [0.0, 2.0], 4, torch.device("cpu"))
+    greedy = torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2, dtype=torch.float64)
+    chosen = choose_tokens(logits, *greedy, penalty=penalty, top_n=2)
+    assert chosen.tokens.tolist() == [2, 1]  # 3 - 1 < 2.5: the repeated token lost its lead
+    raw = torch.log_softmax(logits, -1)
+    assert torch.equal(chosen.logprobs, raw.gather(1, chosen.tokens[:, None]).squeeze(1))
+    assert torch.equal(chosen.top_logprobs, raw.topk(2, dim=-1).values)  # alternatives: the raw model's too
+    zero = penalties([[1, 2]], [0.0], [0.0], 4, torch.device("cpu"))
+    assert torch.equal(choose_tokens(logits[:1], *(g[:1] for g in greedy), penalty=zero).tokens, logits[:1].argmax(-1))
 
 
 def test_inverse_cdf_never_picks_zero_mass():
