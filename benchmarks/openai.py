@@ -102,7 +102,7 @@ def run_engine(engine: Any, work: list[tuple[Any, list[int]]], max_tokens: int, 
     arrivals: list[list[float]] = [[] for _ in work]
 
     def on_token_for(k: int) -> Any:
-        def on_token(_i: int, _token: int, _logprob: float) -> None:
+        def on_token(_i: int, _token: int, _logprob: float, _top: Any) -> None:
             arrivals[k].append(time.perf_counter())
 
         return on_token

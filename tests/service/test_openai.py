@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +137,78 @@ def test_chat_logprobs_equal_the_tinker_sampling_clients(live: LiveServer, oai: 
     assert out.usage.prompt_tokens == len(prompt) and out.usage.completion_tokens == len(seq.tokens)
 
 
+def check_alternatives(tokens: list[int], logprobs: list[float], tops: list[list[tuple[int, float]]], k: int) -> None:
+    """k alternatives per token, best first; the chosen token, when among them, with its own logprob."""
+    for token, lp, top in zip(tokens, logprobs, tops, strict=True):
+        assert len(top) == k and [a for a, _ in top] != [] and len({a for a, _ in top}) == k
+        assert all(x >= y for (_, x), (_, y) in zip(top, top[1:], strict=False))
+        assert dict(top).get(token, lp) == lp and lp <= top[0][1]
+
+
+def test_chat_top_logprobs_streamed_equal_non_streamed(live: LiveServer, oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=f"{POLICY}@prod", messages=HELLO, max_tokens=10, seed=3, logprobs=True,
+                              top_logprobs=4, n=2, extra_body={"return_tokens_as_token_ids": True})
+    whole = oai.chat.completions.create(**kw)
+    ref = tinker_sample(live, f"tinker://{POLICY}@prod", live.service.openai.template.render(HELLO), 2,
+                        types.SamplingParams(max_tokens=10, seed=3))
+    for choice, seq in zip(whole.choices, ref.sequences, strict=True):
+        entries = choice.logprobs.content
+        assert ids([e.token for e in entries]) == list(seq.tokens)  # alternatives change nothing else
+        tops = [[(ids([a.token])[0], a.logprob) for a in e.top_logprobs] for e in entries]
+        check_alternatives(list(seq.tokens), [e.logprob for e in entries], tops, 4)
+        assert all(a.bytes == list(a.token.encode()) for e in entries for a in e.top_logprobs)
+    streamed: dict[int, list] = {0: [], 1: []}
+    for chunk in oai.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.logprobs.content if c.logprobs else []
+    assert {i: [e.model_dump() for e in v] for i, v in streamed.items()} == {
+        c.index: [e.model_dump() for e in c.logprobs.content] for c in whole.choices}
+    # Without token ids, each entry (and each alternative) is its token's own text.
+    tok = live.service.openai.tokenizer
+    plain = oai.chat.completions.create(**{**kw, "extra_body": {}, "n": 1}).choices[0].logprobs.content
+    assert [e.token for e in plain] == [tok.decode([t]) for t in ref.sequences[0].tokens]
+    assert all(len(e.top_logprobs) == 4 for e in plain)
+
+
+def test_completion_top_logprobs_streamed_equal_non_streamed(oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=POLICY, prompt=PROMPT, max_tokens=8, seed=6, logprobs=3,
+                              extra_body={"return_tokens_as_token_ids": True})
+    whole = oai.completions.create(**kw).choices[0].logprobs
+    tops = [[(int(a.removeprefix("token_id:")), lp) for a, lp in top.items()] for top in whole.top_logprobs]
+    check_alternatives(ids(whole.tokens), whole.token_logprobs, tops, 3)
+    streamed: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in oai.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            for name, values in streamed.items():
+                values += getattr(c.logprobs, name) if c.logprobs else []
+    assert streamed == {name: getattr(whole, name) for name in streamed}
+    assert oai.completions.create(**{**kw, "logprobs": 0}).choices[0].logprobs.top_logprobs is None
+
+
+def test_frequency_penalty_steers_greedy_output_and_keeps_raw_logprobs(live: LiveServer, oai: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(model=BASE, prompt=PROMPT, max_tokens=30, temperature=0, logprobs=2,
+                              extra_body={"return_tokens_as_token_ids": True, "ignore_eos": True})
+    plain = oai.completions.create(**kw).choices[0].logprobs
+    assert len(set(plain.tokens)) < len(plain.tokens)  # the tiny model repeats itself
+    assert oai.completions.create(**kw, frequency_penalty=0, presence_penalty=0).choices[0].logprobs == plain
+    for penalty in ({"frequency_penalty": 1.5}, {"presence_penalty": 1.5}):
+        out = oai.completions.create(**kw, **penalty)
+        got = out.choices[0].logprobs
+        assert got.tokens != plain.tokens and len(set(got.tokens)) > len(set(plain.tokens)), penalty
+        assert out.usage.completion_tokens == len(got.tokens) == 30
+        # The reported logprobs are the raw model's for the tokens drawn: the Tinker face scores the
+        # same sequence to the same numbers, and the alternatives are consistent with them.
+        client = tinker.ServiceClient(base_url=live.url, api_key=KEY_A)
+        scored = client.create_sampling_client(base_model=BASE).result().compute_logprobs(
+            types.ModelInput.from_ints(PROMPT + ids(got.tokens))).result()
+        client.close("success")
+        assert got.token_logprobs == pytest.approx(scored[len(PROMPT):], abs=1e-4)
+        tops = [[(int(a.removeprefix("token_id:")), lp) for a, lp in top.items()] for top in got.top_logprobs]
+        check_alternatives(ids(got.tokens), got.token_logprobs, tops, 2)
+        chat = oai.chat.completions.create(model=BASE, messages=HELLO, max_tokens=12, temperature=0, **penalty)
+        assert chat.choices[0].message.content is not None
+
+
 # --- streaming ------------------------------------------------------------------------------------
 
 def collect(stream: Any) -> tuple[dict[int, str], dict[int, str], Any]:
@@ -234,6 +307,24 @@ def test_client_disconnect_cancels_the_stream_and_frees_its_kv(live: LiveServer)
     engine.resume()
     wait_for(lambda: metric(live, "mint_kv_blocks_in_use") == 0)
     assert engine.sampler.stats.decode_tokens - decoded_before < 199  # it stopped early
+
+
+def test_client_disconnect_cancels_a_non_streamed_request_and_frees_its_kv(live: LiveServer) -> None:
+    engine = live.engine
+    decoded_before = engine.sampler.stats.decode_tokens
+    body = json.dumps({"model": BASE, "prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "n": 2}).encode()
+    host, port = live.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:  # a client that will hang up
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY_A.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+        wait_for(lambda: metric(live, "mint_kv_blocks_in_use") > 0)  # its sequences are running
+        engine.pause()  # hold the worker before its next turn, so the request cannot finish on its own
+    # The connection is closed: the server notices and cancels the request's engine work.
+    wait_for(lambda: metric(live, "mint_openai_streams") == 0)
+    engine.resume()
+    wait_for(lambda: metric(live, "mint_kv_blocks_in_use") == 0)
+    assert engine.sampler.stats.decode_tokens - decoded_before < 2 * 199  # it stopped early
 
 
 def wait_for(condition: Any, timeout: float = 30) -> None:
@@ -336,16 +427,26 @@ def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
         ("chat/completions", {"model": BASE, "messages": HELLO, "max_tokens": "many"}, "max_tokens", "max_tokens"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "n": 0}, "n", "n"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "temperature": 3}, "temperature", "temperature"),
-        ("chat/completions", {"model": BASE, "messages": HELLO, "presence_penalty": 0.5}, "presence_penalty",
-         "not supported"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "presence_penalty": 2.5}, "presence_penalty",
+         "presence_penalty"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "frequency_penalty": "lots"}, "frequency_penalty",
+         "frequency_penalty"),
+        ("completions", {"model": BASE, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty",
+         "frequency_penalty"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "tools": [ADD]}, "tools", "does not support tools"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "max_tokens": 10_000}, "max_tokens", "context"),
         ("chat/completions", {"model": BASE, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role",
          "role"),
         ("chat/completions", {"model": BASE, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages[0].content", "only text parts"),
-        ("chat/completions", {"model": BASE, "messages": HELLO, "logprobs": True, "top_logprobs": 2}, "top_logprobs",
-         "not supported"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+         "at most 20"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "logprobs": True, "top_logprobs": -1}, "top_logprobs",
+         "top_logprobs"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        ("completions", {"model": BASE, "prompt": "x", "logprobs": 21}, "logprobs", "at most 20"),
+        ("completions", {"model": BASE, "prompt": "x", "logprobs": -1}, "logprobs", "logprobs"),
+        ("completions", {"model": BASE, "prompt": "x", "logprobs": "some"}, "logprobs", "logprobs"),
         ("chat/completions", {"model": "bad name!", "messages": HELLO}, "model", "model"),
         ("completions", {"model": BASE, "prompt": [1, 2, 10_000]}, "prompt", "outside the vocabulary"),
         ("completions", {"model": BASE, "prompt": []}, "prompt", "empty"),

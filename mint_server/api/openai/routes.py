@@ -2,14 +2,15 @@
 
 Auth is the Tinker API's: the same keys and owners, sent as `Authorization: Bearer KEY` (the
 `X-API-Key` header works too). Streams are Server-Sent Events: `data: {chunk}` per event, then
-`data: [DONE]`. A stream whose client disconnects is closed at once, which cancels its sequences.
+`data: [DONE]`. A client that disconnects, streamed or not, has its response closed at once, which
+cancels its sequences.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -89,6 +90,23 @@ class EventStream(Response):
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
+async def unless_disconnected(request: Request, work: Coroutine[Any, Any, Any]) -> Any:
+    """Run a non-streamed response's work while watching the connection: a client that goes away
+    cancels it (its engine work stops and frees its KV) instead of leaving it to run unread."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    return task.result()
+
+
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
@@ -117,7 +135,7 @@ def make_router(prefix: str) -> APIRouter:
         reply = face.admit_chat(p.owner, req)
         if req.stream:
             return EventStream(face.chat_stream(reply, req))
-        return await face.chat(reply, req)
+        return await unless_disconnected(request, face.chat(reply, req))
 
     @router.post("/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request, p: Principal = Depends(principal)) -> Any:
@@ -126,7 +144,7 @@ def make_router(prefix: str) -> APIRouter:
         reply = face.admit_completion(p.owner, req)
         if req.stream:
             return EventStream(face.complete_stream(reply, req))
-        return await face.complete(reply, req)
+        return await unless_disconnected(request, face.complete(reply, req))
 
     return router
 

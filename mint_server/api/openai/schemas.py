@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 MAX_CHOICES = 128  # n × prompts; the same bound as num_samples on the Tinker face
 MAX_STOPS = 16
-MAX_TOP_LOGPROBS = 20
 
 
 class _Body(BaseModel):
@@ -85,7 +84,7 @@ class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)  # at most the engine's max_top_logprobs
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None  # accepted: several calls in one answer are always parsed
@@ -95,6 +94,6 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=5)
+    logprobs: int | None = Field(None, ge=0)  # alternatives per token: at most the engine's max_top_logprobs
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)

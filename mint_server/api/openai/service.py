@@ -32,7 +32,7 @@ from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_re
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.errors import CatalogError
-from mint_server.engine.interface import EngineError, TokenCallback
+from mint_server.engine.interface import EngineError, TokenCallback, TopLogprobs
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.residency import AdapterSource
 from mint_server.serving.chat import ChatError, ChatTemplate, ToolCall, ToolCallGate
@@ -58,6 +58,7 @@ class Choice:
     text: TextStream
     gate: ToolCallGate | None  # set when tool calls are parsed from this choice's text
     logprobs: list[float] = field(default_factory=list)  # of the tokens `text` accepted
+    tops: list[TopLogprobs] = field(default_factory=list)  # their alternatives, when asked for
     finish_reason: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     completion_tokens: int = 0
@@ -65,11 +66,11 @@ class Choice:
 
 @dataclass
 class Update:
-    """What a choice gained: new text, the tokens (and logprobs) that made it, or its end."""
+    """What a choice gained: new text, the tokens (with logprobs and alternatives) that made it, or its end."""
 
     choice: Choice
     text: str = ""
-    tokens: list[tuple[int, float]] = field(default_factory=list)
+    tokens: list[tuple[int, float, TopLogprobs | None]] = field(default_factory=list)
     finished: bool = False
 
 
@@ -199,25 +200,30 @@ class OpenAIService:
 
     # --- the engine -------------------------------------------------------------------------------
     def prepare(self, owner: str, target: Target, prompt: list[int], n: int, params: types.SamplingParams,
-                stop_at_eos: bool) -> SampleJob:  # fmt: skip
+                req: _Sampling, top_logprobs: int) -> SampleJob:  # fmt: skip
         """Parse one prompt's engine job now, so bad input is a 400 before any stream starts."""
         try:
-            return self.engine.prepare_sample(target.source, prompt, n, params, key=owner, stop_at_eos=stop_at_eos)
+            return self.engine.prepare_sample(
+                target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
+                frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0)
         except EngineError as e:
-            raise OpenAIError(400, str(e)) from None
+            field = str(e).partition(":")[0]
+            raise OpenAIError(400, str(e), field if field in _ENGINE_FIELDS else None) from None
 
     async def sample(self, job: SampleJob, on_token: TokenCallback | None, cancel: threading.Event) -> types.SampleResponse:
         """The one place this face runs engine work (re-point it here when the engine boundary moves).
         A cold revision loads through the engine's residency manager like the Tinker sampler's."""
         # Only streams carry the callback and the event (neither crosses a process: see docs/openai.md).
         streamed = job.streaming(on_token, cancel) if on_token is not None else job
-        return await self.core.call(self.engine.submit(streamed))
+        future = self.engine.submit(streamed)
+        try:
+            return await self.core.call(future)
+        except asyncio.CancelledError:  # the client went away: stop the work and free its KV
+            self.engine.cancel(future)
+            raise
 
     # --- admission --------------------------------------------------------------------------------
     def _params(self, req: _Sampling, prompts: list[list[int]], max_tokens: int | None) -> types.SamplingParams:
-        if req.presence_penalty or req.frequency_penalty:
-            param = "presence_penalty" if req.presence_penalty else "frequency_penalty"
-            raise OpenAIError(400, f"{param} is not supported by this server (only 0)", param)
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported by this server", "logit_bias")
         stops = req.stops()
@@ -249,9 +255,16 @@ class OpenAIService:
             top_p=1.0 if req.top_p is None else req.top_p,
         )
 
+    def _top_logprobs(self, asked: int | None, param: str) -> int:
+        """Alternatives per token, within the engine's limit (OpenAI's own is 20 for chat, 5 for completions)."""
+        most = self.engine.limits.max_top_logprobs
+        if asked is not None and asked > most:
+            raise OpenAIError(400, f"{param}: at most {most} alternatives per token on this server, got {asked}", param)
+        return asked or 0
+
     def _admit(self, owner: str, target: Target, prompts: list[list[int]], n: int, params: types.SamplingParams,
-               req: _Sampling, tools: bool) -> Reply:  # fmt: skip
-        jobs = [self.prepare(owner, target, p, n, params, stop_at_eos=not req.ignore_eos) for p in prompts]
+               req: _Sampling, tools: bool, top_logprobs: int = 0) -> Reply:  # fmt: skip
+        jobs = [self.prepare(owner, target, p, n, params, req, top_logprobs) for p in prompts]
         if self.core.sampling_inflight + len(prompts) > self.core.settings.max_inflight_samples:
             raise Busy("too many sample requests in flight; retry shortly")
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
@@ -269,8 +282,8 @@ class OpenAIService:
         for k, engine_job in enumerate(reply.jobs):
             base = k * reply.n
 
-            def on_token(i: int, token: int, logprob: float, base: int = base) -> None:
-                mailbox.post(events, ("token", base + i, token, logprob))
+            def on_token(i: int, token: int, logprob: float, top: TopLogprobs | None, base: int = base) -> None:
+                mailbox.post(events, ("token", base + i, token, (logprob, top)))
 
             running = asyncio.ensure_future(self._one(reply, engine_job, on_token if stream else None))
             # Through the mailbox too, so the result never overtakes the request's last tokens.
@@ -281,9 +294,9 @@ class OpenAIService:
         pending = len(tasks)
         try:
             while pending:
-                kind, index, value, logprob = await events.get()
+                kind, index, value, scores = await events.get()
                 if kind == "token":
-                    if (update := self._push(reply.choices[index], value, logprob)) is not None:
+                    if (update := self._push(reply.choices[index], value, *scores)) is not None:
                         yield update
                     continue
                 pending -= 1
@@ -298,7 +311,9 @@ class OpenAIService:
         finally:
             self.core.metrics.streams.dec()
             if pending:
-                reply.cancel.set()  # the engine frees their KV at its next step
+                reply.cancel.set()  # streams: the engine frees their KV at its next step
+                for task in tasks:  # others (and streams still queued): `sample` cancels their engine work
+                    task.cancel()
             for task in tasks:
                 # Their errors (SampleCancelled, or a failure after another request's) are seen here only.
                 task.add_done_callback(_consume)
@@ -310,24 +325,30 @@ class OpenAIService:
             self.core.sampling_inflight -= 1
 
     @staticmethod
-    def _push(choice: Choice, token: int, logprob: float) -> Update | None:
+    def _push(choice: Choice, token: int, logprob: float, top: TopLogprobs | None) -> Update | None:
         if choice.text.stopped or choice.finish_reason is not None:
             return None  # tokens past a stop string, before the engine noticed: not shown
         text = choice.text.push(token)
         choice.logprobs.append(logprob)
+        if top is not None:
+            choice.tops.append(top)
         if choice.gate is not None:
             text = choice.gate.push(text)
-        return Update(choice, text, [(token, logprob)])
+        return Update(choice, text, [(token, logprob, top)])
 
     def _finish(self, choice: Choice, seq: types.SampledSequence) -> list[Update]:
         """The sequence's result: push the tokens the stream has not seen, then end the choice."""
         out = []
         seen = len(choice.text.tokens)
-        for token, logprob in zip(seq.tokens[seen:], seq.logprobs[seen:], strict=False):
-            if (update := self._push(choice, token, logprob)) is not None:
+        tops = seq.topk_logprobs
+        for j, (token, logprob) in enumerate(zip(seq.tokens[seen:], seq.logprobs[seen:], strict=False)):
+            top = tops[seen + j] if tops is not None else None
+            if (update := self._push(choice, token, logprob, top)) is not None:
                 out.append(update)
         # The engine's logprobs are the truth (the streamed ones are the same numbers).
         choice.logprobs = list(seq.logprobs[: len(choice.text.tokens)])
+        if tops is not None:
+            choice.tops = [t or [] for t in tops[: len(choice.text.tokens)]]
         rest = choice.text.finish()
         choice.completion_tokens = len(seq.tokens)
         reason = "stop" if seq.stop_reason == "stop" or choice.text.stopped else "length"
@@ -348,9 +369,9 @@ class OpenAIService:
         if req.response_format is not None and req.response_format.type != "text":
             raise OpenAIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
                               "response_format")
-        if req.logprobs and req.top_logprobs:
-            raise OpenAIError(400, "top_logprobs > 0 is not supported by this server (logprobs of the chosen "
-                                   "tokens are)", "top_logprobs")  # fmt: skip
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        top_logprobs = self._top_logprobs(req.top_logprobs, "top_logprobs") if req.logprobs else 0
         choice = req.tool_choice
         if choice is not None and choice not in ("none", "auto"):
             raise OpenAIError(400, "tool_choice: only 'auto' and 'none' are supported (nothing forces a call)",
@@ -364,7 +385,7 @@ class OpenAIService:
             raise OpenAIError(400, str(e), e.param) from None
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._params(req, [prompt], max_tokens)
-        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none")
+        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none", top_logprobs)
 
     async def chat(self, reply: Reply, req: ChatRequest) -> dict[str, Any]:
         async with contextlib.aclosing(self.run(reply, stream=False)) as updates:
@@ -381,7 +402,7 @@ class OpenAIService:
                 message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
             choices.append({
                 "index": c.index, "message": message, "finish_reason": c.finish_reason,
-                "logprobs": self._chat_logprobs(c, c.text.tokens, c.logprobs, req) if req.logprobs else None,
+                "logprobs": self._chat_logprobs(c.text.tokens, c.logprobs, c.tops, req) if req.logprobs else None,
             })  # fmt: skip
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": reply.created,
                 "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices,
@@ -411,8 +432,8 @@ class OpenAIService:
         """The chunks one update becomes: its text (and logprobs), then, at the end, calls and finish."""
         out: list[dict] = []
         c = u.choice
-        logprobs = self._chat_logprobs(c, [t for t, _ in u.tokens], [lp for _, lp in u.tokens], req) \
-            if req.logprobs and u.tokens else None
+        logprobs = self._chat_logprobs([t for t, _, _ in u.tokens], [lp for _, lp, _ in u.tokens],
+                                       [top or [] for _, _, top in u.tokens], req) if req.logprobs and u.tokens else None
         if u.text or logprobs:
             out.append(chunk([{"index": c.index, "delta": {"content": u.text}, "logprobs": logprobs,
                                "finish_reason": None}]))  # fmt: skip
@@ -426,13 +447,30 @@ class OpenAIService:
         return out
 
     def _token_text(self, token: int, as_ids: bool) -> str:
-        return f"token_id:{token}" if as_ids else self.tokenizer.decode([token])
+        if as_ids:
+            return f"token_id:{token}"
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
-    def _chat_logprobs(self, c: Choice, tokens: list[int], logprobs: list[float], req: ChatRequest) -> dict:
+    @cached_property
+    def _token_texts(self) -> dict[int, str]:
+        return {}
+
+    def _chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopLogprobs],
+                       req: ChatRequest) -> dict:  # fmt: skip
+        as_ids = req.return_tokens_as_token_ids
+        k = req.top_logprobs or 0
+
+        def entry(t: int, lp: float) -> dict[str, Any]:
+            text = self._token_text(t, as_ids)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
         entries = []
-        for t, lp in zip(tokens, logprobs, strict=True):
-            text = self._token_text(t, req.return_tokens_as_token_ids)
-            entries.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        for i, (t, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+            alternatives = [entry(a, alp) for a, alp in tops[i]] if k else []
+            entries.append({**entry(t, lp), "top_logprobs": alternatives})
         return {"content": entries, "refusal": None}
 
     # --- completions ------------------------------------------------------------------------------
@@ -444,9 +482,7 @@ class OpenAIService:
                 raise OpenAIError(400, f"{name} is not supported by this server", name)
         if req.echo and req.logprobs is not None:
             raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported by this server", "echo")
-        if req.logprobs:
-            raise OpenAIError(400, "logprobs > 0 (top alternatives) is not supported by this server; "
-                                   "logprobs=0 gives the chosen tokens' logprobs", "logprobs")  # fmt: skip
+        top_logprobs = self._top_logprobs(req.logprobs, "logprobs")
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts = [prompt]
@@ -459,7 +495,7 @@ class OpenAIService:
         ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         params = self._params(req, ids, max_tokens)
-        return self._admit(owner, target, ids, req.n, params, req, tools=False)
+        return self._admit(owner, target, ids, req.n, params, req, tools=False, top_logprobs=top_logprobs)
 
     def _echo(self, reply: Reply, c: Choice) -> str:
         return self.decode(reply.prompts[c.index // reply.n])
@@ -471,7 +507,7 @@ class OpenAIService:
         choices = []
         for c in reply.choices:
             echo = self._echo(reply, c) if req.echo else ""
-            logprobs = self._completion_logprobs(c.text.tokens, c.logprobs, req, len(echo)) \
+            logprobs = self._completion_logprobs(c.text.tokens, c.logprobs, c.tops, req, len(echo)) \
                 if req.logprobs is not None else None
             choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})  # fmt: skip
@@ -501,23 +537,36 @@ class OpenAIService:
                 c = u.choice
                 logprobs = None
                 if req.logprobs is not None and u.tokens:
-                    logprobs = self._completion_logprobs([t for t, _ in u.tokens], [lp for _, lp in u.tokens], req,
+                    logprobs = self._completion_logprobs([t for t, _, _ in u.tokens], [lp for _, lp, _ in u.tokens],
+                                                         [top or [] for _, _, top in u.tokens], req,
                                                          offsets[c.index])  # fmt: skip
-                offsets[c.index] += len(u.text)
+                # Offsets count each token's own text, as the non-streamed response does.
+                offsets[c.index] += sum(len(self._token_text(t, False)) for t, _, _ in u.tokens)
                 if u.text or logprobs or u.finished:
                     yield chunk([{"index": c.index, "text": u.text, "logprobs": logprobs,
                                   "finish_reason": c.finish_reason if u.finished else None}])  # fmt: skip
         if usage:
             yield {**chunk([]), "usage": reply.usage}
 
-    def _completion_logprobs(self, tokens: list[int], logprobs: list[float], req: CompletionRequest,
-                             offset: int) -> dict[str, Any]:  # fmt: skip
-        texts = [self._token_text(t, req.return_tokens_as_token_ids) for t in tokens]
+    def _completion_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopLogprobs],
+                             req: CompletionRequest, offset: int) -> dict[str, Any]:  # fmt: skip
+        as_ids = req.return_tokens_as_token_ids
+        texts = [self._token_text(t, as_ids) for t in tokens]
         starts = []
-        for text in texts:
+        for t in tokens:  # where each token's own text begins (its id form has no place in the text)
             starts.append(offset)
-            offset += len(text)
-        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": starts}
+            offset += len(self._token_text(t, False))
+        top = None
+        if req.logprobs:  # one {text: logprob} per position, best first (tokens with the same text: the best)
+            top = [{} for _ in tokens]
+            for alternatives, out in zip(tops, top, strict=True):
+                for a, alp in alternatives:
+                    out.setdefault(self._token_text(a, as_ids), alp)
+        return {"tokens": texts, "token_logprobs": list(logprobs), "top_logprobs": top, "text_offset": starts}
+
+
+# Engine fields a refusal may name; the face's own names for them are the same.
+_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty")
 
 
 def _tool_call(t: ToolCall) -> dict[str, Any]:
