@@ -14,7 +14,10 @@ step so they differ), then runs, alternately, --repeats times each:
    `engine.submit(engine.prepare_sample(...).streaming(on_token, None))` in this process.
 
 Reports time to first token and inter-token latency (p50/p99 over all streams) and tokens/s, the
-ratio face/engine of tokens/s (goal ≥ 0.9), medians over the repeats, and last one JSON line.
+ratio face/engine of tokens/s (goal ≥ 0.9), medians over the repeats, and last one JSON line. Next
+to them, where the wall time went: the engine's forward seconds (the same work on both sides, so a
+difference there is CPU contention, not the face), the rest of the wall time, and the CPU seconds
+of the server process and of the load generator.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,11 +90,33 @@ def client_main(spec: str) -> None:
 
 def run_client(url: str, jobs: list[dict[str, Any]]) -> dict[str, float]:
     spec = json.dumps({"url": url, "key": KEY_A, "jobs": jobs})
+    before = _children_cpu()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.openai", "--client", spec],
                           capture_output=True, text=True, timeout=1800)  # fmt: skip
     if proc.returncode != 0:
         raise RuntimeError(f"client failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "client_cpu_s": _children_cpu() - before}
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measured(engine: Any, run: Any) -> dict[str, float]:
+    """`run()`'s figures, with where the server process's time went: its CPU seconds (all threads)
+    and the engine's forward seconds. Forwards slower in one phase than the other, for the same
+    work, mean the CPU was contended (the load generator, other tenants), not that the face did more."""
+    totals = engine.sampler.totals
+    cpu0, before = time.process_time(), totals()
+    out = run()
+    after = totals()
+    out["server_cpu_s"] = time.process_time() - cpu0
+    out["forward_s"] = sum(after["seconds"].values()) - sum(before["seconds"].values())
+    out["prefill_forwards"] = after["forwards"]["prefill"] - before["forwards"]["prefill"]
+    out["decode_forwards"] = after["forwards"]["decode"] - before["forwards"]["decode"]
+    out["outside_forward_s"] = out["wall_s"] - out["forward_s"]
+    return out
 
 
 # --- the engine directly --------------------------------------------------------------------------
@@ -183,8 +209,8 @@ def main() -> None:
         run_engine(engine, work[:2], 4, owner)
         face_runs, engine_runs = [], []
         for _ in range(args.repeats):  # alternate, so a noisy neighbour slows both sides alike
-            face_runs.append(run_client(server.url, jobs))
-            engine_runs.append(run_engine(engine, work, args.max_tokens, owner))
+            face_runs.append(measured(engine, lambda: run_client(server.url, jobs)))
+            engine_runs.append(measured(engine, lambda: run_engine(engine, work, args.max_tokens, owner)))
     finally:
         server.stop()
 
@@ -194,7 +220,10 @@ def main() -> None:
     result: dict[str, Any] = {"model": base, "streams": args.streams, "policies": args.policies,
                               "max_tokens": args.max_tokens, "repeats": args.repeats}  # fmt: skip
     for side, runs in (("face", face_runs), ("engine", engine_runs)):
-        for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tokens_per_s"):
+        for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tokens_per_s", "wall_s", "forward_s",
+                    "outside_forward_s", "server_cpu_s", "client_cpu_s", "prefill_forwards", "decode_forwards"):
+            if key not in runs[0]:
+                continue
             result[f"{side}_{key}"] = med(runs, key)
     result["tokens_per_s_ratio"] = result["face_tokens_per_s"] / result["engine_tokens_per_s"]
     result["face_tokens_per_s_all"] = [r["tokens_per_s"] for r in face_runs]
