@@ -5,8 +5,9 @@ no tensors (the engine samples; `mint_server.serving` renders chats and detokeni
 A request's `model` is resolved once, when it is admitted, like a Tinker sampling session's path:
 an alias that moves afterwards changes only later requests. Every response runs one engine sample
 request per prompt; its tokens go through the same `TextStream` whether or not the client streams,
-so streamed text always equals non-streamed text. A streamed response whose client goes away sets
-its cancel event: the engine drops its sequences and frees their KV at its next step.
+so streamed text always equals non-streamed text. A response whose client goes away sets its cancel
+event (streams) and cancels its engine futures (`engine.cancel`): the engine drops its sequences and
+frees their KV at its next step.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ class OpenAIService:
         self.core = core
         self.engine = core.engine
         self._mailbox: Mailbox | None = None
+        self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs entries
 
     def mailbox(self) -> Mailbox:
         loop = asyncio.get_running_loop()
@@ -453,10 +455,6 @@ class OpenAIService:
         if text is None:
             text = self._token_texts[token] = self.tokenizer.decode([token])
         return text
-
-    @cached_property
-    def _token_texts(self) -> dict[int, str]:
-        return {}
 
     def _chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopLogprobs],
                        req: ChatRequest) -> dict:  # fmt: skip
