@@ -315,14 +315,15 @@ class Core:
 
     def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput,
                    num_samples: int, params: types.SamplingParams, prompt_logprobs: bool = False,
-                   topk_prompt_logprobs: int = 0, record: bool = False) -> Any:
+                   topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0) -> Any:
         """Parse a sample request (EngineError naming the field); fair admission is keyed by owner."""
         try:
             tokens = prompt.to_ints()
         except ValueError:
             raise InvalidInput("prompt: only token chunks are supported") from None
         return self.engine.prepare_sample(source, tokens, num_samples, params, prompt_logprobs,
-                                          topk_prompt_logprobs, record=record, key=owner)
+                                          topk_prompt_logprobs, record=record, key=owner,
+                                          top_logprobs=top_logprobs)
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
         """Accept any name of the served base model: its hub id, its short name or its checkpoint dir.

@@ -24,7 +24,6 @@ from mint_server.engine.residency import AdapterSource
 
 # SampleRequest fields this server cannot honour; refusing beats silently dropping them.
 _UNSUPPORTED = {
-    "topk_sample_logprobs": lambda r: r.topk_sample_logprobs > 0,
     "target_prompt_logprobs": lambda r: r.target_prompt_logprobs is not None,
     "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
     "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
@@ -100,11 +99,14 @@ class SamplingService:
         for name, used in _UNSUPPORTED.items():
             if used(req):
                 raise InvalidInput(f"{name} is not supported by this server")
+        if not 0 <= req.topk_sample_logprobs <= (most := self.engine.limits.max_top_logprobs):
+            raise InvalidInput(f"topk_sample_logprobs: must be in 0..{most}, got {req.topk_sample_logprobs}")
         # An inflight session samples on the training model's own adapter (no copy): its newest weights.
         source = sampler.live.adapter() if sampler.live is not None else sampler.source
         job = self.core.sample_job(
             p.owner, source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
             req.topk_prompt_logprobs, record=bool(req.record_stability_info),
+            top_logprobs=req.topk_sample_logprobs,
         )
         if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
             raise Busy("too many sample requests in flight; retry shortly")

@@ -336,7 +336,7 @@ CASES: list[Case] = [
     Case("sample-stop-vocab", "POST", "asample", lambda c: sample(c, {"stop": [10**9]}), names="stop"),
     Case("sample-stop-surrogate", "POST", "asample", lambda c: json.dumps(sample(c, {"stop": ["a" + SURROGATE]})), names="stop[0]"),
     Case("sample-seed-bigint", "POST", "asample", lambda c: sample(c, {"seed": BIG}), names="sampling_params.seed"),
-    Case("sample-topk-logprobs", "POST", "asample", lambda c: sample(c, topk_sample_logprobs=3), names="topk_sample_logprobs"),
+    Case("sample-topk-logprobs", "POST", "asample", lambda c: sample(c, topk_sample_logprobs=10**6), names="topk_sample_logprobs"),
     Case("sample-image", "POST", "asample",
          lambda c: sample(c, prompt={"chunks": [{"type": "image", "data": "aGk=", "format": "png", "expected_tokens": 2}]}),
          names="prompt"),

@@ -89,6 +89,23 @@ def test_stability_records_drive_stable_reinforce(client_a: tinker.ServiceClient
         by_id.forward_backward([_rl_datum(seqs[1], 1.0, False)], "stable_reinforce").result()
 
 
+def test_topk_sample_logprobs_come_from_the_same_distribution_as_the_tokens(client_a: tinker.ServiceClient) -> None:
+    sc = client_a.create_sampling_client(base_model=BASE)
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
+    seq = sc.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params, topk_sample_logprobs=4).result().sequences[0]
+    assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
+    for token, logprob, top in zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True):
+        assert top is not None and len(top) == 4
+        values = [lp for _, lp in top]
+        assert values == sorted(values, reverse=True)
+        assert logprob <= values[0] + 1e-6  # nothing beats the most likely token
+        for t, lp in top:
+            if t == token:
+                assert lp == pytest.approx(logprob, abs=1e-6)
+    plain = sc.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params).result().sequences[0]
+    assert plain.topk_logprobs is None and list(plain.tokens) == list(seq.tokens)  # asking changes no draw
+
+
 def test_inflight_sampling_reads_the_live_adapter(client_a: tinker.ServiceClient, server: LiveServer) -> None:
     tc = client_a.create_lora_training_client(base_model=BASE, rank=4, seed=1).result()
     greedy = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
