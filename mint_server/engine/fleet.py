@@ -35,8 +35,8 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError
+from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError, TokenCallback
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -66,6 +66,7 @@ from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 VNODES = 64  # points per replica on the hash ring: keys spread evenly, and few move when N changes
+CANCEL_POLL_S = 0.02  # how often the router looks at a streamed request's cancel event
 
 
 def ray_module() -> Any:
@@ -91,6 +92,8 @@ class ReplicaActor:
             os.sched_setaffinity(0, {core % os.cpu_count()})  # type: ignore[operator]
         torch.set_num_threads(max(1, threads))
         self.index, self.incarnation = index, uuid.uuid4().hex[:12]
+        self._running: dict[str, tuple[Future, threading.Event | None]] = {}  # request id → its sample
+        self.cancels = 0  # cancels that reached a sample running here
         self.engine = LocalEngine(model_dir, base_model=base_model, device=device,
                                   dtype=getattr(torch, dtype) if dtype else None, settings=settings)
 
@@ -101,12 +104,69 @@ class ReplicaActor:
         if incarnation is not None and incarnation != self.incarnation:
             raise AdapterLost(f"replica {self.index} restarted; the training adapter's live state is gone")
 
-    async def run(self, incarnation: str | None, job: Job) -> Any:
-        self._check(incarnation)
+    def _localize(self, job: Job) -> Job:
+        """What the router could not send: the tokenizer's decode for stop strings."""
         if isinstance(job, SampleJob) and job.params.stop.strings and job.params.stop.decode is None:
             stop = dataclasses.replace(job.params.stop, decode=self.engine.tokenizer.decode)
             job = dataclasses.replace(job, params=dataclasses.replace(job.params, stop=stop))
-        return await asyncio.wrap_future(self.engine.submit(job))
+        return job
+
+    async def run(self, incarnation: str | None, job: Job, request_id: str | None = None) -> Any:
+        self._check(incarnation)
+        local = self.engine.submit(self._localize(job))
+        if request_id is not None:
+            self._running[request_id] = (local, None)
+        try:
+            return await asyncio.wrap_future(local)
+        finally:
+            if request_id is not None:
+                self._running.pop(request_id, None)
+
+    async def stream(self, incarnation: str | None, request_id: str, job: SampleJob) -> AsyncIterator[Any]:
+        """A sample as a Ray streaming generator: ("tokens", [(index, token, logprob), ...]) batches as
+        the sampler draws them (what arrived since the last yield), then ("result", response). Closing
+        the generator early (ray.cancel) or `cancel(request_id)` sets the job's cancel event: the
+        sampler drops its rows and frees their KV at its next step."""
+        self._check(incarnation)
+        loop = asyncio.get_running_loop()
+        drawn: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def on_token(index: int, token: int, logprob: float) -> None:  # on the engine's worker thread
+            loop.call_soon_threadsafe(drawn.put_nowait, (index, token, logprob))
+
+        local = self.engine.submit(self._localize(job).streaming(on_token, cancel))
+        self._running[request_id] = (local, cancel)
+        # Scheduled from the worker thread after its last on_token, so it arrives after every token.
+        local.add_done_callback(lambda _f: loop.call_soon_threadsafe(drawn.put_nowait, None))
+        try:
+            finished = False
+            while not finished:
+                batch = [await drawn.get()]
+                while not drawn.empty():
+                    batch.append(drawn.get_nowait())
+                if batch[-1] is None:
+                    finished = True
+                    batch.pop()
+                if batch:
+                    yield ("tokens", batch)
+            yield ("result", local.result())
+        finally:
+            self._running.pop(request_id, None)
+            if not local.done():
+                cancel.set()
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a sample started by `run` or `stream` (its KV is freed); False if it is not running here."""
+        local, cancel = self._running.get(request_id, (None, None))
+        if local is None:
+            return False
+        self.cancels += 1
+        if cancel is not None:
+            cancel.set()
+        else:
+            self.engine.cancel(local)
+        return True
 
     async def call(self, incarnation: str | None, name: str, *args: Any) -> Any:
         self._check(incarnation)
@@ -116,10 +176,19 @@ class ReplicaActor:
         r = self.engine.report()
         r["queue_depth"] = self.engine.queue_depth()
         r["incarnation"] = self.incarnation
+        r["cancels"] = self.cancels
         return r
+
+    def status(self) -> dict[str, Any]:
+        """What report() tells without draining anything: for tests and operators."""
+        return {"kv_blocks_in_use": self.engine.sampler.kv_blocks_in_use, "queue_depth": self.engine.queue_depth(),
+                "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals()}
 
     def pause(self) -> None:
         self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
 
     def shutdown(self, drain: bool) -> None:
         self.engine.shutdown(drain)
@@ -155,6 +224,28 @@ class _Replica:
     report: dict[str, Any] = field(default_factory=dict)
     step_count: int = 0
     step_sum: float = 0.0
+    retired: dict[str, Any] = field(default_factory=dict)  # cumulative counts of its dead incarnations
+
+
+@dataclass(eq=False)
+class _Tracked:
+    """A sample request in flight: where it runs now (so a cancel can reach it) and, when streamed,
+    the caller's callback, its cancel event and how many tokens of each sample it has seen."""
+
+    request_id: str
+    on_token: TokenCallback | None
+    cancel: threading.Event | None
+    delivered: Counter[int] = field(default_factory=Counter)
+    replica: _Replica | None = None
+    cancel_requested: bool = False  # FleetEngine.cancel
+
+    @property
+    def streamed(self) -> bool:
+        return self.on_token is not None or self.cancel is not None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_requested or (self.cancel is not None and self.cancel.is_set())
 
 
 @dataclass
@@ -221,6 +312,11 @@ class FleetEngine(JobParsing):
                         else Path(tempfile.mkdtemp(prefix="mint-fleet-")))
         self._shared.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
+        self._tracked: dict[Future, _Tracked] = {}  # sample futures in flight → their request
+        # Streamed samples are consumed here (Ray streaming generators, awaited on one event loop).
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="mint-fleet-streams")
+        self._loop_thread.start()
         self.routed: Counter[tuple[int, str]] = Counter()  # (replica, decision) → requests
         self._accepting = True
 
@@ -320,13 +416,17 @@ class FleetEngine(JobParsing):
             raise EngineError("engine is shutting down")
         if isinstance(job, SampleJob):
             out: Future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
+            tracked = _Tracked(uuid.uuid4().hex, job.on_token, job.cancel)
+            with self._lock:
+                self._tracked[out] = tracked
+            out.add_done_callback(self._untrack)
             if isinstance(job.adapter, str):  # sampling a training adapter: where it lives
                 p = self._placement(job.adapter)
-                self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
+                self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None, tracked=tracked)
             elif self._needs_materialize(job.adapter):
-                self._pool.submit(self._guard, out, lambda: self._sample(out, job, 0, None))
+                self._pool.submit(self._guard, out, lambda: self._sample(out, job, tracked, 0, None))
             else:
-                self._sample(out, job, 0, None)
+                self._sample(out, job, tracked, 0, None)
             return out
         if isinstance(job, TrainJob | OptimJob | CustomJob):
             p = self._placement(job.adapter_id or "")
@@ -352,7 +452,13 @@ class FleetEngine(JobParsing):
             return out
         raise TypeError(f"not a job: {type(job).__name__}")
 
-    def _sample(self, out: Future, job: SampleJob, attempt: int, failed: int | None) -> None:
+    def _untrack(self, out: Future) -> None:
+        with self._lock:
+            self._tracked.pop(out, None)
+
+    def _sample(self, out: Future, job: SampleJob, tracked: _Tracked, attempt: int, failed: int | None) -> None:
+        if out.done():  # cancelled before it was dispatched
+            return
         portable = job.on(self._portable(job.adapter))
         if isinstance(job.adapter, AdapterSource):
             replica, decision = self._route_key(job.adapter.key, exclude=failed)
@@ -360,44 +466,101 @@ class FleetEngine(JobParsing):
             replica, decision = self._least_loaded(failed), "base" if failed is None else "retry"
 
         def retry(dead: int) -> bool:
-            if attempt >= self.fleet.sample_retries:
+            if attempt >= self.fleet.sample_retries or tracked.cancelled:
                 return False
-            self._pool.submit(self._guard, out, lambda: self._sample(out, job, attempt + 1, dead))
+            self._pool.submit(self._guard, out, lambda: self._sample(out, job, tracked, attempt + 1, dead))
             return True
 
-        self._dispatch(out, replica.index, decision, None, portable, retry, record=job if job.record else None)
+        self._dispatch(out, replica.index, decision, None, portable, retry, record=job if job.record else None,
+                       tracked=tracked)
 
     def _dispatch(self, out: Future, index: int, decision: str, incarnation: str | None, job: Job,
-                  retry: Callable[[int], bool] | None, record: SampleJob | None = None) -> None:
+                  retry: Callable[[int], bool] | None, record: SampleJob | None = None,
+                  tracked: _Tracked | None = None) -> None:
         replica = self._replicas[index]
         self.routed[(index, decision)] += 1
         with self._lock:
             replica.inflight += 1
-        ref = replica.handle.run.remote(incarnation, job)
-        ref.future().add_done_callback(lambda f: self._finish(out, replica, f, retry, record))
+        if tracked is None:
+            ref = replica.handle.run.remote(incarnation, job)
+        else:
+            tracked.replica = replica
+            wire = _wire(job)  # type: ignore[arg-type]  # a SampleJob, as tracked says
+            if tracked.streamed:
+                stream = replica.handle.stream.remote(incarnation, tracked.request_id, wire)
+                asyncio.run_coroutine_threadsafe(self._consume(out, replica, stream, tracked, retry, record),
+                                                 self._loop)
+                return
+            ref = replica.handle.run.remote(incarnation, wire, tracked.request_id)
 
-    def _finish(self, out: Future, replica: _Replica, done: Future, retry: Callable[[int], bool] | None,
-                record: SampleJob | None) -> None:
+        def done(f: Future) -> None:
+            error = f.exception()
+            self._finish(out, replica, None if error else f.result(), error, retry, record)
+
+        ref.future().add_done_callback(done)
+
+    async def _consume(self, out: Future, replica: _Replica, stream: Any, tracked: _Tracked,
+                       retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
+        """Hand a replica's streamed tokens to the caller's on_token, then finish `out`. A retry on
+        another replica replays the same tokens (same job, same seed): only unseen ones go on."""
+        seen: Counter[int] = Counter()
+        watcher = asyncio.ensure_future(self._watch_cancel(tracked)) if tracked.cancel is not None else None
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            async for ref in stream:
+                kind, value = await ref
+                if kind == "result":
+                    result = value
+                    continue
+                for index, token, logprob in value:
+                    seen[index] += 1
+                    if seen[index] <= tracked.delivered[index]:
+                        continue
+                    tracked.delivered[index] += 1
+                    if tracked.on_token is not None:
+                        try:
+                            tracked.on_token(index, token, logprob)
+                        except Exception:  # a listener's bug must not fail the request (as LocalEngine)
+                            log.exception("token callback failed")
+        except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried
+            error = e
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        self._finish(out, replica, result, error, retry, record)
+
+    async def _watch_cancel(self, tracked: _Tracked) -> None:
+        """The caller's cancel event is a threading.Event (no callback): look at it every
+        CANCEL_POLL_S, and when set, tell the replica running the request."""
+        assert tracked.cancel is not None
+        while not tracked.cancel.is_set():
+            await asyncio.sleep(CANCEL_POLL_S)
+        self._cancel_remote(tracked)
+
+    @staticmethod
+    def _cancel_remote(tracked: _Tracked) -> None:
+        if tracked.replica is not None:
+            tracked.replica.handle.cancel.remote(tracked.request_id)  # fire and forget: gone is fine
+
+    def _finish(self, out: Future, replica: _Replica, result: Any, error: BaseException | None,
+                retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
         with self._lock:
             replica.inflight -= 1
-        try:
-            result = done.result()
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried
-            error = self._unwrap(e)
+        if error is not None:
+            error = self._unwrap(error)
             if self._is_replica_death(error):
                 self._replica_down(replica)
-                if retry is not None and retry(replica.index):
+                if retry is not None and not out.done() and retry(replica.index):
                     return
                 error = AdapterLost(f"replica {replica.index} died while running this request; retry it"
                                     + ("" if retry is not None else
                                        " (the model resumes from its last saved state)"))
-            if not out.done():
-                out.set_exception(error)
+            _settle(out, error=error)
             return
         if record is not None and isinstance(result, types.SampleResponse):
             self._keep_records(record, result)
-        if not out.done():
-            out.set_result(result)
+        _settle(out, result=result)
 
     def _keep_records(self, job: SampleJob, response: types.SampleResponse) -> None:
         prompt = np.asarray(job.prompt, dtype=np.int32)
@@ -578,8 +741,13 @@ class FleetEngine(JobParsing):
         return sum(r.inflight for r in self._replicas)
 
     def cancel(self, future: Future) -> None:
-        """The caller stops waiting; the replica finishes the sample (its KV is freed then)."""
+        """The caller stops waiting, and the replica running the sample stops it (its KV is freed)."""
+        with self._lock:
+            tracked = self._tracked.get(future)
         future.cancel()
+        if tracked is not None:
+            tracked.cancel_requested = True
+            self._cancel_remote(tracked)
 
     def queue_position(self, future: Future) -> tuple[int, int] | None:
         """Replicas keep their own queues: no per-request position crosses the router."""
@@ -587,29 +755,35 @@ class FleetEngine(JobParsing):
 
     def report(self) -> dict[str, Any]:
         """The replicas' figures summed, in LocalEngine.report's shape; per-replica ones kept for
-        `replica_metrics`. A replica that does not answer within 2 s keeps its last report."""
+        the fleet's own families. A replica that does not answer within 2 s keeps its last report.
+        Cumulative counts (loads, evictions, sampler totals) carry over a replica's restart."""
         ray = ray_module()
         refs = [(r, r.handle.report.remote()) for r in self._replicas if r.up]
         for r, ref in refs:
             try:
-                r.report = ray.get(ref, timeout=2)
+                fresh = ray.get(ref, timeout=2)
             except Exception:  # noqa: BLE001 - a dying replica: its figures are stale, not fatal
                 continue
-            r.step_count += len(r.report["step_seconds"])
-            r.step_sum += sum(r.report["step_seconds"])
+            if r.report and r.report.get("incarnation") != fresh["incarnation"]:
+                _add_cumulative(r.retired, r.report)  # what the dead incarnation had counted
+            r.report = fresh
+            r.step_count += len(fresh["step_seconds"])
+            r.step_sum += sum(fresh["step_seconds"])
         total: dict[str, Any] = {"resident": Counter(), "loads": Counter(), "evictions": Counter(),
                                  "load_seconds": [], "step_seconds": [], "waiting_for_adapter": 0,
-                                 "kv_blocks_in_use": 0}
-        for r, _ in refs:
+                                 "kv_blocks_in_use": 0, "sampler": {}}
+        for r in self._replicas:
             rep = r.report
+            _add_cumulative(total, r.retired)
             if not rep:
                 continue
-            for family in ("resident", "loads", "evictions"):
-                total[family].update(rep[family])
+            _add_cumulative(total, rep)
+            total["resident"].update(rep["resident"])
+            if r.up:
+                total["waiting_for_adapter"] += rep["waiting_for_adapter"]
+                total["kv_blocks_in_use"] += rep["kv_blocks_in_use"]
             total["load_seconds"] += rep["load_seconds"]
             total["step_seconds"] += rep["step_seconds"]
-            total["waiting_for_adapter"] += rep["waiting_for_adapter"]
-            total["kv_blocks_in_use"] += rep["kv_blocks_in_use"]
             rep["load_seconds"], rep["step_seconds"] = [], []  # handed over once
         return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}
 
@@ -636,6 +810,13 @@ class FleetEngine(JobParsing):
         """Hold a replica's worker (LocalEngine.pause): its queued work waits; tests use it as a gate."""
         ray_module().get(self._replicas[index].handle.pause.remote())
 
+    def resume_replica(self, index: int) -> None:
+        ray_module().get(self._replicas[index].handle.resume.remote())
+
+    def replica_status(self, index: int) -> dict[str, Any]:
+        """One replica's KV blocks in use, queue depth, cancels received and sampler totals, now."""
+        return ray_module().get(self._replicas[index].handle.status.remote(), timeout=60)
+
     def replica_pids(self) -> list[int]:
         return [r.pid for r in self._replicas]
 
@@ -657,8 +838,37 @@ class FleetEngine(JobParsing):
                 pass
             ray.kill(r.handle, no_restart=True)
         self._pool.shutdown(wait=False)
+        self._loop.call_soon_threadsafe(self._loop.stop)
         if self._started_ray:
             ray.shutdown()
+
+
+def _add_cumulative(into: dict[str, Any], report: dict[str, Any]) -> None:
+    """Add a report's cumulative counts (loads, evictions by reason; sampler totals) into `into`."""
+    for family in ("loads", "evictions"):
+        into.setdefault(family, Counter()).update(report.get(family, {}))
+    sampler = into.setdefault("sampler", {})
+    for kind, phases in report.get("sampler", {}).items():
+        for phase, value in phases.items():
+            sampler.setdefault(kind, {})[phase] = sampler.get(kind, {}).get(phase, 0.0) + value
+
+
+def _settle(out: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Complete `out` unless the caller already cancelled it."""
+    try:
+        out.set_exception(error) if error is not None else out.set_result(result)
+    except InvalidStateError:  # cancelled (or finished) meanwhile
+        pass
+
+
+def _wire(job: SampleJob) -> SampleJob:
+    """The job as it crosses to a replica: no callback, no event (they cannot leave this process),
+    no decode function (the replica uses its own tokenizer's)."""
+    job = job.streaming(None, None)
+    if job.params.stop.decode is not None:
+        stop = dataclasses.replace(job.params.stop, decode=None)
+        job = dataclasses.replace(job, params=dataclasses.replace(job.params, stop=stop))
+    return job
 
 
 def _all(futures: list[Future]) -> Future:

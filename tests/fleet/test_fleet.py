@@ -6,15 +6,20 @@ The tests drive the real thing: Ray actors, the real service on loopback, the ti
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 import tinker
 from tinker import types
 
 from mint_server.api.metrics import Metrics
+from mint_server.engine.interface import EngineError
 from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import FleetSettings
 from mint_server.model.config import ModelConfig
@@ -29,6 +34,7 @@ from mint_server.engine.fleet import FleetEngine, HashRing  # noqa: E402 - after
 
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
 PROMPT = [5, 17, 33, 60]
+HELLO = [{"role": "user", "content": "hello world"}]
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +89,39 @@ def test_hash_ring_spreads_keys_and_is_stable() -> None:
     assert homes == [HashRing(2).home(f"rev:{i}") for i in range(1000)]  # same in every process
 
 
-def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
-    """Train, save, sample a snapshot, a catalog revision and the base with the tinker SDK, through
-    the router and on one engine: the same numbers."""
+def _openai_session(url: str, policy: str) -> dict[str, Any]:
+    """Chat and completions, whole and streamed, on the base and on a catalog revision."""
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY_A, max_retries=0)
+    out: dict[str, Any] = {}
+    for model in (BASE, f"{policy}@1"):
+        kw: dict[str, Any] = dict(model=model, messages=HELLO, max_tokens=12, seed=5, n=2)
+        whole = oai.chat.completions.create(**kw)
+        out[f"chat {model}"] = {c.index: c.message.content for c in whole.choices}
+        out[f"chat stream {model}"] = _collect(oai.chat.completions.create(**kw, stream=True))
+        kw = dict(model=model, prompt=PROMPT, max_tokens=10, seed=3, temperature=0.9, logprobs=0,
+                  extra_body={"return_tokens_as_token_ids": True})
+        choice = oai.completions.create(**kw).choices[0]
+        out[f"completion {model}"] = (choice.logprobs.tokens, choice.text)
+        out[f"completion stream {model}"] = _collect(oai.completions.create(**kw, stream=True))
+    oai.close()
+    return out
 
-    def session(engine) -> tuple[list[float], list[list[int]], list[list[int]]]:
+
+def _collect(stream: Any) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            piece = c.delta.content if hasattr(c, "delta") else c.text
+            texts[c.index] = texts.get(c.index, "") + (piece or "")
+    return texts
+
+
+def test_sdks_through_fleet_match_single_engine(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """Train, save, sample a snapshot, a catalog revision and the base with the tinker SDK, and chat
+    and complete (whole and streamed) with the openai SDK, through the router and on one engine:
+    the same numbers and the same text."""
+
+    def session(engine) -> tuple[list[float], list[list[int]], list[list[int]], dict[str, Any]]:
         with LiveServer(engine, tmp_path / f"data-{id(engine)}") as server:
             client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
             tc = client.create_lora_training_client(BASE, rank=4, seed=7).result()
@@ -97,14 +131,15 @@ def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: P
                                       types.SamplingParams(max_tokens=6, temperature=0.9, seed=s, stop=[]))
                             .result().sequences[0].tokens) for s in (1, 2)]
             tc.save_weights_for_sampler("published").result()  # a catalog revision of the run's policy
-            revision = client.create_sampling_client(
-                model_path=f"tinker://{tc.model_id.replace(':', '-')}@1").result()
+            policy = tc.model_id.replace(":", "-")
+            revision = client.create_sampling_client(model_path=f"tinker://{policy}@1").result()
             trained.append(list(revision.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY)
                                 .result().sequences[0].tokens))
             base = client.create_sampling_client(base_model=BASE).result()
             bare = [list(base.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens)]
+            chats = _openai_session(server.url, policy)
             client.close("success")
-            return losses, trained, bare
+            return losses, trained, bare, chats
 
     local = tiny_engine(tiny_dir)
     try:
@@ -114,6 +149,71 @@ def test_sdk_through_fleet_matches_single_engine(fleet: FleetEngine, tiny_dir: P
     got = session(Shared(fleet))
     assert got[0] == pytest.approx(want[0], abs=1e-5)
     assert got[1] == want[1] and got[2] == want[2]
+    chats = got[3]
+    for model in (BASE, "@1"):  # streamed text equals whole text, through the router too
+        chat = next(k for k in chats if k.startswith("chat ") and k.endswith(model) and "stream" not in k)
+        assert chats[chat.replace("chat ", "chat stream ")] == chats[chat] and len(chats[chat]) == 2
+        done = next(k for k in chats if k.startswith("completion ") and k.endswith(model) and "stream" not in k)
+        assert chats[done.replace("completion ", "completion stream ")] == {0: chats[done][1]}
+    assert [v for _k, v in sorted(chats.items())] == [v for _k, v in sorted(want[3].items())]
+
+
+def test_stream_tokens_and_cancel_cross_the_router(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """A streamed sample's tokens arrive through on_token, equal to the result's and to the unstreamed
+    sample's; setting its cancel event mid-stream stops it on its replica, which frees its KV."""
+    (source,) = _policies(tiny_dir, tmp_path, 1)
+    params = types.SamplingParams(max_tokens=8, temperature=0.9, seed=4, stop=[])
+    whole = fleet.submit(fleet.prepare_sample(source, PROMPT, 2, params)).result(timeout=120)
+    seen: list[tuple[int, int, float]] = []
+    job = fleet.prepare_sample(source, PROMPT, 2, params).streaming(lambda i, t, lp: seen.append((i, t, lp)),
+                                                                    threading.Event())
+    streamed = fleet.submit(job).result(timeout=120)
+    for i, seq in enumerate(streamed.sequences):
+        assert [t for j, t, _ in seen if j == i] == list(seq.tokens) == list(whole.sequences[i].tokens)
+        assert [lp for j, _, lp in seen if j == i] == pytest.approx(list(seq.logprobs), abs=1e-6)
+
+    home = fleet.home_of(source.key)
+    cancels = fleet.replica_status(home)["cancels"]
+    first, cancel, drawn = threading.Event(), threading.Event(), []
+    long = types.SamplingParams(max_tokens=200, temperature=0.9, seed=4, stop=[])
+    job = fleet.prepare_sample(source, PROMPT, 1, long).streaming(lambda i, t, lp: (drawn.append(t), first.set()),
+                                                                  cancel)
+    future = fleet.submit(job)
+    assert first.wait(120)
+    fleet.pause_replica(home)  # hold its worker: the sample cannot finish on its own meanwhile
+    try:
+        cancel.set()
+        _wait_for(lambda: fleet.replica_status(home)["cancels"] > cancels)  # the replica got it
+        assert fleet.replica_status(home)["kv_blocks_in_use"] > 0
+    finally:
+        fleet.resume_replica(home)
+    with pytest.raises(EngineError, match="cancelled"):
+        future.result(timeout=120)
+    _wait_for(lambda: fleet.replica_status(home)["kv_blocks_in_use"] == 0)
+    assert len(drawn) < 200
+
+
+def test_cancel_reaches_an_unstreamed_sample(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """engine.cancel (the tinker cancel_future) on a sample running on a replica stops it there."""
+    (source,) = _policies(tiny_dir, tmp_path, 1)
+    home = fleet.home_of(source.key)
+    fleet.pause_replica(home)
+    try:
+        future = _sample(fleet, source)
+        _wait_for(lambda: fleet.replica_status(home)["queue_depth"] > 0)  # it reached the replica
+        fleet.cancel(future)
+        assert future.cancelled()
+        _wait_for(lambda: fleet.replica_status(home)["cancels"] > 0)
+    finally:
+        fleet.resume_replica(home)
+    _wait_for(lambda: fleet.replica_status(home)["kv_blocks_in_use"] == 0 and fleet.queue_depth() == 0)
+
+
+def _wait_for(condition: Callable[[], bool], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
 
 
 def test_affinity_policies_land_on_their_home(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
