@@ -34,7 +34,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +66,7 @@ from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 VNODES = 64  # points per replica on the hash ring: keys spread evenly, and few move when N changes
+HOMES_KEPT = 200_000  # read-only adapter keys whose home the router remembers (least recently used go)
 CANCEL_POLL_S = 0.02  # how often the router looks at a streamed request's cancel event
 
 
@@ -97,8 +98,9 @@ class ReplicaActor:
         self.engine = LocalEngine(model_dir, base_model=base_model, device=device,
                                   dtype=getattr(torch, dtype) if dtype else None, settings=settings)
 
-    def hello(self) -> tuple[str, int]:
-        return self.incarnation, os.getpid()
+    def hello(self) -> tuple[str, int, int]:
+        """Its incarnation, process id and capacity (adapter slots on its device)."""
+        return self.incarnation, os.getpid(), self.engine.settings.device_slots
 
     def _check(self, incarnation: str | None) -> None:
         if incarnation is not None and incarnation != self.incarnation:
@@ -220,6 +222,7 @@ class _Replica:
     pid: int = 0
     up: bool = True
     inflight: int = 0  # requests routed to it and not finished (the router's own count: no RPC)
+    capacity: int = 1  # adapter slots on its device: its share of a wave of cold adapters
     restarts: int = 0
     report: dict[str, Any] = field(default_factory=dict)
     step_count: int = 0
@@ -299,9 +302,10 @@ class FleetEngine(JobParsing):
                      int(max(1, f.cpus_per_replica)), i if f.pin_cores else None)
             self._replicas.append(_Replica(i, handle))
         for r in self._replicas:
-            r.incarnation, r.pid = ray.get(r.handle.hello.remote())
+            r.incarnation, r.pid, r.capacity = ray.get(r.handle.hello.remote())
         self._ring = HashRing(f.replicas)
         self._lock = threading.Lock()
+        self._homes: OrderedDict[str, int] = OrderedDict()  # read-only adapter key → home replica (LRU)
         self._adapters: dict[str, _Placement] = {}
         self._ids = itertools.count(1)
         self._tag = uuid.uuid4().hex[:6]
@@ -343,7 +347,25 @@ class FleetEngine(JobParsing):
 
     # --- routing --------------------------------------------------------------------------------
     def home_of(self, key: str) -> int:
-        return self._ring.home(key)
+        """The replica where a read-only adapter's requests go (where it is hot). A key seen for the
+        first time is placed where free capacity is largest (see `_place_cold`); it stays there."""
+        with self._lock:
+            home = self._homes.get(key)
+            if home is not None:
+                self._homes.move_to_end(key)
+                return home
+            home = self._homes[key] = self._place_cold(key)
+            if len(self._homes) > HOMES_KEPT:
+                self._homes.popitem(last=False)  # a long-unused key: placed afresh if it comes back
+            return home
+
+    def _place_cold(self, key: str) -> int:
+        """The up replica with the fewest requests in flight per adapter slot; on a tie (an idle
+        fleet), the key's consistent-hashing home. A wave of cold adapters submitted at once is so
+        spread in proportion to the replicas' free capacity."""
+        ring = self._ring.home(key)
+        up = [r for r in self._replicas if r.up] or self._replicas
+        return min(up, key=lambda r: ((r.inflight + 1) / r.capacity, r.index != ring, r.index)).index
 
     def _up(self) -> list[_Replica]:
         up = [r for r in self._replicas if r.up]
@@ -355,7 +377,7 @@ class FleetEngine(JobParsing):
 
     def _route_key(self, key: str, exclude: int | None = None) -> tuple[_Replica, str]:
         """The replica for work on a read-only adapter: its home, unless saturated or down."""
-        home = self._replicas[self._ring.home(key)]
+        home = self._replicas[self.home_of(key)]
         if exclude is None and home.up and home.inflight < self.fleet.spill_inflight:
             return home, "home"
         other = self._least_loaded(exclude)
@@ -598,7 +620,7 @@ class FleetEngine(JobParsing):
         delay = 0.1
         while self._accepting:
             try:
-                incarnation, pid = ray.get(replica.handle.hello.remote(), timeout=30)
+                incarnation, pid, _capacity = ray.get(replica.handle.hello.remote(), timeout=30)
             except Exception as e:  # noqa: BLE001 - still restarting, or gone for good
                 if isinstance(e, ray.exceptions.ActorDiedError) and not getattr(e, "preempted", False) and \
                         self.fleet.max_restarts == 0:

@@ -5,6 +5,7 @@ The tests drive the real thing: Ray actors, the real service on loopback, the ti
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -73,7 +74,7 @@ def _policies(tiny_dir: Path, tmp: Path, n: int) -> list[AdapterSource]:
     for i in range(n):
         d = tmp / f"policy-{i}"
         save_peft(random_adapter(cfg, 2, seed=500 + i), d, BASE)
-        sources.append(AdapterSource(f"ckpt:policy-{i}", peft_dir=d))
+        sources.append(AdapterSource(f"ckpt:{tmp.name}/policy-{i}", peft_dir=d))  # a key per test
     return sources
 
 
@@ -238,6 +239,54 @@ def test_affinity_policies_land_on_their_home(fleet: FleetEngine, tiny_dir: Path
     assert re.search(r'^mint_fleet_replica_step_seconds_total\{replica="0",stat="count"\} [1-9]', text, re.M)
 
 
+def test_a_hot_policy_is_served_by_several_replicas(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
+    """When a policy's home has spill_inflight requests in flight, new ones spill to the other
+    replica, which serves them while the home is busy; the tokens are the home's."""
+    (source,) = _policies(tiny_dir, tmp_path, 1)
+    home = fleet.home_of(source.key)
+    settings, before = fleet.fleet, dict(fleet.routed)
+    fleet.fleet = dataclasses.replace(settings, spill_inflight=2)
+    fleet.pause_replica(home)  # the home is busy: what it holds stays in flight
+    try:
+        futures = [_sample(fleet, source, seed=s) for s in range(8)]
+        spilled = fleet.routed[(1 - home, "spill")] - before.get((1 - home, "spill"), 0)
+        assert spilled >= 2
+        _wait_for(lambda: sum(f.done() for f in futures) >= spilled)  # served while the home is held
+    finally:
+        fleet.fleet = settings
+        fleet.resume_replica(home)
+    got = [f.result(timeout=120).sequences[0].tokens for f in futures]
+    again = [_sample(fleet, source, seed=s) for s in range(8)]  # all at home now (default spill)
+    assert [f.result(timeout=120).sequences[0].tokens for f in again] == got
+
+
+def test_a_cold_wave_spreads_in_proportion_to_free_capacity(fleet: FleetEngine, tiny_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """A wave of distinct cold adapters goes where free capacity is: with replica 0 already holding
+    10 requests, 30 cold adapters split 10 / 20, leaving both equally loaded; each stays home after."""
+    hot, *wave = _policies(tiny_dir, tmp_path, 31)
+    _wait_for(lambda: fleet.queue_depth() == 0)
+    for r in (0, 1):
+        fleet.pause_replica(r)  # nothing finishes: in-flight counts are exactly what was routed
+    try:
+        fleet._homes[hot.key] = 0  # a hot policy homed on replica 0
+        busy = [_sample(fleet, hot, seed=s) for s in range(10)]
+        before = dict(fleet.routed)
+        futures = [_sample(fleet, s) for s in wave]
+        routed = {k: n - before.get(k, 0) for k, n in fleet.routed.items()}
+        assert routed.get((0, "home"), 0) == 10 and routed.get((1, "home"), 0) == 20
+    finally:
+        for r in (0, 1):
+            fleet.resume_replica(r)
+    for f in busy + futures:
+        assert len(f.result(timeout=120).sequences[0].tokens) == 6
+    homes = [fleet.home_of(s.key) for s in wave]
+    before = dict(fleet.routed)
+    for f in [_sample(fleet, s) for s in wave]:
+        f.result(timeout=120)
+    assert fleet.routed[(1, "home")] - before.get((1, "home"), 0) == homes.count(1) == 20
+
+
 def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
     """Samples in flight on the dead replica are retried elsewhere (same seed, same tokens); its
     training client gets a retryable error, then resumes from its last saved state."""
@@ -257,10 +306,16 @@ def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: P
         retried = fleet.affinity().get("retry", 0)
         fleet.pause_replica(victim)  # hold its work, so that some is surely in flight when it dies
         load = [_sample(fleet, s, seed=3) for s in sources * 3]
+        streamed = next(i for i, s in enumerate(sources) if fleet.home_of(s.key) == victim)
+        drawn: list[int] = []
+        params = types.SamplingParams(max_tokens=6, temperature=0.8, seed=3, stop=[])
+        stream = fleet.submit(fleet.prepare_sample(sources[streamed], PROMPT, 1, params)
+                              .streaming(lambda _i, t, _lp: drawn.append(t), threading.Event()))
         on_victim = sum(1 for s in sources * 3 if fleet.home_of(s.key) == victim)
         assert on_victim > 0
         fleet.kill_replica(victim)
         assert [f.result(timeout=180).sequences[0].tokens for f in load] == expected * 3
+        assert stream.result(timeout=180).sequences[0].tokens == expected[streamed] == drawn  # each token once
         assert fleet.affinity()["retry"] - retried >= on_victim
 
         with pytest.raises(tinker.RequestFailedError, match="replica"):
