@@ -124,6 +124,41 @@ class ReplicaActor:
             if request_id is not None:
                 self._running.pop(request_id, None)
 
+    async def run_batch(self, batch: list[tuple[str, SampleJob]]) -> AsyncIterator[list[tuple[str, Any, Any]]]:
+        """Many samples in one Ray call (the router's batch for this replica), answered as a Ray
+        streaming generator: lists of (request id, error or None, result), each list what finished
+        since the last yield. One call and a few yields instead of a task per request: Ray's
+        per-task work (driver, raylet, this worker) no longer grows with the request count."""
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Queue[tuple[str, Future | BaseException]] = asyncio.Queue()
+        for request_id, job in batch:
+            try:
+                local = self.engine.submit(self._localize(job))
+            except Exception as e:  # noqa: BLE001 - e.g. shutting down: that request's answer
+                finished.put_nowait((request_id, e))
+                continue
+            self._running[request_id] = (local, None)
+            local.add_done_callback(
+                lambda f, rid=request_id: loop.call_soon_threadsafe(finished.put_nowait, (rid, f)))
+        left = len(batch)
+        while left:
+            items = [await finished.get()]
+            while not finished.empty():
+                items.append(finished.get_nowait())
+            answers = []
+            for request_id, outcome in items:
+                self._running.pop(request_id, None)
+                if isinstance(outcome, BaseException):
+                    answers.append((request_id, outcome, None))
+                elif outcome.cancelled():
+                    answers.append((request_id, EngineError("sample request was cancelled"), None))
+                elif (error := outcome.exception()) is not None:
+                    answers.append((request_id, error, None))
+                else:
+                    answers.append((request_id, None, outcome.result()))
+            left -= len(answers)
+            yield answers
+
     async def stream(self, incarnation: str | None, request_id: str, job: SampleJob) -> AsyncIterator[Any]:
         """A sample as a Ray streaming generator: ("tokens", [(index, token, logprob), ...]) batches as
         the sampler draws them (what arrived since the last yield), then ("result", response). Closing
@@ -317,6 +352,8 @@ class FleetEngine(JobParsing):
         self._shared.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
         self._tracked: dict[Future, _Tracked] = {}  # sample futures in flight → their request
+        # Read-only samples waiting for their replica's next batch: (request id, job, answer).
+        self._outbox: dict[int, list[tuple[str, SampleJob, Callable[[Any, BaseException | None], None]]]] = {}
         # Streamed samples are consumed here (Ray streaming generators, awaited on one event loop).
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="mint-fleet-streams")
@@ -513,6 +550,10 @@ class FleetEngine(JobParsing):
                 asyncio.run_coroutine_threadsafe(self._consume(out, replica, stream, tracked, retry, record),
                                                  self._loop)
                 return
+            if incarnation is None:  # a read-only sample: it goes in the replica's next batch
+                self._enqueue(replica, tracked.request_id, wire,
+                              lambda result, error: self._finish(out, replica, result, error, retry, record))
+                return
             ref = replica.handle.run.remote(incarnation, wire, tracked.request_id)
 
         def done(f: Future) -> None:
@@ -520,6 +561,37 @@ class FleetEngine(JobParsing):
             self._finish(out, replica, None if error else f.result(), error, retry, record)
 
         ref.future().add_done_callback(done)
+
+    def _enqueue(self, replica: _Replica, request_id: str, job: SampleJob,
+                 answer: Callable[[Any, BaseException | None], None]) -> None:
+        """Queue a sample for the replica's next batch; the first into an empty outbox schedules
+        the send on the router's loop, so a burst of submits leaves as one Ray call."""
+        with self._lock:
+            box = self._outbox.setdefault(replica.index, [])
+            box.append((request_id, job, answer))
+            first = len(box) == 1
+        if first:
+            self._loop.call_soon_threadsafe(self._send_batch, replica)
+
+    def _send_batch(self, replica: _Replica) -> None:
+        with self._lock:
+            batch = self._outbox.pop(replica.index, [])
+        if batch:
+            stream = replica.handle.run_batch.remote([(rid, job) for rid, job, _ in batch])
+            asyncio.ensure_future(self._answer_batch(stream, {rid: answer for rid, _, answer in batch}))
+
+    @staticmethod
+    async def _answer_batch(stream: Any, waiting: dict[str, Callable[[Any, BaseException | None], None]]) -> None:
+        try:
+            async for ref in stream:
+                for request_id, error, result in await ref:
+                    waiting.pop(request_id)(result, error)
+        except BaseException as e:  # noqa: BLE001 - the replica died: every unanswered request sees it
+            for answer in waiting.values():
+                answer(None, e)
+            return
+        for answer in waiting.values():  # not expected: the replica answers every request it got
+            answer(None, EngineError("the replica ended a batch without answering this request"))
 
     async def _consume(self, out: Future, replica: _Replica, stream: Any, tracked: _Tracked,
                        retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
