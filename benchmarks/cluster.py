@@ -8,6 +8,11 @@ Tiny model, each replica a Ray actor pinned to its own core (one torch thread). 
 2. affinity — the same wave again on 2 replicas: share of requests served by their home replica.
 3. overhead — sequential one-token requests on the bare base: median latency through the router
    (1 replica) minus a direct call on an in-process LocalEngine (also one thread).
+4. CPU seconds of each wave, read from /proc: the router process (per request) and each replica.
+   They do not depend on what else the machine runs, so `cpu_scaling` (one replica's CPU for the
+   wave / the busiest of two replicas' CPU) is the scaling the replicas' own work allows when each
+   has a free core; wall-clock scaling on a shared 2-core box also pays for the router, Ray's own
+   processes and everyone else.
 
     python -m benchmarks.cluster [--wave 1000] [--max-tokens 16]
 
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import tempfile
 import time
@@ -42,6 +49,17 @@ def wave(fleet: object, sources: list[AdapterSource], max_tokens: int) -> tuple[
                for i, s in enumerate(sources)]
     tokens = sum(len(f.result(timeout=1800).sequences[0].tokens) for f in futures)
     return time.perf_counter() - t0, tokens
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def latency(engine: object, n: int) -> float:
@@ -73,7 +91,8 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dir(model)
     dirs = write_adapters(cfg, work / "adapters", args.wave)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=256 * 1024 * 1024, log_to_driver=False)
-    out: dict[str, object] = {"wave": args.wave, "max_tokens": args.max_tokens}
+    out: dict[str, object] = {"wave": args.wave, "max_tokens": args.max_tokens,
+                               "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         for n in (1, 2):
             # Fresh keys per fleet: every adapter starts cold (store tier) on every replica.
@@ -82,11 +101,18 @@ def main() -> None:
                                 fleet=FleetSettings(replicas=n, pin_cores=True, cpus_per_replica=1))
             try:
                 wave(fleet, sources[:16], args.max_tokens)  # warm-up: imports, first step
+                pids = fleet.replica_pids()
+                driver0, replicas0 = own_cpu(), [process_cpu(p) for p in pids]
                 seconds, tokens = wave(fleet, sources, args.max_tokens)
+                driver = own_cpu() - driver0
+                replica_cpu = [round(process_cpu(p) - c, 2) for p, c in zip(pids, replicas0, strict=True)]
                 out[f"wave_s_{n}"] = round(seconds, 2)
                 out[f"tokens_per_s_{n}"] = round(tokens / seconds, 1)
+                out[f"replica_cpu_s_{n}"] = replica_cpu
+                out[f"router_cpu_ms_per_request_{n}"] = round(1000 * driver / args.wave, 3)
                 print(f"{n} replica(s): wave of {args.wave} cold adapters in {seconds:.2f} s, "
-                      f"{tokens / seconds:.1f} sampled tokens/s", flush=True)
+                      f"{tokens / seconds:.1f} sampled tokens/s; CPU s: replicas {replica_cpu}, router "
+                      f"{driver:.2f}", flush=True)
                 if n == 2:
                     before = dict(fleet.routed)
                     wave(fleet, sources, args.max_tokens)
@@ -110,8 +136,11 @@ def main() -> None:
     finally:
         ray.shutdown()
     out["scaling_ratio"] = round(out["tokens_per_s_2"] / out["tokens_per_s_1"], 3)  # type: ignore[operator]
+    out["cpu_scaling"] = round(out["replica_cpu_s_1"][0] / max(out["replica_cpu_s_2"]), 3)  # type: ignore[index]
+    out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     out["router_overhead_ms"] = round(out["router_latency_ms"] - out["direct_latency_ms"], 3)  # type: ignore[operator]
-    print(f"scaling 2 vs 1 replica: {out['scaling_ratio']}x (goal >= 1.7); router overhead per request "
+    print(f"scaling 2 vs 1 replica: {out['scaling_ratio']}x wall (goal >= 1.7), {out['cpu_scaling']}x by "
+          f"replica CPU; load average {out['loadavg_start']} -> {out['loadavg_end']}; router overhead per request "
           f"{out['router_overhead_ms']} ms ({out['router_latency_ms']} vs {out['direct_latency_ms']} direct)")
     print(json.dumps(out))
 

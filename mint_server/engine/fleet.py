@@ -343,6 +343,7 @@ class FleetEngine(JobParsing):
         self._homes: OrderedDict[str, int] = OrderedDict()  # read-only adapter key → home replica (LRU)
         self._adapters: dict[str, _Placement] = {}
         self._ids = itertools.count(1)
+        self._request_ids = itertools.count(1)  # sample requests (a cancel names one on its replica)
         self._tag = uuid.uuid4().hex[:6]
         self._materialized: dict[str, Path] = {}  # source key → its PEFT dir under the shared dir
         # Catalog revisions are written out here for the replicas: beside the page dirs, in the data
@@ -475,7 +476,7 @@ class FleetEngine(JobParsing):
             raise EngineError("engine is shutting down")
         if isinstance(job, SampleJob):
             out: Future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
-            tracked = _Tracked(uuid.uuid4().hex, job.on_token, job.cancel)
+            tracked = _Tracked(f"{self._tag}-{next(self._request_ids)}", job.on_token, job.cancel)
             with self._lock:
                 self._tracked[out] = tracked
             out.add_done_callback(self._untrack)
@@ -576,7 +577,12 @@ class FleetEngine(JobParsing):
     def _send_batch(self, replica: _Replica) -> None:
         with self._lock:
             batch = self._outbox.pop(replica.index, [])
-        if batch:
+        if len(batch) == 1:  # alone: a plain task answers sooner than a streaming generator
+            (request_id, job, answer), = batch
+            ref = replica.handle.run.remote(None, job, request_id)
+            ref.future().add_done_callback(
+                lambda f: answer(None, f.exception()) if f.exception() is not None else answer(f.result(), None))
+        elif batch:
             stream = replica.handle.run_batch.remote([(rid, job) for rid, job, _ in batch])
             asyncio.ensure_future(self._answer_batch(stream, {rid: answer for rid, _, answer in batch}))
 
