@@ -6,19 +6,29 @@ as every replica, and `submit` routes the typed job to a replica and answers wit
 residency tiers, KV cache and worker), so adding replicas adds adapter slots and compute.
 
 Routing:
-- a read-only adapter (an `AdapterSource`: checkpoint, catalog revision) has a home replica, chosen
-  by consistent hashing of its key, so its requests find it hot there; when the home has
+- a read-only adapter (an `AdapterSource`: checkpoint, catalog revision) has a home replica, where
+  its requests find it hot. The router places a key it has not seen where free capacity is largest
+  (fewest requests in flight per adapter slot; consistent hashing breaks ties), so a wave of cold
+  adapters spreads in proportion to free capacity, and remembers it. When the home has
   `spill_inflight` sample requests in flight, new ones spill to the least-loaded replica (a hot
   policy is then served by several);
 - a training adapter lives on one replica for its life: its fleet id maps to (replica, local id,
   the replica's incarnation); every op on it goes there;
 - the bare base goes to the least-loaded replica.
 
+Transport: read-only samples submitted together leave in one Ray call per replica (`run_batch`, a
+streaming generator answering as they finish), so Ray's per-task cost does not grow with the
+request count. A streamed sample (SampleJob.on_token / cancel) runs as its own streaming generator
+(`stream`): token batches come back as drawn and go to on_token on the router's event loop; the
+cancel event, seen there, reaches the replica, which stops the sample and frees its KV.
+`cancel(future)` does the same for any sample.
+
 Faults: replicas are Ray actors with `max_restarts`, so Ray replaces one that dies. A sample request
-in flight on it is re-dispatched to another replica (same job, same seed: same tokens). A training
-adapter's live state dies with its replica: ops on it fail with `AdapterLost` (retryable), and the
-service resumes the model from its last saved state (see api/training.py). Replicas share nothing
-but the store: checkpoints and catalog blobs on a path every node mounts.
+in flight on it is re-dispatched to another replica (same job, same seed: same tokens; a stream
+passes on only the tokens its caller has not seen). A training adapter's live state dies with its
+replica: ops on it fail with `AdapterLost` (retryable), and the service resumes the model from its
+last saved state (see api/training.py). Replicas share nothing but the store: checkpoints and
+catalog blobs on a path every node mounts.
 """
 
 from __future__ import annotations
@@ -1018,6 +1028,8 @@ class _FleetCollector:
         queue = GaugeMetricFamily("mint_fleet_replica_queue_depth", "Work queued inside the replica's engine",
                                   labels=["replica"])
         resident = GaugeMetricFamily("mint_fleet_replica_adapters", "Adapters by tier", labels=["replica", "tier"])
+        kv = GaugeMetricFamily("mint_fleet_replica_kv_blocks_in_use", "KV cache blocks held by running samples",
+                               labels=["replica"])
         steps = CounterMetricFamily("mint_fleet_replica_step_seconds", "Engine worker turns (count, seconds)",
                                     labels=["replica", "stat"])
         restarts = CounterMetricFamily("mint_fleet_replica_restarts", "Times Ray replaced the replica",
@@ -1027,9 +1039,10 @@ class _FleetCollector:
             up.add_metric([i], 1.0 if r.up else 0.0)
             inflight.add_metric([i], r.inflight)
             queue.add_metric([i], r.report.get("queue_depth", 0))
+            kv.add_metric([i], r.report.get("kv_blocks_in_use", 0))
             for tier, n in r.report.get("resident", {}).items():
                 resident.add_metric([i, tier], n)
             steps.add_metric([i, "count"], r.step_count)
             steps.add_metric([i, "sum"], r.step_sum)
             restarts.add_metric([i], r.restarts)
-        yield from (up, inflight, queue, resident, steps, restarts)
+        yield from (up, inflight, queue, resident, kv, steps, restarts)

@@ -236,6 +236,7 @@ def test_affinity_policies_land_on_their_home(fleet: FleetEngine, tiny_dir: Path
     assert rate >= 0.9
     assert 'mint_fleet_routed_total{decision="home",replica="0"}' in text
     assert 'mint_fleet_replica_adapters{replica="1",tier="device"}' in text
+    assert 'mint_fleet_replica_kv_blocks_in_use{replica="0"} 0.0' in text
     assert re.search(r'^mint_fleet_replica_step_seconds_total\{replica="0",stat="count"\} [1-9]', text, re.M)
 
 
