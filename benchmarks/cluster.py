@@ -125,6 +125,8 @@ def main() -> None:
                           f"spread {spread}", flush=True)
                 if n == 1:
                     out["router_latency_ms"] = round(1000 * latency(fleet, args.latency_requests), 3)
+                    pings = [fleet.ping_replica(0) for _ in range(args.latency_requests)]
+                    out["ray_roundtrip_ms"] = round(1000 * statistics.median(pings), 3)
             finally:
                 fleet.shutdown()
         torch.set_num_threads(1)
@@ -141,7 +143,8 @@ def main() -> None:
     out["router_overhead_ms"] = round(out["router_latency_ms"] - out["direct_latency_ms"], 3)  # type: ignore[operator]
     print(f"scaling 2 vs 1 replica: {out['scaling_ratio']}x wall (goal >= 1.7), {out['cpu_scaling']}x by "
           f"replica CPU; load average {out['loadavg_start']} -> {out['loadavg_end']}; router overhead per request "
-          f"{out['router_overhead_ms']} ms ({out['router_latency_ms']} vs {out['direct_latency_ms']} direct)")
+          f"{out['router_overhead_ms']} ms ({out['router_latency_ms']} vs {out['direct_latency_ms']} direct; an empty "
+          f"Ray actor round trip {out['ray_roundtrip_ms']} ms)")
     print(json.dumps(out))
 
 

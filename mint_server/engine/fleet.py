@@ -920,6 +920,12 @@ class FleetEngine(JobParsing):
         """Hold a replica's worker (LocalEngine.pause): its queued work waits; tests use it as a gate."""
         ray_module().get(self._replicas[index].handle.pause.remote())
 
+    def ping_replica(self, index: int) -> float:
+        """Seconds for an empty round trip to a replica's actor (Ray's own cost of a call)."""
+        t0 = time.perf_counter()
+        ray_module().get(self._replicas[index].handle.hello.remote(), timeout=60)
+        return time.perf_counter() - t0
+
     def resume_replica(self, index: int) -> None:
         ray_module().get(self._replicas[index].handle.resume.remote())
 
