@@ -265,12 +265,15 @@ def test_a_cold_wave_spreads_in_proportion_to_free_capacity(fleet: FleetEngine, 
                                                             tmp_path: Path) -> None:
     """A wave of distinct cold adapters goes where free capacity is: with replica 0 already holding
     10 requests, 30 cold adapters split 10 / 20, leaving both equally loaded; each stays home after."""
-    hot, *wave = _policies(tiny_dir, tmp_path, 31)
+    sources = _policies(tiny_dir, tmp_path, 40)
     _wait_for(lambda: fleet.queue_depth() == 0)
+    # An idle fleet places a key at its hashing home: the first of those on replica 0 is the hot one.
+    probed = next(i for i, s in enumerate(sources) if fleet.home_of(s.key) == 0)
+    hot, wave = sources[probed], sources[probed + 1:][:30]
+    assert len(wave) == 30
     for r in (0, 1):
         fleet.pause_replica(r)  # nothing finishes: in-flight counts are exactly what was routed
     try:
-        fleet._homes[hot.key] = 0  # a hot policy homed on replica 0
         busy = [_sample(fleet, hot, seed=s) for s in range(10)]
         before = dict(fleet.routed)
         futures = [_sample(fleet, s) for s in wave]
