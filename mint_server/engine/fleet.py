@@ -548,8 +548,8 @@ class FleetEngine(JobParsing):
                   retry: Callable[[int], bool] | None, record: SampleJob | None = None,
                   tracked: _Tracked | None = None) -> None:
         replica = self._replicas[index]
-        self.routed[(index, decision)] += 1
         with self._lock:
+            self.routed[(index, decision)] += 1
             replica.inflight += 1
         if tracked is None:
             ref = replica.handle.run.remote(incarnation, job)
