@@ -367,6 +367,8 @@ class FleetEngine(JobParsing):
         self._outbox: dict[int, list[tuple[str, SampleJob, Callable[[Any, BaseException | None], None]]]] = {}
         # Streamed samples are consumed here (Ray streaming generators, awaited on one event loop).
         self._loop = asyncio.new_event_loop()
+        self._watched: set[_Tracked] = set()  # streams whose cancel event the loop looks at
+        self._watcher: asyncio.Future | None = None
         self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="mint-fleet-streams")
         self._loop_thread.start()
         self.routed: Counter[tuple[int, str]] = Counter()  # (replica, decision) → requests
@@ -614,7 +616,10 @@ class FleetEngine(JobParsing):
         """Hand a replica's streamed tokens to the caller's on_token, then finish `out`. A retry on
         another replica replays the same tokens (same job, same seed): only unseen ones go on."""
         seen: Counter[int] = Counter()
-        watcher = asyncio.ensure_future(self._watch_cancel(tracked)) if tracked.cancel is not None else None
+        if tracked.cancel is not None:
+            self._watched.add(tracked)
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.ensure_future(self._watch_cancels())
         result: Any = None
         error: BaseException | None = None
         try:
@@ -636,17 +641,17 @@ class FleetEngine(JobParsing):
         except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried
             error = e
         finally:
-            if watcher is not None:
-                watcher.cancel()
+            self._watched.discard(tracked)
         self._finish(out, replica, result, error, retry, record)
 
-    async def _watch_cancel(self, tracked: _Tracked) -> None:
-        """The caller's cancel event is a threading.Event (no callback): look at it every
-        CANCEL_POLL_S, and when set, tell the replica running the request."""
-        assert tracked.cancel is not None
-        while not tracked.cancel.is_set():
+    async def _watch_cancels(self) -> None:
+        """Streams' cancel events are threading.Events (no callback): one task on the router's loop
+        looks at all of them every CANCEL_POLL_S and tells the replica of each one set."""
+        while self._watched:
             await asyncio.sleep(CANCEL_POLL_S)
-        self._cancel_remote(tracked)
+            for tracked in [t for t in self._watched if t.cancel is not None and t.cancel.is_set()]:
+                self._watched.discard(tracked)
+                self._cancel_remote(tracked)
 
     @staticmethod
     def _cancel_remote(tracked: _Tracked) -> None:
