@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import tinker
@@ -192,6 +193,27 @@ def test_stream_tokens_and_cancel_cross_the_router(fleet: FleetEngine, tiny_dir:
         future.result(timeout=120)
     _wait_for(lambda: fleet.replica_status(home)["kv_blocks_in_use"] == 0)
     assert len(drawn) < 200
+
+
+def test_openai_client_going_away_frees_the_replicas_kv(fleet: FleetEngine, tmp_path: Path) -> None:
+    """The OpenAI face sets a stream's cancel event when its client disconnects: through the
+    router, the replica running it stops early and frees its KV."""
+    cancels = sum(fleet.replica_status(r)["cancels"] for r in (0, 1))
+    decoded = sum(fleet.replica_status(r)["sampler"]["tokens"]["decode"] for r in (0, 1))
+    body = {"model": BASE, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with LiveServer(Shared(fleet), tmp_path / "data") as server:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")  # tokens are flowing
+            for replica in (0, 1):
+                fleet.pause_replica(replica)  # the stream cannot finish on its own meanwhile
+        try:
+            _wait_for(lambda: sum(fleet.replica_status(r)["cancels"] for r in (0, 1)) > cancels)
+        finally:
+            for replica in (0, 1):
+                fleet.resume_replica(replica)
+        _wait_for(lambda: all(fleet.replica_status(r)["kv_blocks_in_use"] == 0 for r in (0, 1)))
+    assert sum(fleet.replica_status(r)["sampler"]["tokens"]["decode"] for r in (0, 1)) - decoded < 199
 
 
 def test_cancel_reaches_an_unstreamed_sample(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
