@@ -228,8 +228,11 @@ class ReplicaActor:
 
     def status(self) -> dict[str, Any]:
         """What report() tells without draining anything: for tests and operators."""
+        import torch
+
         return {"kv_blocks_in_use": self.engine.sampler.kv_blocks_in_use, "queue_depth": self.engine.queue_depth(),
-                "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals()}
+                "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals(),
+                "torch_threads": torch.get_num_threads()}
 
     def pause(self) -> None:
         self.engine.pause()
@@ -340,6 +343,8 @@ class FleetEngine(JobParsing):
         for i in range(f.replicas):
             replica_settings = s if s.store_dir is None else dataclasses.replace(
                 s, store_dir=Path(s.store_dir) / f"replica-{i}")  # page dirs: one per replica
+            if s.threads is None:  # as many torch threads as the CPUs Ray reserves it, not the node's cores
+                replica_settings = dataclasses.replace(replica_settings, threads=int(max(1, f.cpus_per_replica)))
             handle = actor_cls.options(
                 num_cpus=f.cpus_per_replica, num_gpus=f.gpus_per_replica, max_restarts=f.max_restarts,
                 max_task_retries=0, max_concurrency=1000, name=None,

@@ -251,6 +251,7 @@ def test_affinity_policies_land_on_their_home(fleet: FleetEngine, tiny_dir: Path
     home = sum(n for (_, d), n in routed.items() if d == "home")
     assert sum(routed.values()) == 200 and home >= 180
     assert {fleet.home_of(s.key) for s in sources} == {0, 1}  # both replicas serve someone
+    assert [fleet.replica_status(r)["torch_threads"] for r in (0, 1)] == [1, 1]  # its reserved CPU, not the node's
     metrics = Metrics()
     metrics.watch_engine(fleet)
     text = metrics.render().decode()
