@@ -105,6 +105,7 @@ class ReplicaActor:
         self.index, self.incarnation = index, uuid.uuid4().hex[:12]
         self._running: dict[str, tuple[Future, threading.Event | None]] = {}  # request id → its sample
         self.cancels = 0  # cancels that reached a sample running here
+        self._pause_after: int | None = None  # pause(after_tokens): streamed tokens left before the pause
         self.engine = LocalEngine(model_dir, base_model=base_model, device=device,
                                   dtype=getattr(torch, dtype) if dtype else None, settings=settings)
 
@@ -181,6 +182,11 @@ class ReplicaActor:
 
         def on_token(index: int, token: int, logprob: float) -> None:  # on the engine's worker thread
             loop.call_soon_threadsafe(drawn.put_nowait, (index, token, logprob))
+            if self._pause_after is not None:
+                self._pause_after -= 1
+                if self._pause_after <= 0:
+                    self._pause_after = None
+                    self.engine.pause()  # after this step: see pause()
 
         local = self.engine.submit(self._localize(job).streaming(on_token, cancel))
         self._running[request_id] = (local, cancel)
@@ -234,10 +240,16 @@ class ReplicaActor:
                 "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals(),
                 "torch_threads": torch.get_num_threads()}
 
-    def pause(self) -> None:
-        self.engine.pause()
+    def pause(self, after_tokens: int | None = None) -> None:
+        """Hold the engine's worker before its next turn, or, with `after_tokens`, once that many
+        tokens of streamed samples have been drawn here (a gate that lands mid-stream)."""
+        if after_tokens is None:
+            self.engine.pause()
+        else:
+            self._pause_after = after_tokens
 
     def resume(self) -> None:
+        self._pause_after = None
         self.engine.resume()
 
     def shutdown(self, drain: bool) -> None:
@@ -926,9 +938,10 @@ class FleetEngine(JobParsing):
         """Kill a replica's actor as a crash would; Ray restarts it (max_restarts)."""
         ray_module().kill(self._replicas[index].handle, no_restart=False)
 
-    def pause_replica(self, index: int) -> None:
-        """Hold a replica's worker (LocalEngine.pause): its queued work waits; tests use it as a gate."""
-        ray_module().get(self._replicas[index].handle.pause.remote())
+    def pause_replica(self, index: int, after_tokens: int | None = None) -> None:
+        """Hold a replica's worker (LocalEngine.pause): its queued work waits; tests use it as a gate.
+        `after_tokens`: only once that many tokens of streamed samples have been drawn there."""
+        ray_module().get(self._replicas[index].handle.pause.remote(after_tokens))
 
     def ping_replica(self, index: int) -> float:
         """Seconds for an empty round trip to a replica's actor (Ray's own cost of a call)."""

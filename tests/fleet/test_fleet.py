@@ -180,9 +180,9 @@ def test_stream_tokens_and_cancel_cross_the_router(fleet: FleetEngine, tiny_dir:
     long = types.SamplingParams(max_tokens=200, temperature=0.9, seed=4, stop=[])
     job = fleet.prepare_sample(source, PROMPT, 1, long).streaming(lambda i, t, lp: (drawn.append(t), first.set()),
                                                                   cancel)
+    fleet.pause_replica(home, after_tokens=1)  # its worker stops after the first token: no finishing alone
     future = fleet.submit(job)
     assert first.wait(120)
-    fleet.pause_replica(home)  # hold its worker: the sample cannot finish on its own meanwhile
     try:
         cancel.set()
         _wait_for(lambda: fleet.replica_status(home)["cancels"] > cancels)  # the replica got it
@@ -201,12 +201,14 @@ def test_openai_client_going_away_frees_the_replicas_kv(fleet: FleetEngine, tmp_
     cancels = sum(fleet.replica_status(r)["cancels"] for r in (0, 1))
     decoded = sum(fleet.replica_status(r)["sampler"]["tokens"]["decode"] for r in (0, 1))
     body = {"model": BASE, "prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    for replica in (0, 1):  # the one running the stream stops after its first token: no finishing alone
+        fleet.pause_replica(replica, after_tokens=1)
     with LiveServer(Shared(fleet), tmp_path / "data") as server:
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                           headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60) as r:
-            assert next(r.iter_lines()).startswith("data: ")  # tokens are flowing
-            for replica in (0, 1):
-                fleet.pause_replica(replica)  # the stream cannot finish on its own meanwhile
+            assert r.status_code == 200
+            # Running on a replica, which pauses after its first token: it cannot finish alone.
+            _wait_for(lambda: any(fleet.replica_status(i)["kv_blocks_in_use"] > 0 for i in (0, 1)))
         try:
             _wait_for(lambda: sum(fleet.replica_status(r)["cancels"] for r in (0, 1)) > cancels)
         finally:
