@@ -100,7 +100,7 @@ class ReplicaActor:
         from mint_server.engine.local import LocalEngine
 
         if core is not None and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {core % os.cpu_count()})  # type: ignore[operator]
+            _pin_process({core % (os.cpu_count() or 1)})
         torch.set_num_threads(max(1, threads))
         self.index, self.incarnation = index, uuid.uuid4().hex[:12]
         self._running: dict[str, tuple[Future, threading.Event | None]] = {}  # request id → its sample
@@ -254,6 +254,16 @@ class ReplicaActor:
 
     def shutdown(self, drain: bool) -> None:
         self.engine.shutdown(drain)
+
+
+def _pin_process(cores: set[int]) -> None:
+    """Pin every thread of this process (Ray's own ones too: sched_setaffinity(0) pins only the
+    calling thread); threads started later inherit it."""
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
 
 
 # --- routing ------------------------------------------------------------------------------------------
