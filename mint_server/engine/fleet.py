@@ -54,7 +54,13 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.engine.interface import AdapterLost, EngineError, NotSupportedError, TokenCallback
+from mint_server.engine.interface import (
+    AdapterLost,
+    EngineError,
+    NotSupportedError,
+    TokenCallback,
+    TopLogprobs,
+)
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -171,17 +177,17 @@ class ReplicaActor:
             yield answers
 
     async def stream(self, incarnation: str | None, request_id: str, job: SampleJob) -> AsyncIterator[Any]:
-        """A sample as a Ray streaming generator: ("tokens", [(index, token, logprob), ...]) batches as
+        """A sample as a Ray streaming generator: ("tokens", [(index, token, logprob, top), ...]) batches as
         the sampler draws them (what arrived since the last yield), then ("result", response). Closing
         the generator early (ray.cancel) or `cancel(request_id)` sets the job's cancel event: the
         sampler drops its rows and frees their KV at its next step."""
         self._check(incarnation)
         loop = asyncio.get_running_loop()
-        drawn: asyncio.Queue[tuple[int, int, float] | None] = asyncio.Queue()
+        drawn: asyncio.Queue[tuple[int, int, float, TopLogprobs | None] | None] = asyncio.Queue()
         cancel = threading.Event()
 
-        def on_token(index: int, token: int, logprob: float) -> None:  # on the engine's worker thread
-            loop.call_soon_threadsafe(drawn.put_nowait, (index, token, logprob))
+        def on_token(index: int, token: int, logprob: float, top: TopLogprobs | None) -> None:  # worker thread
+            loop.call_soon_threadsafe(drawn.put_nowait, (index, token, logprob, top))
             if self._pause_after is not None:
                 self._pause_after -= 1
                 if self._pause_after <= 0:
@@ -655,14 +661,14 @@ class FleetEngine(JobParsing):
                 if kind == "result":
                     result = value
                     continue
-                for index, token, logprob in value:
+                for index, token, logprob, top in value:
                     seen[index] += 1
                     if seen[index] <= tracked.delivered[index]:
                         continue
                     tracked.delivered[index] += 1
                     if tracked.on_token is not None:
                         try:
-                            tracked.on_token(index, token, logprob)
+                            tracked.on_token(index, token, logprob, top)
                         except Exception:  # a listener's bug must not fail the request (as LocalEngine)
                             log.exception("token callback failed")
         except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried

@@ -166,19 +166,20 @@ def test_stream_tokens_and_cancel_cross_the_router(fleet: FleetEngine, tiny_dir:
     (source,) = _policies(tiny_dir, tmp_path, 1)
     params = types.SamplingParams(max_tokens=8, temperature=0.9, seed=4, stop=[])
     whole = fleet.submit(fleet.prepare_sample(source, PROMPT, 2, params)).result(timeout=120)
-    seen: list[tuple[int, int, float]] = []
-    job = fleet.prepare_sample(source, PROMPT, 2, params).streaming(lambda i, t, lp: seen.append((i, t, lp)),
-                                                                    threading.Event())
+    seen: list[tuple[int, int, float, Any]] = []
+    job = fleet.prepare_sample(source, PROMPT, 2, params, top_logprobs=2).streaming(
+        lambda i, t, lp, top: seen.append((i, t, lp, top)), threading.Event())
     streamed = fleet.submit(job).result(timeout=120)
     for i, seq in enumerate(streamed.sequences):
-        assert [t for j, t, _ in seen if j == i] == list(seq.tokens) == list(whole.sequences[i].tokens)
-        assert [lp for j, _, lp in seen if j == i] == pytest.approx(list(seq.logprobs), abs=1e-6)
+        assert [t for j, t, _, _ in seen if j == i] == list(seq.tokens) == list(whole.sequences[i].tokens)
+        assert [lp for j, _, lp, _ in seen if j == i] == pytest.approx(list(seq.logprobs), abs=1e-6)
+        assert all(len(top) == 2 for j, _, _, top in seen if j == i)  # the alternatives cross too
 
     home = fleet.home_of(source.key)
     cancels = fleet.replica_status(home)["cancels"]
     first, cancel, drawn = threading.Event(), threading.Event(), []
     long = types.SamplingParams(max_tokens=200, temperature=0.9, seed=4, stop=[])
-    job = fleet.prepare_sample(source, PROMPT, 1, long).streaming(lambda i, t, lp: (drawn.append(t), first.set()),
+    job = fleet.prepare_sample(source, PROMPT, 1, long).streaming(lambda i, t, lp, top: (drawn.append(t), first.set()),
                                                                   cancel)
     fleet.pause_replica(home, after_tokens=1)  # its worker stops after the first token: no finishing alone
     future = fleet.submit(job)
@@ -339,7 +340,7 @@ def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: P
         drawn: list[int] = []
         params = types.SamplingParams(max_tokens=6, temperature=0.8, seed=3, stop=[])
         stream = fleet.submit(fleet.prepare_sample(sources[streamed], PROMPT, 1, params)
-                              .streaming(lambda _i, t, _lp: drawn.append(t), threading.Event()))
+                              .streaming(lambda _i, t, _lp, _top: drawn.append(t), threading.Event()))
         on_victim = sum(1 for s in sources * 3 if fleet.home_of(s.key) == victim)
         assert on_victim > 0
         fleet.kill_replica(victim)
