@@ -10,6 +10,7 @@ Adapter-only (MinT's path; the base stays resident, only the LoRA moves):
     kind: the server exports the adapter as a PEFT dir, the sampler's residency manager loads it)
     then `sample(max_tokens=1)` on it. The headline adapter figure.
   - sdk_inflight: the same with `kind="inflight"` (the sampler reads the training slot: no copy).
+    For both, the publish call's own time is reported too (the rest is the first sample).
   - engine_snapshot: the same publish one layer down, without HTTP: `engine.export_peft` to a
     dir, then `engine.submit(prepare_sample(AdapterSource(dir), …))`.
 Merged checkpoint (what a TRL + vLLM user does after each step):
@@ -178,6 +179,8 @@ def read_base_state(model_dir: Path) -> dict:
 
 def merge_into(state: dict, lora, cfg) -> None:
     """PEFT's merge in place: W += (alpha / r) · B @ A for every target of every layer (fp32 math)."""
+    import torch
+
     from mint_server.model.peft_io import peft_key
 
     scale = lora.alpha / lora.rank
@@ -185,8 +188,10 @@ def merge_into(state: dict, lora, cfg) -> None:
         for layer in range(a.shape[0]):
             name = peft_key(target, layer, "A").removeprefix("base_model.model.").replace(".lora_A", "")
             w = state[name]
-            delta = (b[layer].float() @ a[layer].float()) * scale
-            w.copy_((w.float() + delta).to(w.dtype))
+            if w.dtype == torch.float32:
+                w.addmm_(b[layer], a[layer], alpha=scale)  # in place: no temporary the size of W
+            else:  # low-precision weights: the product in fp32, rounded once into W
+                w.add_(torch.mm(b[layer].float(), a[layer].float()), alpha=scale)
 
 
 def write_checkpoint(state: dict, base_dir: Path, dest: Path) -> None:
@@ -245,6 +250,7 @@ def run_model(which: str, repeats: int, work: Path) -> dict:
     result["params"] = sum(p.numel() for p in engine.model.parameters())
     server = LiveServer(engine, work / "data").start()
     timings: dict[str, list[float]] = {"sdk_snapshot": [], "sdk_inflight": [], "engine_snapshot": []}
+    publish: dict[str, list[float]] = {"sdk_snapshot": [], "sdk_inflight": []}  # the SDK call alone
     try:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
         tc = client.create_lora_training_client(base_model=base, rank=RANK, seed=0, train_unembed=False).result()
@@ -263,6 +269,7 @@ def run_model(which: str, repeats: int, work: Path) -> dict:
             step_sdk()
             t = time.perf_counter()  # the optimizer step has finished
             sc = tc.save_weights_and_get_sampling_client(kind=kind).result()
+            publish[f"sdk_{kind}"].append(time.perf_counter() - t)
             sc.sample(prompt, 1, params).result()
             return time.perf_counter() - t
 
@@ -327,6 +334,8 @@ def run_model(which: str, repeats: int, work: Path) -> dict:
     merged = statistics.median(merged_s)
     result.update({
         **{f"adapter_{k}_s": v for k, v in med.items()},
+        # the save_weights_and_get_sampling_client call alone (the rest: the first sample)
+        **{f"adapter_{k}_publish_s": statistics.median(v[1:]) for k, v in publish.items()},
         "merged_s": merged, **{f"merged_{k}_s": statistics.median(v) for k, v in phases.items()},
         "ratio": merged / med["sdk_snapshot"],
         "ratio_sdk_inflight": merged / med["sdk_inflight"],
