@@ -1,0 +1,248 @@
+"""Scale Down, fused multi-policy GRPO: 4 policies trained concurrently vs one after another.
+
+    python -m benchmarks.grpo [--policies 4] [--iterations 3] [--warmup 1] [--quick]
+
+Starts `mint serve` on SmolLM2 (prepared on first use; a tiny random Llama with --quick) as a
+subprocess on a loopback port, once per mode, and drives --policies GRPO policies through the real
+tinker SDK. One GRPO iteration of one policy: `save_weights_and_get_sampling_client()`, --problems
+arithmetic prompts (made in code, the chat template applied) × --group samples of exactly
+--max-tokens tokens each (stop=[], so every iteration does the same work in both modes), a 0/1
+reward (the first integer of the completion equals the sum), group-centred advantages, then
+`forward_backward(…, "importance_sampling")` + `optim_step`. Every datum is kept (a zero advantage
+still costs its forward/backward), again so that both modes do the same work.
+
+- fused: each policy's client runs its iteration in its own thread, all at once: the engine fuses
+  their training passes and batches their samples in one decode loop, and one policy's sampling
+  overlaps another's training.
+- sequential: the same policies, one iteration after another.
+
+Per mode: wall time per iteration (all policies' iterations; median over --iterations after
+--warmup), and the server process's peak resident memory (VmHWM from /proc/<pid>/status; a fresh
+server per mode so each peak is its own) next to its resident memory once the policies exist.
+MinT's goal (GPU): fused ≥ 1.77× faster with peak memory ≤ 1.05×. On a CPU the fused pass can
+only save per-call overhead and overlap the SDK's and the server's work: the matmuls already keep
+every core busy, so there is no idle accelerator for the fused work to fill. Last line: one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+KEY = "tml-bench-grpo-key-0001"
+RANK = 16
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_status_kb(pid: int, field: str) -> int:
+    """A memory figure (kB) from /proc/<pid>/status: VmHWM (peak resident), VmRSS (now)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def start_server(model_dir: Path | None, data_dir: Path, kv_tokens: int, max_seq: int) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(port),
+           "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(kv_tokens),
+           "--max-seq-len", str(max_seq), "--log-level", "warning"]
+    if model_dir is not None:
+        cmd += ["--base-model", str(model_dir)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"mint serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mint serve did not come up within 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# --- one GRPO policy ----------------------------------------------------------------------------
+
+
+def first_int(text: str) -> int | None:
+    m = re.search(r"-?\d+", text)
+    return int(m.group()) if m else None
+
+
+class Policy:
+    def __init__(self, index: int, tc, tokenizer, args) -> None:
+        self.index, self.tc, self.tok, self.args = index, tc, tokenizer, args
+
+    def problems(self, iteration: int) -> list[tuple[list[int], int]]:
+        """--problems (prompt tokens, answer) pairs; the same per (policy, iteration) in every mode."""
+        rng = np.random.default_rng(1000 * self.index + iteration)
+        out = []
+        for a, b in rng.integers(10, 100, size=(self.args.problems, 2)).tolist():
+            messages = [{"role": "user", "content": f"What is {a} + {b}? Answer with the number only."}]
+            prompt = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(prompt, list):  # newer transformers return a BatchEncoding
+                prompt = prompt["input_ids"]
+            out.append((list(prompt), a + b))
+        return out
+
+    def iteration(self, iteration: int) -> dict:
+        from tinker import types
+
+        args = self.args
+        sampler = self.tc.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=args.max_tokens, temperature=1.0, stop=[],
+                                      seed=iteration)  # fmt: skip
+        problems = self.problems(iteration)
+        futures = [sampler.sample(types.ModelInput.from_ints(p), args.group, params) for p, _ in problems]
+        datums, rewards, sampled = [], [], 0
+        for (prompt, answer), fut in zip(problems, futures, strict=True):
+            seqs = fut.result().sequences
+            group = [float(first_int(self.tok.decode(s.tokens)) == answer) for s in seqs]
+            mean = sum(group) / len(group)
+            rewards += group
+            for s, r in zip(seqs, group, strict=True):
+                tokens = prompt + list(s.tokens)
+                pad = [0.0] * (len(prompt) - 1)
+                sampled += len(s.tokens)
+                datums.append(types.Datum(
+                    model_input=types.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": pad + list(s.logprobs),
+                                    "advantages": pad + [r - mean] * len(s.tokens)},
+                ))
+        fb = self.tc.forward_backward(datums, "importance_sampling")
+        opt = self.tc.optim_step(types.AdamParams(learning_rate=args.lr))
+        fb.result()
+        opt.result()
+        return {"reward": sum(rewards) / len(rewards), "sampled_tokens": sampled,
+                "trained_tokens": sum(d.model_input.length for d in datums)}
+
+
+# --- one mode -----------------------------------------------------------------------------------
+
+
+def run_mode(mode: str, model_dir: Path | None, args, work: Path) -> dict:
+    import tinker
+    from transformers import AutoTokenizer
+
+    proc, url = start_server(model_dir, work / f"data-{mode}", args.kv_tokens, args.max_seq)
+    try:
+        client = tinker.ServiceClient(base_url=url, api_key=KEY)
+        base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
+        tokenizer = AutoTokenizer.from_pretrained(model_dir or default_model_dir())
+        policies = [Policy(i, client.create_lora_training_client(base_model=base, rank=RANK, seed=i).result(),
+                           tokenizer, args) for i in range(args.policies)]  # fmt: skip
+        setup_rss_kb = proc_status_kb(proc.pid, "VmRSS")
+        pool = ThreadPoolExecutor(args.policies)
+        walls, rewards, sampled, trained = [], [], 0, 0
+        for it in range(args.warmup + args.iterations):
+            t0 = time.perf_counter()
+            if mode == "fused":
+                stats = list(pool.map(lambda p, it=it: p.iteration(it), policies))
+            else:
+                stats = [p.iteration(it) for p in policies]
+            wall = time.perf_counter() - t0
+            print(f"[{mode}] iteration {it}{' (warm-up)' if it < args.warmup else ''}: {wall:.2f}s, reward "
+                  f"{statistics.mean(s['reward'] for s in stats):.3f}", file=sys.stderr, flush=True)
+            if it >= args.warmup:
+                walls.append(wall)
+                rewards.append(statistics.mean(s["reward"] for s in stats))
+                sampled += sum(s["sampled_tokens"] for s in stats)
+                trained += sum(s["trained_tokens"] for s in stats)
+        pool.shutdown()
+        peak_kb = proc_status_kb(proc.pid, "VmHWM")
+        client.close("success")
+    finally:
+        stop_server(proc)
+    return {"iteration_s": statistics.median(walls), "all_iteration_s": walls, "peak_rss_mb": peak_kb / 1024,
+            "setup_rss_mb": setup_rss_kb / 1024, "mean_reward": statistics.mean(rewards),
+            "sampled_tokens_per_iteration": sampled / len(walls), "trained_tokens_per_iteration": trained / len(walls)}
+
+
+def default_model_dir() -> Path:
+    from benchmarks.common import smollm2_dir
+
+    return smollm2_dir()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policies", type=int, default=4)
+    ap.add_argument("--problems", type=int, default=8, help="prompts per policy per iteration")
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt (the GRPO group)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--iterations", type=int, default=3, help="timed iterations per mode")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--kv-tokens", type=int, default=16384, help="the server's KV pool (fits every policy's batch)")
+    ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--quick", action="store_true", help="tiny random Llama, 2 problems, 1 iteration (smoke run)")
+    args = ap.parse_args()
+
+    from benchmarks.common import load_average
+
+    with tempfile.TemporaryDirectory(prefix="mint-grpo-") as tmp:
+        work = Path(tmp)
+        model_dir = None
+        if args.quick:
+            from tests.tiny import make_tiny_checkpoint
+
+            model_dir = make_tiny_checkpoint(work / "tiny")
+            args.problems, args.iterations, args.max_tokens, args.kv_tokens = 2, 1, 16, 2048
+        else:
+            default_model_dir()  # prepare it once, before any server starts
+        summary: dict = {"model": "tiny/llama" if args.quick else "SmolLM2-135M-Instruct",
+                         "policies": args.policies, "problems": args.problems, "group": args.group,
+                         "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,
+                         "cores": len(os.sched_getaffinity(0)), "load_average_start": load_average()}
+        for mode in ("fused", "sequential"):
+            summary[mode] = run_mode(mode, model_dir, args, work)
+    fused, seq = summary["fused"], summary["sequential"]
+    summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
+                   peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
+                   goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
+    print(f"per iteration ({args.policies} policies × {args.problems} × {args.group} × {args.max_tokens} tokens): "
+          f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
+          f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
+          f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×)", flush=True)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
