@@ -63,15 +63,13 @@ def proc_status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def start_server(model_dir: Path | None, data_dir: Path, kv_tokens: int, max_seq: int) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, data_dir: Path, kv_tokens: int, max_seq: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(port),
            "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(kv_tokens),
-           "--max-seq-len", str(max_seq), "--log-level", "warning"]
-    if model_dir is not None:
-        cmd += ["--base-model", str(model_dir)]
+           "--max-seq-len", str(max_seq), "--log-level", "warning", "--base-model", str(model_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -157,7 +155,7 @@ class Policy:
 # --- one mode -----------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, model_dir: Path | None, args, work: Path) -> dict:
+def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
     import tinker
     from transformers import AutoTokenizer
 
@@ -165,7 +163,7 @@ def run_mode(mode: str, model_dir: Path | None, args, work: Path) -> dict:
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
         base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
-        tokenizer = AutoTokenizer.from_pretrained(model_dir or default_model_dir())
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         policies = [Policy(i, client.create_lora_training_client(base_model=base, rank=RANK, seed=i).result(),
                            tokenizer, args) for i in range(args.policies)]  # fmt: skip
         setup_rss_kb = proc_status_kb(proc.pid, "VmRSS")
@@ -219,14 +217,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="mint-grpo-") as tmp:
         work = Path(tmp)
-        model_dir = None
         if args.quick:
             from tests.tiny import make_tiny_checkpoint
 
             model_dir = make_tiny_checkpoint(work / "tiny")
             args.problems, args.iterations, args.max_tokens, args.kv_tokens = 2, 1, 16, 2048
-        else:
-            default_model_dir()  # prepare it once, before any server starts
+        else:  # the prepared dir, so no server spends its memory peak preparing the model
+            model_dir = default_model_dir()
         summary: dict = {"model": "tiny/llama" if args.quick else "SmolLM2-135M-Instruct",
                          "policies": args.policies, "problems": args.problems, "group": args.group,
                          "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,

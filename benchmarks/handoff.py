@@ -211,8 +211,8 @@ def first_token(engine, adapter) -> int:
 
 
 def run_model(which: str, repeats: int, work: Path) -> dict:
-    import torch
     import tinker
+    import torch
     from tinker import types
 
     from mint_server.engine.local import LocalEngine
@@ -297,7 +297,7 @@ def run_model(which: str, repeats: int, work: Path) -> dict:
     finally:
         server.stop()
         engine.shutdown()
-    del engine, server
+    engine = server = None  # drop the resident model before the merged side loads its own
     gc.collect()
 
     # --- merged checkpoint: merge, write, fresh sampler, first token -----------------------------

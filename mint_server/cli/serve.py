@@ -64,6 +64,7 @@ def engine_settings(
     kv_budget_tokens: int | None, max_context: int | None, max_step_tokens: int | None, store_dir: Path,
     kv_budget_mb: float | None = None,
     threads: int | None = None,
+    max_fused_tokens: int | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -74,7 +75,7 @@ def engine_settings(
         device_slots = device_slots if device_slots is not None else adapter_slots
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
-             "threads": threads}
+             "threads": threads, "max_fused_tokens": max_fused_tokens}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -159,6 +160,12 @@ def register(app: typer.Typer) -> None:
             help=f"Prompt tokens one sampler step may prefill [default: {_default('max_step_tokens')}]; keeps a wave of "
             "new requests from stalling running ones.",
         ),
+        max_fused_tokens: int = typer.Option(
+            None, "--max-fused-tokens",
+            help=f"Padded tokens in one fused training pass [default: {_default('max_fused_tokens')}]; more are split "
+            "into micro-batches. The peak training memory follows it: set it to one run's batch for no more peak "
+            "memory than one run alone.",
+        ),
         ray: str = typer.Option(
             None, "--ray",
             help="Serve from a fleet of engine replicas on Ray: 'local' starts a Ray instance here; 'auto' or "
@@ -196,7 +203,8 @@ def register(app: typer.Typer) -> None:
 
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
-                                     max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads)
+                                     max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
+                                     max_fused_tokens)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

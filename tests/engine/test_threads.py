@@ -1,4 +1,4 @@
-"""The engine's --threads setting."""
+"""The engine's --threads and --max-fused-tokens settings."""
 
 import os
 
@@ -19,3 +19,12 @@ def test_threads_default_to_the_cores_given_and_bad_values_name_the_flag(tmp_pat
     with pytest.raises(typer.BadParameter) as err:
         engine_settings(None, None, None, None, None, None, None, tmp_path, threads=-2)
     assert err.value.param_hint == "--threads"
+
+
+def test_max_fused_tokens_flag_sets_the_fused_pass_budget_and_bad_values_name_the_flag(tmp_path):
+    assert engine_settings(None, None, None, None, None, None, None, tmp_path).max_fused_tokens == \
+        EngineSettings().max_fused_tokens
+    assert engine_settings(None, None, None, None, None, None, None, tmp_path, max_fused_tokens=4096).max_fused_tokens == 4096
+    with pytest.raises(typer.BadParameter) as err:
+        engine_settings(None, None, None, None, None, None, None, tmp_path, max_fused_tokens=0)
+    assert err.value.param_hint == "--max-fused-tokens"
