@@ -16,6 +16,11 @@ still costs its forward/backward), again so that both modes do the same work.
   overlaps another's training.
 - sequential: the same policies, one iteration after another.
 
+The server runs with `--max-fused-tokens` (default 4096, about one policy's batch): a fused pass
+is split into micro-batches of that size, so it never holds more activations than one policy's
+pass (MinT's "no more peak memory"). With the engine's default budget (32768) the 4 policies'
+batches go through in one pass and the peak grows with them (pass a larger value to see it).
+
 Per mode: wall time per iteration (all policies' iterations; median over --iterations after
 --warmup), and the server process's peak resident memory (VmHWM from /proc/<pid>/status; a fresh
 server per mode so each peak is its own) next to its resident memory once the policies exist.
@@ -63,13 +68,13 @@ def proc_status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def start_server(model_dir: Path, data_dir: Path, kv_tokens: int, max_seq: int) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, data_dir: Path, args) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(port),
-           "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(kv_tokens),
-           "--max-seq-len", str(max_seq), "--log-level", "warning", "--base-model", str(model_dir)]
+           "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(args.kv_tokens),
+           "--max-seq-len", str(args.max_seq), "--max-fused-tokens", str(args.max_fused_tokens), "--log-level", "warning", "--base-model", str(model_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -159,7 +164,7 @@ def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
     import tinker
     from transformers import AutoTokenizer
 
-    proc, url = start_server(model_dir, work / f"data-{mode}", args.kv_tokens, args.max_seq)
+    proc, url = start_server(model_dir, work / f"data-{mode}", args)
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
         base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
@@ -210,6 +215,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kv-tokens", type=int, default=16384, help="the server's KV pool (fits every policy's batch)")
     ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--max-fused-tokens", type=int, default=4096,
+                    help="the server's fused-pass budget: about one policy's batch (32 rows × ≤ 128 padded tokens), "
+                         "so a fused pass holds no more activations than one policy's")
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, 2 problems, 1 iteration (smoke run)")
     args = ap.parse_args()
 
@@ -225,7 +233,7 @@ def main() -> None:
         else:  # the prepared dir, so no server spends its memory peak preparing the model
             model_dir = default_model_dir()
         summary: dict = {"model": "tiny/llama" if args.quick else "SmolLM2-135M-Instruct",
-                         "policies": args.policies, "problems": args.problems, "group": args.group,
+                         "max_fused_tokens": args.max_fused_tokens, "policies": args.policies, "problems": args.problems, "group": args.group,
                          "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,
                          "cores": len(os.sched_getaffinity(0)), "load_average_start": load_average()}
         for mode in ("fused", "sequential"):
