@@ -16,10 +16,11 @@ still costs its forward/backward), again so that both modes do the same work.
   overlaps another's training.
 - sequential: the same policies, one iteration after another.
 
-The server runs with `--max-fused-tokens` (default 4096, about one policy's batch): a fused pass
-is split into micro-batches of that size, so it never holds more activations than one policy's
-pass (MinT's "no more peak memory"). With the engine's default budget (32768) the 4 policies'
-batches go through in one pass and the peak grows with them (pass a larger value to see it).
+The server runs with `--max-fused-tokens` at one policy's padded batch (unless given): a fused
+pass is split into micro-batches of that size, so it never holds more training activations than
+one policy's pass (MinT's "no more peak memory"). With a budget that holds every policy's batch
+(the engine's default is 32768) the policies' batches go through in one pass and the peak grows
+with them.
 
 Per mode: wall time per iteration (all policies' iterations; median over --iterations after
 --warmup), and the server process's peak resident memory (VmHWM from /proc/<pid>/status; a fresh
@@ -215,9 +216,10 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--kv-tokens", type=int, default=16384, help="the server's KV pool (fits every policy's batch)")
     ap.add_argument("--max-seq", type=int, default=512)
-    ap.add_argument("--max-fused-tokens", type=int, default=4096,
-                    help="the server's fused-pass budget: about one policy's batch (32 rows × ≤ 128 padded tokens), "
-                         "so a fused pass holds no more activations than one policy's")
+    ap.add_argument("--max-fused-tokens", type=int, default=0,
+                    help="the server's fused-pass budget in padded tokens; 0 (default): one policy's batch "
+                         "(problems × group × (longest prompt + max tokens)), so a fused pass holds no more "
+                         "activations than one policy's")
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, 2 problems, 1 iteration (smoke run)")
     args = ap.parse_args()
 
@@ -232,6 +234,13 @@ def main() -> None:
             args.problems, args.iterations, args.max_tokens, args.kv_tokens = 2, 1, 16, 2048
         else:  # the prepared dir, so no server spends its memory peak preparing the model
             model_dir = default_model_dir()
+        if not args.max_fused_tokens:  # one policy's padded batch, from the prompts every mode will send
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(model_dir)
+            longest = max(len(p) for i in range(args.policies) for it in range(args.warmup + args.iterations)
+                          for p, _ in Policy(i, None, tok, args).problems(it))
+            args.max_fused_tokens = args.problems * args.group * (longest + args.max_tokens)
         summary: dict = {"model": "tiny/llama" if args.quick else "SmolLM2-135M-Instruct",
                          "max_fused_tokens": args.max_fused_tokens, "policies": args.policies, "problems": args.problems, "group": args.group,
                          "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,

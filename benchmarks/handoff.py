@@ -71,13 +71,14 @@ def word_tokenizer(dest: Path, vocab_size: int) -> None:
     fast.save_pretrained(dest)
 
 
-def make_qwen3_1p7b(dest: Path, shard_bytes: int = 1 << 30) -> Path:
-    """Random bf16 weights in Qwen3-1.7B's shapes, written shard by shard (≤ shard_bytes in memory)."""
+def make_qwen3_1p7b(dest: Path, shard_bytes: int = 1 << 30, sizes: dict | None = None) -> Path:
+    """Random bf16 weights in Qwen3-1.7B's shapes (or `sizes`), written shard by shard (≤ shard_bytes
+    in memory)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    cfg = Qwen3Config(**QWEN3_1P7B, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = Qwen3Config(**(sizes or QWEN3_1P7B), bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg.torch_dtype = torch.bfloat16
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in Qwen3ForCausalLM(cfg).state_dict().items() if k != "lm_head.weight"}
