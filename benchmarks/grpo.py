@@ -15,6 +15,7 @@ still costs its forward/backward), again so that both modes do the same work.
   their training passes and batches their samples in one decode loop, and one policy's sampling
   overlaps another's training.
 - sequential: the same policies, one iteration after another.
+- fused_one_pass (with --one-pass): fused, with a training budget that holds every policy's batch.
 
 The server runs with `--max-fused-tokens` at one policy's padded batch (unless given): a fused
 pass is split into micro-batches of that size, so it never holds more training activations than
@@ -23,7 +24,8 @@ one policy's pass (MinT's "no more peak memory"). With a budget that holds every
 with them.
 
 Per mode: wall time per iteration (all policies' iterations; median over --iterations after
---warmup), and the server process's peak resident memory (VmHWM from /proc/<pid>/status; a fresh
+--warmup; and the server's and the client's CPU seconds per iteration, the work done, which load
+from other processes stretches far less than wall time), and the server process's peak resident memory (VmHWM from /proc/<pid>/status; a fresh
 server per mode so each peak is its own) next to its resident memory once the policies exist.
 MinT's goal (GPU): fused ≥ 1.77× faster with peak memory ≤ 1.05×. On a CPU the fused pass can
 only save per-call overhead and overlap the SDK's and the server's work: the matmuls already keep
@@ -61,6 +63,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used (from /proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_status_kb(pid: int, field: str) -> int:
     """A memory figure (kB) from /proc/<pid>/status: VmHWM (peak resident), VmRSS (now)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -69,13 +77,13 @@ def proc_status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def start_server(model_dir: Path, data_dir: Path, args) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, data_dir: Path, args, fused_tokens: int) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(port),
            "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(args.kv_tokens),
-           "--max-seq-len", str(args.max_seq), "--max-fused-tokens", str(args.max_fused_tokens), "--log-level", "warning", "--base-model", str(model_dir)]
+           "--max-seq-len", str(args.max_seq), "--max-fused-tokens", str(fused_tokens), "--log-level", "warning", "--base-model", str(model_dir)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -161,11 +169,11 @@ class Policy:
 # --- one mode -----------------------------------------------------------------------------------
 
 
-def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
+def run_mode(mode: str, model_dir: Path, args, work: Path, fused_tokens: int) -> dict:
     import tinker
     from transformers import AutoTokenizer
 
-    proc, url = start_server(model_dir, work / f"data-{mode}", args)
+    proc, url = start_server(model_dir, work / f"data-{mode}", args, fused_tokens)
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
         base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
@@ -174,10 +182,10 @@ def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
                            tokenizer, args) for i in range(args.policies)]  # fmt: skip
         setup_rss_kb = proc_status_kb(proc.pid, "VmRSS")
         pool = ThreadPoolExecutor(args.policies)
-        walls, rewards, sampled, trained = [], [], 0, 0
+        walls, server_cpu, client_cpu, rewards, sampled, trained = [], [], [], [], 0, 0
         for it in range(args.warmup + args.iterations):
-            t0 = time.perf_counter()
-            if mode == "fused":
+            t0, s0, c0 = time.perf_counter(), cpu_seconds(proc.pid), time.process_time()
+            if mode.startswith("fused"):
                 stats = list(pool.map(lambda p, it=it: p.iteration(it), policies))
             else:
                 stats = [p.iteration(it) for p in policies]
@@ -186,6 +194,8 @@ def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
                   f"{statistics.mean(s['reward'] for s in stats):.3f}", file=sys.stderr, flush=True)
             if it >= args.warmup:
                 walls.append(wall)
+                server_cpu.append(cpu_seconds(proc.pid) - s0)
+                client_cpu.append(time.process_time() - c0)
                 rewards.append(statistics.mean(s["reward"] for s in stats))
                 sampled += sum(s["sampled_tokens"] for s in stats)
                 trained += sum(s["trained_tokens"] for s in stats)
@@ -194,7 +204,10 @@ def run_mode(mode: str, model_dir: Path, args, work: Path) -> dict:
         client.close("success")
     finally:
         stop_server(proc)
-    return {"iteration_s": statistics.median(walls), "all_iteration_s": walls, "peak_rss_mb": peak_kb / 1024,
+    return {"iteration_s": statistics.median(walls), "all_iteration_s": walls, "max_fused_tokens": fused_tokens,
+            # CPU seconds per iteration: the work done, which load from other processes stretches far less
+            "server_cpu_s": statistics.median(server_cpu), "client_cpu_s": statistics.median(client_cpu),
+            "peak_rss_mb": peak_kb / 1024,
             "setup_rss_mb": setup_rss_kb / 1024, "mean_reward": statistics.mean(rewards),
             "sampled_tokens_per_iteration": sampled / len(walls), "trained_tokens_per_iteration": trained / len(walls)}
 
@@ -220,6 +233,8 @@ def main() -> None:
                     help="the server's fused-pass budget in padded tokens; 0 (default): one policy's batch "
                          "(problems × group × (longest prompt + max tokens)), so a fused pass holds no more "
                          "activations than one policy's")
+    ap.add_argument("--one-pass", action="store_true",
+                    help="also run fused with a budget holding every policy's batch (one pass; more peak memory)")
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, 2 problems, 1 iteration (smoke run)")
     args = ap.parse_args()
 
@@ -245,16 +260,29 @@ def main() -> None:
                          "max_fused_tokens": args.max_fused_tokens, "policies": args.policies, "problems": args.problems, "group": args.group,
                          "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,
                          "cores": len(os.sched_getaffinity(0)), "load_average_start": load_average()}
-        for mode in ("fused", "sequential"):
-            summary[mode] = run_mode(mode, model_dir, args, work)
+        one_pass = args.max_fused_tokens * args.policies  # every policy's batch in one pass
+        for mode, budget in (("fused", args.max_fused_tokens), ("sequential", args.max_fused_tokens),
+                             ("fused_one_pass", one_pass)):
+            if mode == "fused_one_pass" and not args.one_pass:
+                continue
+            summary[mode] = run_mode(mode, model_dir, args, work, budget)
     fused, seq = summary["fused"], summary["sequential"]
     summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
                    peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
+                   server_cpu_ratio=seq["server_cpu_s"] / fused["server_cpu_s"],
                    goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
+    if "fused_one_pass" in summary:
+        one = summary["fused_one_pass"]
+        summary.update(speedup_one_pass=seq["iteration_s"] / one["iteration_s"],
+                       peak_ratio_one_pass=one["peak_rss_mb"] / seq["peak_rss_mb"])
     print(f"per iteration ({args.policies} policies × {args.problems} × {args.group} × {args.max_tokens} tokens): "
           f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
           f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
-          f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×)", flush=True)
+          f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×); server CPU s per iteration "
+          f"sequential/fused {summary['server_cpu_ratio']:.2f}×", flush=True)
+    if "fused_one_pass" in summary:
+        print(f"fused in one pass: {summary['fused_one_pass']['iteration_s']:.2f}s → {summary['speedup_one_pass']:.2f}×, "
+              f"peak {summary['peak_ratio_one_pass']:.3f}×", flush=True)
     print(json.dumps(summary))
 
 
