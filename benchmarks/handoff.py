@@ -174,7 +174,9 @@ def read_base_state(model_dir: Path) -> dict:
     for f in weight_files(model_dir):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for k in sf.keys():
-                state[k] = sf.get_tensor(k)
+                # clone: get_tensor's storage may map the file, and writing to it in the merge would
+                # fault page by page; a trainer's weights are ordinary memory
+                state[k] = sf.get_tensor(k).clone()
     return state
 
 
