@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_server.api import jsonsafe
@@ -63,6 +64,7 @@ STATUS_OF: list[tuple[type[BaseException], int]] = [
     (RequestTimeout, 408),
     (AlreadyExists, 409),
     (SessionGone, 410),
+    (ClientDisconnect, 499),  # the client left mid-body: nobody reads the answer, and it is no server fault
     (BodyTooLarge, 413),
     (HeadersTooLarge, 431),
     (Busy, 429),
@@ -109,6 +111,8 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 def exception_response(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
+    if status == 499:
+        log.debug("client disconnected before its request was read")
     if status == 500 and not isinstance(exc, IntegrityError):
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}")

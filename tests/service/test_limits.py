@@ -4,7 +4,9 @@ bodies (408), all answered in JSON; the server keeps serving everyone else."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +80,26 @@ def test_stalled_body_408(server: LiveServer) -> None:
     ).encode()
     status, body = _raw(server, head, b'{"tags": [')  # 10 of the 100 bytes promised
     assert status == 408 and "stalled" in body["detail"]
+    _still_serves(server)
+
+
+def test_client_leaving_mid_body_is_no_server_error(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="mint_server.api.http")
+    head = (
+        f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head + b'{"tags": [')  # 10 of the 100 bytes promised, then the client is gone
+
+    def seen() -> bool:
+        return any("client disconnected" in r.getMessage() or r.levelno >= logging.ERROR for r in caplog.records)
+
+    deadline = time.monotonic() + 60
+    while not seen():
+        assert time.monotonic() < deadline, "the server never noticed the client leave"
+        time.sleep(0.01)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # quiet: not an unhandled error
     _still_serves(server)
 
 
