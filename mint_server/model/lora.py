@@ -30,6 +30,7 @@ from torch import Tensor
 
 from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
+from mint_server.model.tp import TP, sync_replicated
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -198,17 +199,20 @@ class LoraBatch:
         return target in self.weights
 
     def apply(
-        self, target: str, layer: int, x: Tensor, y: Tensor, groups: ExpertGroups | None = None
+        self, target: str, layer: int, x: Tensor, y: Tensor, groups: ExpertGroups | None = None,
+        tp: TP | None = None,
     ) -> Tensor:
         """y (the base projection of x) plus this target's LoRA delta; y unchanged if no LoRA on it.
 
         layer: the target's own layer index (see `target_layers`). groups: for expert targets, how
-        the pairs in x [P, in] / y [P, out] are grouped.
+        the pairs in x [P, in] / y [P, out] are grouped. tp: x, y and the A/B are this rank's share
+        (see tp.py); in training the replicated factor's gradient is summed over the ranks.
         """
         ab = self.weights.get(target)
         if ab is None:
             return y
-        return add_lora(y, x, ab[0][:, layer], ab[1][:, layer], self, groups)
+        A, B = sync_replicated(tp, target, ab[0][:, layer], ab[1][:, layer])
+        return add_lora(y, x, A, B, self, groups)
 
 
 def add_lora(
@@ -383,10 +387,12 @@ class LoraBank:
     """Fixed-capacity slots of adapter weights for every target; a slot id is an int in [0, num_slots)."""
 
     def __init__(
-        self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device | str, dtype: torch.dtype
+        self, cfg: ModelConfig, num_slots: int, max_rank: int, device: torch.device | str, dtype: torch.dtype,
+        shapes: dict[str, tuple[int, int, int]] | None = None,
     ) -> None:
+        """shapes: (layers, in, out) per target when not the model's own (a tensor-parallel rank's share)."""
         self.num_slots, self.max_rank = num_slots, max_rank
-        self.shapes = target_shapes(cfg)
+        self.shapes = shapes or target_shapes(cfg)
         self.experts = target_experts(cfg)
         self.A: dict[str, Tensor] = {}
         self.B: dict[str, Tensor] = {}

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import EXPERT_PREFIX, EXPERT_TARGETS, ExpertGroups, LoraBatch, group_pairs
+from mint_server.model.tp import TP
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 
@@ -33,6 +34,8 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    tp: TP | None = None  # set by tp.shard_model: this rank's slice of every expert's intermediate dim
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.index = index  # this layer's position among the sparse layers: the expert targets' layer axis
@@ -51,6 +54,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
+        tp = self.tp
+        if tp is not None:  # routing and experts both read it; each rank's gradient is partial
+            flat = tp.enter(flat)
         weights, chosen = self.route(flat)
         k = self.top_k
         expert = chosen.reshape(-1)  # pairs in token-major order
@@ -66,11 +72,12 @@ class SparseMoE(nn.Module):
         u = self._project("up_proj", xs, groups, lora)
         d = self._project("down_proj", F.silu(g) * u, groups, lora)
         d = d * weights.reshape(-1)[groups.order, None]
-        return torch.zeros_like(flat).index_add_(0, pair_token, d).view(B, T, H)
+        out = torch.zeros_like(flat).index_add_(0, pair_token, d).view(B, T, H)
+        return out if tp is None else tp.reduce(out)
 
     def _project(self, name: str, x: Tensor, groups: ExpertGroups, lora: LoraBatch | None) -> Tensor:
         """Each pair through its expert's base projection (one matmul per used expert), plus LoRA."""
         W = getattr(self.experts, name)
         parts = x.split(groups.expert_sizes)
         y = torch.cat([p @ W[e].transpose(0, 1) for e, p in enumerate(parts) if groups.expert_sizes[e]])
-        return y if lora is None else lora.apply(EXPERT_PREFIX + name, self.index, x, y, groups)
+        return y if lora is None else lora.apply(EXPERT_PREFIX + name, self.index, x, y, groups, tp=self.tp)

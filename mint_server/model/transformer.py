@@ -17,6 +17,7 @@ from mint_server.model.config import ModelConfig
 from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.moe import SparseMoE
+from mint_server.model.tp import TP, embed
 
 
 class RMSNorm(nn.Module):
@@ -202,6 +203,8 @@ class CacheView:
 
 
 class Attention(nn.Module):
+    tp: TP | None = None  # set by tp.shard_model: this rank's heads only, o_proj's partial sums reduced
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer, self.n_heads, self.n_kv, self.head_dim = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -217,9 +220,12 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None) -> Tensor:
         B, T, _ = x.shape
-        q = project(self.q_proj, x, lora, "q_proj", self.layer).view(B, T, self.n_heads, self.head_dim)
-        k = project(self.k_proj, x, lora, "k_proj", self.layer).view(B, T, self.n_kv, self.head_dim)
-        v = project(self.v_proj, x, lora, "v_proj", self.layer).view(B, T, self.n_kv, self.head_dim)
+        tp = self.tp
+        if tp is not None:
+            x = tp.enter(x)
+        q = project(self.q_proj, x, lora, "q_proj", self.layer, tp).view(B, T, self.n_heads, self.head_dim)
+        k = project(self.k_proj, x, lora, "k_proj", self.layer, tp).view(B, T, self.n_kv, self.head_dim)
+        v = project(self.v_proj, x, lora, "v_proj", self.layer, tp).view(B, T, self.n_kv, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -235,16 +241,21 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
-        return project(self.o_proj, y, lora, "o_proj", self.layer)
+        out = project(self.o_proj, y, lora, "o_proj", self.layer, tp)
+        return out if tp is None else tp.reduce(out)
 
 
-def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, layer: int) -> Tensor:
-    """Base projection plus the batch's LoRA delta for this target (never merged into the base)."""
+def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, layer: int,
+            tp: TP | None = None) -> Tensor:
+    """Base projection plus the batch's LoRA delta for this target (never merged into the base).
+    Under tensor parallelism both are this rank's share (see tp.py)."""
     y = linear(x)
-    return y if lora is None else lora.apply(target, layer, x, y)
+    return y if lora is None else lora.apply(target, layer, x, y, tp=tp)
 
 
 class MLP(nn.Module):
+    tp: TP | None = None  # set by tp.shard_model: this rank's slice of the intermediate dim
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer  # index among the dense-MLP layers (== layer number in a dense model)
@@ -253,9 +264,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
-        g = project(self.gate_proj, x, lora, "gate_proj", self.layer)
-        u = project(self.up_proj, x, lora, "up_proj", self.layer)
-        return project(self.down_proj, silu_mul(g, u), lora, "down_proj", self.layer)
+        tp = self.tp
+        if tp is not None:
+            x = tp.enter(x)
+        g = project(self.gate_proj, x, lora, "gate_proj", self.layer, tp)
+        u = project(self.up_proj, x, lora, "up_proj", self.layer, tp)
+        out = project(self.down_proj, silu_mul(g, u), lora, "down_proj", self.layer, tp)
+        return out if tp is None else tp.reduce(out)
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
@@ -285,6 +300,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    tp: TP | None = None  # set by tp.shard_model: vocab-parallel embedding and lm_head
+    vocab_start = 0  # first vocabulary row this rank holds
+
     def __init__(self, cfg: ModelConfig, block: type[nn.Module] | None = None) -> None:
         super().__init__()
         self.config = cfg
@@ -315,7 +333,8 @@ class Transformer(nn.Module):
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        x = self.embed_tokens(tokens)  # a fresh tensor: blocks may add into it in place
+        # a fresh tensor: blocks may add into it in place
+        x = self.embed_tokens(tokens) if self.tp is None else embed(self, tokens)
         cos, sin = angles.cos(), angles.sin()
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
@@ -329,7 +348,10 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, h: Tensor, lora: LoraBatch | None = None) -> Tensor:
-        return project(self.lm_head, h, lora, "lm_head", 0)
+        tp = self.tp
+        if tp is None:
+            return project(self.lm_head, h, lora, "lm_head", 0)
+        return tp.gather(project(self.lm_head, tp.enter(h), lora, "lm_head", 0, tp))
 
     def forward(
         self,
