@@ -13,7 +13,7 @@ import torch
 from tinker import types
 
 from mint_server.engine import state_io
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, NotSupportedError
 from mint_server.engine.jobs import OptimJob
 from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step
 from mint_server.engine.residency import AdamState, Adapter, Residency
@@ -54,6 +54,13 @@ class AdapterState:
                               f"pass {expected} (optimizer families cannot be mixed)")
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
+        runner = self.registry.runner
+        if runner is not None:  # every rank steps its share (global gradient norm)
+            if family != "adamw":
+                raise NotSupportedError(f"optim_params: the {family!r} optimizer is not supported with tensor "
+                                        "parallelism (tp > 1) yet; use AdamParams")
+            return types.OptimStepResponse(metrics=runner.call(
+                "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
         weights = self._params(a)
         before = ({t: (x.clone(), y.clone()) for t, (x, y) in weights.items()},
                   {t: tuple(m.clone() for m in ms) for t, ms in a.optim.moments.items()}, a.optim.step)
@@ -102,6 +109,8 @@ class AdapterState:
         """Weights (+ AdamW moments and step) into a state dir, atomically."""
         a = self.registry.on_device(adapter_id)
         optim = a.optim if include_optimizer else None
+        if optim is not None and self.registry.runner is not None:  # gathered from every rank
+            optim = self.registry.runner.call("gather_optim", aid=a.id)
         state_io.save_state(dest, state_io.TrainState(self.registry.weights(adapter_id), optim, self.base_model))
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True,
@@ -129,6 +138,10 @@ class AdapterState:
         if not a.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         self.registry.set_weights(adapter_id, st.weights)
+        if self.registry.runner is not None:  # every rank takes its share of the loaded state
+            optim = st.optim or AdamState(family=family)
+            self.registry.runner.call("set_optim", aid=a.id, step=optim.step, moments=optim.moments, family=family)
+            return a.id
         a.grads.clear()
         dev = self.device
         a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)
@@ -165,7 +178,7 @@ class AdapterState:
                               f"sources' ranks), above the engine's max LoRA rank {self.registry.bank.max_rank}")
         scale = pairs[0][0].scale
         sources = [(self.registry.weights(a.id), a, c) for a, c in pairs]
-        shapes = self.registry.bank.shapes
+        shapes = self.registry.bank.full_shapes
         weights = {}
         for t in sorted({t for a, _ in pairs for t in a.targets}):
             experts = self.registry.bank.experts.get(t, 0)

@@ -29,7 +29,7 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState, check_family
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, NotSupportedError
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -47,8 +47,10 @@ from mint_server.engine.residency import AdamState, Adapter, AdapterSource, Resi
 from mint_server.engine.reverse_kl import ReverseKL
 from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
+from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
 from mint_server.model.loader import default_device, default_dtype, load_model
+from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config, shard_model
 from mint_server.model.transformer import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,10 @@ class LocalEngine(JobParsing):
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
+        tp, followers = self._start_tp() if s.tp > 1 else (None, [])
         self.model = load_model(self.model_dir, self.device, self.dtype)
+        if tp is not None:  # this process is rank 0: it keeps its share and schedules for every rank
+            self.model = shard_model(self.model, tp)
         cfg = self.model.config
         self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
                                       model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
@@ -95,13 +100,19 @@ class LocalEngine(JobParsing):
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
         self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
         self._cv = threading.Condition()
-        self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake)
+        self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
+        self.runner: Runner | None = None
+        if tp is not None:
+            self.runner = Runner(Shard(tp, self.model, self.registry.bank, self.device, self.dtype,
+                                       self.registry.record), followers)
+            self.registry.runner = self.runner
         self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens)
         self.state = AdapterState(self.registry, base_model, cfg)
         self.reverse_kl = ReverseKL(self.trainer)
         self.sampler = Sampler(
             self.model, self.registry,
-            kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(cfg, self.dtype)), self.limits.max_context),
+            kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(local_config(cfg, s.tp), self.dtype)),
+                                 self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.max_step_tokens,
         )
@@ -112,6 +123,27 @@ class LocalEngine(JobParsing):
         self.step_seconds: list[float] = []  # drained by the service's metrics
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
         self._worker.start()
+
+    def _start_tp(self) -> tuple[TP, list[Any]]:
+        """Spawn the follower ranks (each loads and splits the model) and join them as rank 0."""
+        from mint_server.engine.tp_runner import start_followers
+        from mint_server.model.config import ModelConfig
+
+        try:
+            check_supported(ModelConfig.from_hf_dir(self.model_dir), self.settings.tp)
+        except TPNotSupportedError as e:
+            raise NotSupportedError(f"tp: {e}") from None
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", 0)
+        return start_followers(self.settings.tp, self.model_dir, self.settings, self.device, self.dtype)
+
+    def _not_with_tp(self, what: str) -> Future | None:
+        """A failed future for features the tensor-parallel runner does not run yet; None when tp == 1."""
+        if self.runner is None:
+            return None
+        future: Future = Future()
+        future.set_exception(NotSupportedError(f"{what} is not supported with tensor parallelism (tp > 1) yet"))
+        return future
 
     # --- limits (read by the service) -----------------------------------------------------------
     @property
@@ -141,6 +173,10 @@ class LocalEngine(JobParsing):
                                       on_device=False))
         if isinstance(job, OptimJob):
             return self._op(lambda _a: self.state.optim_step(job), job.adapter_id)
+        if isinstance(job, CustomJob | ReverseKLJob):
+            refused = self._not_with_tp("forward_backward_custom" if isinstance(job, CustomJob) else "reverse KL")
+            if refused is not None:
+                return refused
         if isinstance(job, CustomJob):
             return self._op(lambda _a: self.trainer.forward_backward_custom(job), job.adapter_id)
         if isinstance(job, ReverseKLJob):
@@ -154,6 +190,9 @@ class LocalEngine(JobParsing):
     # --- adapter ops ----------------------------------------------------------------------------
     def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         """A trainable adapter whose optimizer family ("adamw" or "dimuon") is fixed for its life."""
+        if optimizer != "adamw" and (refused := self._not_with_tp(f"the {optimizer!r} optimizer")) is not None:
+            return refused
+
         def create(_a: list[Adapter | None]) -> str:
             a = self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
             a.optim = AdamState(family=check_family(optimizer))
@@ -438,3 +477,6 @@ class LocalEngine(JobParsing):
             self._cv.notify_all()
         self._worker.join()
         self.registry.close()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None

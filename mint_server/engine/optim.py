@@ -66,12 +66,14 @@ def grad_norm(grads: Pairs) -> float:
 
 
 @torch.no_grad()
-def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamParams) -> dict[str, float]:
+def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamParams,
+               norm: float | None = None) -> dict[str, float]:
     """Update float32 `params` in place from `grads`; advances `state`. Returns optimizer metrics.
 
     Targets without a gradient are left alone (like torch optimizers skip params whose .grad is None).
+    norm: the gradient's global norm when `grads` is one tensor-parallel rank's share (tp.grad_norm).
     """
-    norm = grad_norm(grads)
+    norm = grad_norm(grads) if norm is None else norm
     # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is < 1.
     clip = hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 else 1.0
     clip = min(clip, 1.0)

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,6 +37,7 @@ from mint_server.engine.settings import EngineSettings
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
 from mint_server.model.peft_io import DEFAULT_LORA_ALPHA, LoraWeights, load_peft, load_peft_files
+from mint_server.model.tp import TP, local_target_shapes
 
 log = logging.getLogger(__name__)
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A [L, r, in], B [L, out, r])
@@ -108,10 +110,14 @@ class ResidencyStats:
 class Residency:
     def __init__(
         self, cfg: ModelConfig, settings: EngineSettings, device: torch.device | str, dtype: torch.dtype,
-        on_loaded: Callable[[], None] | None = None,
+        on_loaded: Callable[[], None] | None = None, tp: TP | None = None,
     ) -> None:
+        """tp: this process is rank 0 of a tensor-parallel engine: the bank holds its share, and
+        `runner` (set by the engine) fills and reads every rank's share of a slot."""
         self.cfg, self.settings = cfg, settings
-        self.bank = LoraBank(cfg, settings.device_slots, settings.max_rank, device, dtype)
+        self.bank = LoraBank(cfg, settings.device_slots, settings.max_rank, device, dtype,
+                             shapes=local_target_shapes(cfg, tp.world) if tp is not None else None)
+        self.runner: Any = None
         self.device, self.dtype = torch.device(device), dtype
         self.host_budget = int(settings.host_cache_mb * 1024 * 1024)
         if settings.store_dir is not None:
@@ -142,6 +148,10 @@ class Residency:
         if a is None or a.released:
             raise EngineError(f"unknown adapter id {adapter_id!r}")
         return a
+
+    def record(self, adapter_id: str) -> Adapter:
+        """The adapter, released or not (the tensor-parallel runner's view of rank 0's state)."""
+        return self._adapters[adapter_id]
 
     def on_device(self, adapter_id: str) -> Adapter:
         """The adapter, which the worker made device-resident before running an op on it."""
@@ -174,7 +184,7 @@ class Residency:
             raise EngineError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
         self.check_rank(rank, "lora_config.rank")
         seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        weights = init_lora_weights(self.bank.shapes, targets, rank, seed, torch.float32, self.bank.experts)
+        weights = init_lora_weights(self.bank.full_shapes, targets, rank, seed, torch.float32, self.bank.experts)
         return self.install(LoraWeights(weights, rank, alpha), trainable=True)
 
     def install(self, weights: LoraWeights, trainable: bool, optim: AdamState | None = None) -> Adapter:
@@ -234,7 +244,10 @@ class Residency:
             del self._by_key[a.source.key]
         if a.slot is not None:
             self._slots[a.slot] = None
-            self.bank.clear(a.slot)
+            if self.runner is not None:
+                self.runner.call("clear", aid=a.id, slot=a.slot)
+            else:
+                self.bank.clear(a.slot)
             a.slot = None
         self._set_host(a, None)
         if a.paged is not None:
@@ -332,11 +345,16 @@ class Residency:
         """host → device: write the slot; a training adapter's state follows it to the device."""
         assert a.host is not None
         dev = self.device
-        self.bank.write(slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in a.host.items()}, a.rank, a.alpha)
-        if a.trainable and self.dtype != torch.float32:
-            a.master = {t: (x.to(dev).clone(), y.to(dev).clone()) for t, (x, y) in a.host.items()}
-        a.grads = _to(a.grads, dev)
-        a.optim.moments = {t: tuple(m.to(dev) for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
+        if self.runner is not None:  # every rank takes its share of the full host copy
+            self.runner.call("promote", aid=a.id, slot=slot, weights=a.host, rank=a.rank, alpha=a.alpha,
+                             trainable=a.trainable, grads=a.grads, moments=a.optim.moments, step=a.optim.step,
+                             family=a.optim.family)
+        else:
+            self.bank.write(slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in a.host.items()}, a.rank, a.alpha)
+            if a.trainable and self.dtype != torch.float32:
+                a.master = {t: (x.to(dev).clone(), y.to(dev).clone()) for t, (x, y) in a.host.items()}
+            a.grads = _to(a.grads, dev)
+            a.optim.moments = {t: tuple(m.to(dev) for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
         self._slots[slot] = a
         a.slot = slot
         self.stats.loads["host"] += 1
@@ -347,6 +365,15 @@ class Residency:
         """device → host: an exact copy of what the slot (or the fp32 masters) held."""
         assert a.slot is not None
         slot = a.slot
+        if self.runner is not None:  # gathered from every rank: the host tier holds the full layout
+            host, a.grads, moments = self.runner.call("demote", aid=a.id, slot=slot, rank=a.rank, targets=a.targets)
+            a.master = None
+            a.optim.moments = moments
+            self._slots[slot] = None
+            a.slot = None
+            self.stats.evictions["device"] += 1
+            self._set_host(a, host)
+            return
         if a.master is not None:
             host = {t: (x.detach().cpu().clone(), y.detach().cpu().clone()) for t, (x, y) in a.master.items()}
         else:
@@ -456,7 +483,9 @@ class Residency:
     def weights(self, adapter_id: str) -> LoraWeights:
         """The adapter's weights (fp32 masters where kept), wherever it lives on device or host."""
         a = self.get(adapter_id)
-        if a.master is not None:
+        if self.runner is not None and a.slot is not None:
+            pairs = self.runner.call("weights", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets)
+        elif a.master is not None:
             pairs = a.master
         elif a.slot is not None:
             pairs = {t: (self.bank.A[t][a.slot][..., : a.rank, :], self.bank.B[t][a.slot][..., : a.rank])
@@ -477,9 +506,13 @@ class Residency:
                 f"(rank {a.rank} on {list(a.targets)})"
             )
         dev = self.device
+        a.alpha = weights.alpha
+        if self.runner is not None:
+            self.runner.call("set_weights", aid=a.id, slot=a.slot, weights=weights.weights, rank=weights.rank,
+                             alpha=weights.alpha, trainable=a.trainable)
+            return
         self.bank.write(a.slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in weights.weights.items()},  # type: ignore[arg-type]
                         weights.rank, weights.alpha)
-        a.alpha = weights.alpha
         a.master = ({t: (x.to(dev).float().clone(), y.to(dev).float().clone()) for t, (x, y) in weights.weights.items()}
                     if a.trainable and self.dtype != torch.float32 else None)
 

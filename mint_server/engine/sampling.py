@@ -211,8 +211,15 @@ class Sampler:
         self.dedupe_prompts = dedupe_prompts
         weight = model.embed_tokens.weight
         self.device = weight.device
-        self.cache = KVCache(cfg, blocks_for(kv_budget_tokens, block_size) + 1, block_size,
-                             self.device, weight.dtype)
+        # tensor-parallel: every rank holds the same blocks of its own KV heads (tp_runner's ops)
+        self.runner = registry.runner
+        if self.runner is not None:
+            self.runner.call("make_cache", num_blocks=blocks_for(kv_budget_tokens, block_size) + 1,
+                             block_size=block_size)
+            self.cache = self.runner.shard.cache
+        else:
+            self.cache = KVCache(cfg, blocks_for(kv_budget_tokens, block_size) + 1, block_size,
+                                 self.device, weight.dtype)
         self.pool = BlockPool(self.cache.num_blocks)
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
@@ -400,6 +407,9 @@ class Sampler:
         tokens = torch.tensor([list(g.prompt) + [0] * (width - len(g.prompt)) for g in groups], device=dev)
         positions = torch.arange(width, device=dev).expand(len(groups), width)
         table = self._table([g.blocks for g in groups], blocks_for(width, bs))
+        if self.runner is not None:
+            logits = self._prefill_tp(groups, tokens, positions, table, lengths)
+            return self._after_prefill(groups, lengths, logits, t0)
         lora = self._lora([g.slot for g in groups])
         with torch.no_grad():
             hidden = self.model.hidden_states(tokens, positions, lora, CacheView(self.cache, table, positions))
@@ -414,8 +424,35 @@ class Sampler:
                                           g.prompt, k)
                     for r in wanting:
                         r.scores = scores
+        self._after_prefill(groups, lengths, logits, t0)
+
+    def _prefill_tp(self, groups: list[_Group], tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+                    lengths: list[int]) -> torch.Tensor:
+        """The prefill forward on every tensor-parallel rank (tp_runner.prefill), prompt scores included;
+        returns the last-position logits."""
+        scoring = []
+        for i, g in enumerate(groups):
+            wanting = [r for r in g.requests if r.wants_scores]
+            if wanting:
+                scoring.append((i, g.slot, g.prompt, max(r.topk_prompt_logprobs for r in wanting)))
+        logits, scores = self.runner.call(
+            "prefill", tokens=tokens.cpu(), positions=positions.cpu(), table=table.cpu(), slots=[g.slot for g in groups],
+            lengths=lengths, scoring=scoring)
+        for i, g in enumerate(groups):
+            for r in g.requests:
+                if r.wants_scores:
+                    r.scores = scores[i]
+        return logits
+
+    def _after_prefill(self, groups: list[_Group], lengths: list[int], logits: torch.Tensor, t0: float) -> None:
+        """Fork the samples off their prompt rows and draw each one's first token."""
+        dev = self.device
         rows, row_group, copies = self._fork(groups)
-        self.cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
+        if self.runner is not None:
+            if copies:
+                self.runner.call("copy_blocks", src=[s for s, _ in copies], dst=[d for _, d in copies])
+        else:
+            self.cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         if rows:
             self._advance(rows, logits[torch.tensor(row_group, device=dev)])
         for g in groups:
@@ -467,9 +504,13 @@ class Sampler:
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
         width = blocks_for(max(r.length for r in rows) + 1, self.block_size)
         table = self._table([r.blocks for r in rows], width)
-        with torch.no_grad():
-            logits = self.model(tokens, positions, self._lora([r.request.slot for r in rows]),
-                                CacheView(self.cache, table, positions))[:, 0]
+        if self.runner is not None:
+            logits = self.runner.call("decode", tokens=tokens.cpu(), positions=positions.cpu(), table=table.cpu(),
+                                      slots=[r.request.slot for r in rows])
+        else:
+            with torch.no_grad():
+                logits = self.model(tokens, positions, self._lora([r.request.slot for r in rows]),
+                                    CacheView(self.cache, table, positions))[:, 0]
         for r in rows:
             r.length += 1
         self._rows = []

@@ -44,11 +44,15 @@ class EngineSettings:
     store_dir: Path | None = None
     # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
     threads: int | None = None
+    # Tensor-parallel ranks of the engine's model (1: one process). Rank 0 is the server process and
+    # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
+    # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
+    tp: int = 1
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
         positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_step_tokens", "max_fused_tokens",
-                    "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step")
+                    "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -74,13 +78,15 @@ class EngineSettings:
         return max(1, int(self.kv_budget_mb * 2**20) // bytes_per_token)
 
     def intra_op_threads(self) -> int:
-        """threads, or the cores given to this process (its CPU affinity) when unset."""
+        """threads, or the cores given to this process (its CPU affinity) when unset, shared by the
+        tensor-parallel ranks."""
         if self.threads is not None:
             return self.threads
         try:
-            return len(os.sched_getaffinity(0))
+            cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not on Linux
-            return os.cpu_count() or 1
+            cores = os.cpu_count() or 1
+        return max(1, cores // self.tp)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

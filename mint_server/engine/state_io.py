@@ -132,9 +132,9 @@ def load_state(src: str | Path, include_optimizer: bool) -> TrainState:
 def check_shapes(w: LoraWeights, bank: LoraBank, where: str) -> None:
     """EngineError unless `w` fits the bank's base model and max rank."""
     for t, (A, B) in w.weights.items():
-        if t not in bank.shapes:
+        if t not in bank.full_shapes:
             raise EngineError(f"{where}: unknown LoRA target {t!r}")
-        a_shape, b_shape = lora_shapes(bank.shapes[t], bank.experts.get(t, 0), w.rank)
+        a_shape, b_shape = lora_shapes(bank.full_shapes[t], bank.experts.get(t, 0), w.rank)
         if tuple(A.shape) != a_shape or tuple(B.shape) != b_shape:
             raise EngineError(f"{where}: {t} LoRA shapes {list(A.shape)}/{list(B.shape)} do not fit this "
                               f"base model (expected {list(a_shape)}/{list(b_shape)})")

@@ -32,7 +32,7 @@ from mint_server.engine.jobs import CustomJob, TrainJob
 from mint_server.engine.losses import ParsedDatum, TargetLogprobs, pad_inputs
 from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
-from mint_server.model.lora import LoraBatch, lora_shapes
+from mint_server.model.lora import LoraBank, LoraBatch, lora_shapes
 from mint_server.model.transformer import Transformer
 
 Output = types.ForwardBackwardOutput
@@ -130,10 +130,19 @@ class Trainer:
         losses: dict[tuple[int, int], np.ndarray] = {}
         loss_sum = [0.0] * len(preps)
         pending: dict[str, Pairs] = {}
-        for mb in self.plan(rows):
-            grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
-            accumulate(pending, grads)
-        failed = self.commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
+        runner = self.registry.runner
+        try:
+            for mb in self.plan(rows):
+                grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
+                accumulate(pending, grads)
+        except BaseException:
+            if runner is not None:  # every rank drops the pass's gradients
+                runner.call("train_commit", keep=False)
+            raise
+        if runner is not None:  # tensor-parallel: each rank commits its share (tp_runner.train_commit)
+            failed = {aid: self._non_finite(aid) for aid in runner.call("train_commit", keep=True)}
+        else:
+            failed = self.commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
         outs: list[Output | Exception] = []
         for r, p in enumerate(preps):
             if p.adapter is not None and p.adapter.id in failed:
@@ -182,17 +191,23 @@ class Trainer:
         adapters = _unique([a for r in mb if (a := preps[r.req].adapter) is not None])
         leaves: Leaves = {}
         lora: LoraBatch | None = None
+        row_adapter: list[int] = []
         if backward:
             index = {a.id: k for k, a in enumerate(adapters)}
             row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
+        runner = self.registry.runner
+        if runner is not None:  # every rank runs the forward on its share; the loss stays here
+            lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward)
+        elif backward:
             lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
             lora = self.registry.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
 
         with torch.set_grad_enabled(backward):
-            h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                         checkpoint=self.recompute(T))
-            lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
+            if runner is None:
+                h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
+                                             checkpoint=self.recompute(T))
+                lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
             for q in dict.fromkeys(r.req for r in mb):
@@ -205,7 +220,10 @@ class Trainer:
                 el = p.job.spec.fn(lp_q[..., :k_req], x, mask, p.job.config)
                 total = el.sum() if total is None else total + el.sum()
                 els.append((idx, q, el.detach()))
-            if backward and total is not None:
+            if backward and runner is not None:  # d(loss)/d(logprobs) to every rank, which backpropagates
+                grad = None if total is None else torch.autograd.grad(total, lp, allow_unused=True)[0]
+                runner.call("train_backward", grad=torch.zeros_like(lp) if grad is None else grad)
+            elif backward and total is not None:
                 total.backward()
 
         lp_cpu = lp.detach().float().cpu().numpy()
@@ -220,6 +238,17 @@ class Trainer:
                 losses[key] = el_cpu[j, :n].copy()
         return leaf_grads(leaves)
 
+    def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
+                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool) -> Tensor:
+        from mint_server.engine.tp_runner import LoraRef
+
+        refs = [LoraRef(a.id, a.slot, a.rank, a.targets, a.scale) for a in adapters] if backward else None  # type: ignore[arg-type]
+        slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
+        return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
+                           row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,
+                           backward=backward, checkpoint=self.recompute(tokens.shape[1]),
+                           logits_chunk=self.logits_chunk)
+
     def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
         """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
 
@@ -229,64 +258,29 @@ class Trainer:
         costs O(L²) memory traffic (measurably slow at 30 layers). leaves[id][target] holds the
         per-layer (A, B) leaves viewing the bank; their .grad is that adapter's gradient.
         """
-        bank, dev, dtype = self.registry.bank, self.device, self.registry.dtype
-        rmax = max(a.rank for a in adapters)
-        leaves: Leaves = {a.id: {} for a in adapters}
-        weights: dict[str, tuple[Any, Any]] = {}
-        for t in sorted({t for a in adapters for t in a.targets}):
-            L, fi, fo = bank.shapes[t]
-            per_adapter = []
-            for a in adapters:
-                if t in a.targets:
-                    As = [bank.A[t][a.slot, i][..., : a.rank, :].detach().requires_grad_(True) for i in range(L)]
-                    Bs = [bank.B[t][a.slot, i][..., : a.rank].detach().requires_grad_(True) for i in range(L)]
-                    leaves[a.id][t] = (As, Bs)
-                else:  # no LoRA on t for this adapter: zeros, no gradient wanted
-                    a_shape, b_shape = lora_shapes((L, fi, fo), bank.experts.get(t, 0), a.rank, layered=False)
-                    As = [torch.zeros(a_shape, device=dev, dtype=dtype)] * L
-                    Bs = [torch.zeros(b_shape, device=dev, dtype=dtype)] * L
-                pad = rmax - a.rank  # zero rank-padding keeps the product exact
-                per_adapter.append(([F.pad(x, (0, 0, 0, pad)) for x in As] if pad else As,
-                                    [F.pad(x, (0, pad)) for x in Bs] if pad else Bs))
-            weights[t] = (_PerLayer([torch.stack([As[i] for As, _ in per_adapter]) for i in range(L)]),
-                          _PerLayer([torch.stack([Bs[i] for _, Bs in per_adapter]) for i in range(L)]))
-        scale = torch.tensor([a.scale for a in adapters], device=dev, dtype=torch.float32)
-        rows = torch.tensor(row_adapter, dtype=torch.long, device=dev)
-        return LoraBatch(weights=weights, rows=rows, scale=scale), leaves  # type: ignore[arg-type]
+        return training_lora(self.registry.bank, adapters, row_adapter, self.device, self.registry.dtype)
 
     def recompute(self, longest: int) -> bool:
         """Recompute transformer blocks in backward (activation checkpointing) for rows this long."""
         return self.checkpoint_from_len is not None and longest >= self.checkpoint_from_len
 
     def _target_logprobs(self, h: Tensor, lora: LoraBatch | None, targets: Tensor) -> Tensor:
-        """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time."""
-        rows, T, _ = h.shape
-        step = max(1, self.logits_chunk // (rows * self.vocab))
-        if step >= T:
-            return self._logprobs_block(h, targets, lora)
-        parts = []
-        for s in range(0, T, step):
-            hs, ts = h[:, s : s + step], targets[:, s : s + step]
-            if torch.is_grad_enabled():  # keep no chunk's logits: recompute them in backward
-                parts.append(torch.utils.checkpoint.checkpoint(self._logprobs_block, hs, ts, lora,
-                                                               use_reentrant=False))
-            else:
-                parts.append(self._logprobs_block(hs, ts, lora))
-        return torch.cat(parts, dim=1)
-
-    def _logprobs_block(self, h: Tensor, targets: Tensor, lora: LoraBatch | None) -> Tensor:
-        return TargetLogprobs.apply(self.model.logits(h, lora), targets)
+        return target_logprobs(self.model, h, lora, targets, self.logits_chunk)
 
     def commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
         """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""
         failed: dict[str, Exception] = {}
         for aid, grads in pending.items():
             if not all(bool(torch.isfinite(g).all()) for pair in grads.values() for g in pair):
-                failed[aid] = EngineError(f"adapter {aid!r}: the loss produced non-finite gradients (check "
-                                          "advantages and logprobs); nothing was accumulated")
+                failed[aid] = self._non_finite(aid)
                 continue
             accumulate(adapters[aid].grads, grads)
         return failed
+
+    @staticmethod
+    def _non_finite(aid: str) -> EngineError:
+        return EngineError(f"adapter {aid!r}: the loss produced non-finite gradients (check advantages and "
+                           "logprobs); nothing was accumulated")
 
     # --- server-side custom losses -----------------------------------------------------------
     def forward_backward_custom(self, job: CustomJob) -> Output:
@@ -314,6 +308,56 @@ class Trainer:
         result.metrics["loss:sum"] = float(total.detach())
         result.metrics["surrogate_loss:sum"] = surrogate
         return result
+
+def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int], dev: torch.device,
+                  dtype: torch.dtype) -> tuple[LoraBatch, Leaves]:
+    """Trainer.training_lora over any bank (a tensor-parallel rank's share too); adapters need .id,
+    .slot, .rank, .targets and .scale."""
+    rmax = max(a.rank for a in adapters)
+    leaves: Leaves = {a.id: {} for a in adapters}
+    weights: dict[str, tuple[Any, Any]] = {}
+    for t in sorted({t for a in adapters for t in a.targets}):
+        L, fi, fo = bank.shapes[t]
+        per_adapter = []
+        for a in adapters:
+            if t in a.targets:
+                As = [bank.A[t][a.slot, i][..., : a.rank, :].detach().requires_grad_(True) for i in range(L)]
+                Bs = [bank.B[t][a.slot, i][..., : a.rank].detach().requires_grad_(True) for i in range(L)]
+                leaves[a.id][t] = (As, Bs)
+            else:  # no LoRA on t for this adapter: zeros, no gradient wanted
+                a_shape, b_shape = lora_shapes((L, fi, fo), bank.experts.get(t, 0), a.rank, layered=False)
+                As = [torch.zeros(a_shape, device=dev, dtype=dtype)] * L
+                Bs = [torch.zeros(b_shape, device=dev, dtype=dtype)] * L
+            pad = rmax - a.rank  # zero rank-padding keeps the product exact
+            per_adapter.append(([F.pad(x, (0, 0, 0, pad)) for x in As] if pad else As,
+                                [F.pad(x, (0, pad)) for x in Bs] if pad else Bs))
+        weights[t] = (_PerLayer([torch.stack([As[i] for As, _ in per_adapter]) for i in range(L)]),
+                      _PerLayer([torch.stack([Bs[i] for _, Bs in per_adapter]) for i in range(L)]))
+    scale = torch.tensor([a.scale for a in adapters], device=dev, dtype=torch.float32)
+    rows = torch.tensor(row_adapter, dtype=torch.long, device=dev)
+    return LoraBatch(weights=weights, rows=rows, scale=scale), leaves  # type: ignore[arg-type]
+
+
+def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targets: Tensor,
+                    logits_chunk: int) -> Tensor:
+    """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time."""
+    rows, T, _ = h.shape
+    step = max(1, logits_chunk // (rows * model.config.vocab_size))
+    if step >= T:
+        return logprobs_block(model, h, targets, lora)
+    parts = []
+    for s in range(0, T, step):
+        hs, ts = h[:, s : s + step], targets[:, s : s + step]
+        if torch.is_grad_enabled():  # keep no chunk's logits: recompute them in backward
+            parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lora, use_reentrant=False))
+        else:
+            parts.append(logprobs_block(model, hs, ts, lora))
+    return torch.cat(parts, dim=1)
+
+
+def logprobs_block(model: Transformer, h: Tensor, targets: Tensor, lora: LoraBatch | None) -> Tensor:
+    return TargetLogprobs.apply(model.logits(h, lora), targets)
+
 
 def _unique(adapters: list[Adapter]) -> list[Adapter]:
     return list({a.id: a for a in adapters}.values())

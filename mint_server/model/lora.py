@@ -392,7 +392,8 @@ class LoraBank:
     ) -> None:
         """shapes: (layers, in, out) per target when not the model's own (a tensor-parallel rank's share)."""
         self.num_slots, self.max_rank = num_slots, max_rank
-        self.shapes = shapes or target_shapes(cfg)
+        self.full_shapes = target_shapes(cfg)  # what adapters on disk and in the host tier have
+        self.shapes = shapes or self.full_shapes
         self.experts = target_experts(cfg)
         self.A: dict[str, Tensor] = {}
         self.B: dict[str, Tensor] = {}

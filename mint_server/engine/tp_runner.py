@@ -1,0 +1,368 @@
+"""The tensor-parallel model runner: one engine on N ranks; scheduling on rank 0, tensor work on all.
+
+vLLM v1's split. The engine worker (queue, fusing, residency bookkeeping, sampler admission and
+token choice, losses) runs only on rank 0, in the server process. Wherever it needs tensor work on
+split state — a forward, a backward, an optimizer step, filling or reading a bank slot — it calls
+`Runner.call(op, **inputs)`: rank 0 broadcasts the op's name and inputs (metadata, token tensors,
+and full adapter weights when a slot is filled), then every rank runs the same op function on its
+own `Shard` (its share of the model, the LoRA bank, the KV cache and the adapters' device-side
+training state). Followers (ranks 1..N-1, spawned processes) only receive and run ops, in order,
+so every collective inside an op meets its peers. The split itself is model/tp.py's.
+
+What crosses the boundary: ops get whole tensors from rank 0 (weights as the host tier holds them,
+unsplit) and each rank takes its share; ops that read state back (`demote`, `weights`,
+`gather_optim`) all-gather it, so rank 0's host tier, the store and every file on disk hold the
+ordinary unsplit layout, and only the device tier is split.
+
+A rank-0 op that fails before its collectives leaves the followers waiting for the next op, which
+is fine; the ops check nothing that could differ between ranks (rank 0 validates requests before).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from mint_server.engine.interface import EngineError
+from mint_server.engine.optim import Pairs, adamw_step
+from mint_server.engine.residency import AdamState
+from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
+from mint_server.model import tp as tpmod
+from mint_server.model.lora import LoraBank
+from mint_server.model.transformer import CacheView, KVCache
+
+log = logging.getLogger(__name__)
+OPS: dict[str, Callable[..., Any]] = {}
+
+
+def op(fn: Callable[..., Any]) -> Callable[..., Any]:
+    OPS[fn.__name__] = fn
+    return fn
+
+
+@dataclass(eq=False)
+class Record:
+    """A follower's device-side state of one adapter (on rank 0 it is the residency's Adapter)."""
+
+    id: str
+    grads: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    optim: AdamState = field(default_factory=AdamState)
+    master: Pairs | None = None
+
+
+@dataclass(frozen=True)
+class LoraRef:
+    """What a training op needs of an adapter in a slot (training.training_lora's protocol)."""
+
+    id: str
+    slot: int
+    rank: int
+    targets: tuple[str, ...]
+    scale: float
+
+
+class Shard:
+    """One rank's share: model, bank, KV cache, adapters' device-side state, an in-flight pass."""
+
+    def __init__(self, tp: tpmod.TP, model: Any, bank: LoraBank, device: torch.device, dtype: torch.dtype,
+                 resolve: Callable[[str], Any] | None = None) -> None:
+        self.tp, self.model, self.bank, self.device, self.dtype = tp, model, bank, device, dtype
+        self.cache: KVCache | None = None
+        self._resolve = resolve  # rank 0: adapter id → the residency's Adapter
+        self._records: dict[str, Record] = {}
+        self.pass_state: tuple[Tensor, Any] | None = None  # (logprobs, leaves) between forward and backward
+        self.pending: dict[str, Pairs] = {}  # gradients of the current pass, committed at its end
+
+    def record(self, aid: str) -> Any:
+        if self._resolve is not None:
+            return self._resolve(aid)
+        return self._records.setdefault(aid, Record(aid))
+
+    def forget(self, aid: str) -> None:
+        if self._resolve is None:
+            self._records.pop(aid, None)
+
+
+class Runner:
+    """Rank 0's handle: `call` runs an op on every rank and returns rank 0's result."""
+
+    def __init__(self, shard: Shard, followers: list[Any]) -> None:
+        self.shard, self.tp, self.followers = shard, shard.tp, followers
+
+    def call(self, name: str, **inputs: Any) -> Any:
+        dist.broadcast_object_list([(name, inputs)], src=0)
+        return OPS[name](self.shard, **inputs)
+
+    def close(self) -> None:
+        try:
+            dist.broadcast_object_list([("stop", {})], src=0)
+        finally:
+            for p in self.followers:
+                p.join(timeout=60)
+            dist.destroy_process_group()
+
+
+# --- starting ranks -------------------------------------------------------------------------------
+def start_followers(world: int, model_dir: Path, settings: Any, device: torch.device,
+                    dtype: torch.dtype) -> tuple[tpmod.TP, list[Any]]:
+    """Spawn ranks 1..world-1 and join the group as rank 0 (returns once every rank has joined)."""
+    port = tpmod.free_port()
+    ctx = mp.get_context("spawn")
+    procs = []
+    for rank in range(1, world):
+        p = ctx.Process(target=follower_main, args=(rank, world, port, str(model_dir), settings, str(device), dtype),
+                        name=f"mint-tp-{rank}", daemon=True)
+        p.start()
+        procs.append(p)
+    try:
+        tp = tpmod.init(0, world, port, backend="nccl" if device.type == "cuda" else "gloo")
+    except Exception:
+        for p in procs:
+            p.kill()
+        raise
+    return tp, procs
+
+
+def follower_main(rank: int, world: int, port: int, model_dir: str, settings: Any, device: str,
+                  dtype: torch.dtype) -> None:
+    """A follower rank: load and split the model, then run rank 0's ops until told to stop."""
+    from mint_server.model.loader import load_model
+
+    torch.set_num_threads(settings.intra_op_threads())
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank % torch.cuda.device_count())
+    tp = tpmod.init(rank, world, port, backend="nccl" if dev.type == "cuda" else "gloo")
+    model = tpmod.shard_model(load_model(Path(model_dir), dev, dtype), tp)
+    cfg = model.config
+    bank = LoraBank(cfg, settings.device_slots, settings.max_rank, dev, dtype,
+                    shapes=tpmod.local_target_shapes(cfg, world))
+    shard = Shard(tp, model, bank, dev, dtype)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        name, inputs = box[0]
+        if name == "stop":
+            break
+        try:
+            OPS[name](shard, **inputs)
+        except EngineError:  # rank 0 raised the same and answers the request
+            pass
+        except Exception:  # noqa: BLE001 - a follower keeps serving; rank 0 sees its own error
+            log.exception("tp rank %d: op %s failed", rank, name)
+    dist.destroy_process_group()
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+def _to(pairs: Any, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+    return {t: tuple(x.to(device=device, dtype=dtype or x.dtype) for x in xs) for t, xs in pairs.items()}
+
+
+def _views(sh: Shard, slot: int, rank: int, targets: tuple[str, ...]) -> Pairs:
+    return {t: (sh.bank.A[t][slot][..., :rank, :], sh.bank.B[t][slot][..., :rank]) for t in targets}
+
+
+def _current(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...]) -> Pairs:
+    """This rank's share of the adapter's weights: fp32 masters where kept, else its bank slot."""
+    rec = sh.record(aid)
+    return rec.master if rec.master is not None else _views(sh, slot, rank, targets)
+
+
+def _cpu_full(pairs: Any, sh: Shard) -> dict:
+    return {t: tuple(x.detach().float().cpu() for x in xs) for t, xs in tpmod.gather_pairs(pairs, sh.tp).items()}
+
+
+# --- residency: filling and reading slots ---------------------------------------------------------
+@op
+def promote(sh: Shard, aid: str, slot: int, weights: Pairs, rank: int, alpha: float, trainable: bool,
+            grads: Pairs, moments: dict, step: int, family: str) -> None:
+    """host → device: every rank writes its share of the (full) weights and training state."""
+    rec = sh.record(aid)
+    local = _to(tpmod.shard_pairs(weights, sh.tp), sh.device)
+    sh.bank.write(slot, local, rank, alpha)
+    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
+                  if trainable and sh.dtype != torch.float32 else None)
+    rec.grads = _to(tpmod.shard_pairs(grads, sh.tp), sh.device)
+    rec.optim = AdamState(step, _to(tpmod.shard_moments(moments, family, sh.tp), sh.device), family)
+
+
+@op
+def demote(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...]) -> tuple[Pairs, Pairs, dict]:
+    """device → host: the full weights, gradients and moments, gathered (every rank gets them)."""
+    rec = sh.record(aid)
+    host = _cpu_full(_current(sh, aid, slot, rank, targets), sh)
+    grads = _cpu_full(rec.grads, sh)
+    moments = {t: tuple(m.cpu() for m in ms)
+               for t, ms in tpmod.gather_moments(rec.optim.moments, rec.optim.family, sh.tp).items()}
+    sh.forget(aid)
+    return host, grads, moments
+
+
+@op
+def weights(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...]) -> Pairs:
+    return _cpu_full(_current(sh, aid, slot, rank, targets), sh)
+
+
+@op
+def clear(sh: Shard, aid: str, slot: int) -> None:
+    sh.bank.clear(slot)
+    sh.forget(aid)
+
+
+@op
+def set_weights(sh: Shard, aid: str, slot: int, weights: Pairs, rank: int, alpha: float, trainable: bool) -> None:
+    rec = sh.record(aid)
+    local = _to(tpmod.shard_pairs(weights, sh.tp), sh.device)
+    sh.bank.write(slot, local, rank, alpha)
+    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
+                  if trainable and sh.dtype != torch.float32 else None)
+
+
+@op
+def set_optim(sh: Shard, aid: str, step: int, moments: dict, family: str) -> None:
+    """Loaded optimizer state (full) → every rank's share; pending gradients dropped."""
+    rec = sh.record(aid)
+    rec.grads = {}
+    rec.optim = AdamState(step, _to(tpmod.shard_moments(moments, family, sh.tp), sh.device), family)
+
+
+@op
+def gather_optim(sh: Shard, aid: str) -> AdamState:
+    rec = sh.record(aid)
+    moments = {t: tuple(m.cpu() for m in ms)
+               for t, ms in tpmod.gather_moments(rec.optim.moments, rec.optim.family, sh.tp).items()}
+    return AdamState(rec.optim.step, moments, rec.optim.family)
+
+
+# --- optimizer --------------------------------------------------------------------------------------
+@op
+def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...], params: Any) -> dict[str, float]:
+    """AdamW on every rank's share with the global gradient norm; all or nothing across ranks."""
+    rec = sh.record(aid)
+    views = _views(sh, slot, rank, targets)
+    if sh.dtype == torch.float32:
+        params_ = views
+    else:
+        if rec.master is None:
+            rec.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
+        params_ = rec.master
+    before = ({t: (x.clone(), y.clone()) for t, (x, y) in params_.items()},
+              {t: tuple(m.clone() for m in ms) for t, ms in rec.optim.moments.items()}, rec.optim.step)
+    norm = tpmod.grad_norm(rec.grads, sh.tp)
+    metrics = adamw_step(params_, rec.grads, rec.optim, params, norm=norm)
+    finite = all(bool(torch.isfinite(x).all()) for pair in params_.values() for x in pair)
+    if not sh.tp.all_true(finite):
+        with torch.no_grad():
+            for t, (x, y) in before[0].items():
+                params_[t][0].copy_(x)
+                params_[t][1].copy_(y)
+        rec.optim.moments, rec.optim.step = before[1], before[2]
+        raise EngineError("optim_params: this step would make the adapter's weights non-finite (lower the "
+                          "learning rate); the adapter and its gradients are unchanged")
+    if sh.dtype != torch.float32:
+        with torch.no_grad():
+            for t, (A, B) in views.items():
+                A.copy_(params_[t][0])
+                B.copy_(params_[t][1])
+    rec.grads = {}
+    return metrics
+
+
+# --- training pass --------------------------------------------------------------------------------
+@op
+def train_forward(sh: Shard, tokens: Tensor, targets: Tensor, row_slots: list[int] | None,
+                  adapters: list[LoraRef] | None, row_adapter: list[int] | None, backward: bool, checkpoint: bool,
+                  logits_chunk: int) -> Tensor:
+    """Target logprobs [rows, T, K] (replicated); with backward, the graph waits for `train_backward`."""
+    leaves = None
+    lora = None
+    if backward:
+        lora, leaves = training_lora(sh.bank, adapters, row_adapter, sh.device, sh.dtype)  # type: ignore[arg-type]
+    elif row_slots is not None:
+        lora = sh.bank.batch(row_slots, sh.device)
+    with torch.set_grad_enabled(backward):
+        h = sh.model.hidden_states(tokens.to(sh.device), lora=lora, checkpoint=checkpoint)
+        lp = target_logprobs(sh.model, h, lora, targets.to(sh.device), logits_chunk)
+    sh.pass_state = (lp, leaves) if backward else None
+    return lp
+
+
+@op
+def train_backward(sh: Shard, grad: Tensor) -> None:
+    """Backpropagate rank 0's d(loss)/d(logprobs) through every rank's share; gradients stay pending."""
+    assert sh.pass_state is not None
+    lp, leaves = sh.pass_state
+    sh.pass_state = None
+    lp.backward(grad.to(lp.device))
+    accumulate(sh.pending, leaf_grads(leaves))
+
+
+@op
+def train_commit(sh: Shard, keep: bool) -> list[str]:
+    """End of a pass: add the pending gradients to the adapters (ids whose gradients are non-finite on
+    any rank are refused and returned), or drop them (`keep` False: the pass failed)."""
+    pending, sh.pending, sh.pass_state = sh.pending, {}, None
+    failed: list[str] = []
+    if not keep:
+        return failed
+    for aid in sorted(pending):
+        grads = pending[aid]
+        finite = all(bool(torch.isfinite(g).all()) for pair in grads.values() for g in pair)
+        if not sh.tp.all_true(finite):
+            failed.append(aid)
+            continue
+        accumulate(sh.record(aid).grads, grads)
+    return failed
+
+
+# --- sampling -------------------------------------------------------------------------------------
+@op
+def make_cache(sh: Shard, num_blocks: int, block_size: int) -> None:
+    cfg = tpmod.local_config(sh.model.config, sh.tp.world)
+    sh.cache = KVCache(cfg, num_blocks, block_size, sh.device, sh.dtype)
+
+
+def _lora(sh: Shard, slots: list[int]) -> Any:
+    return None if all(s < 0 for s in slots) else sh.bank.batch(slots, sh.device)
+
+
+@op
+def prefill(sh: Shard, tokens: Tensor, positions: Tensor, table: Tensor, slots: list[int], lengths: list[int],
+            scoring: list[tuple[int, int, tuple[int, ...], int]]) -> tuple[Tensor, dict[int, Any]]:
+    """The sampler's prefill forward: last-position logits per row, and prompt scores for `scoring`
+    entries (row, slot, prompt, top-k)."""
+    from mint_server.engine.sampler_ops import score_prompt
+
+    dev = sh.device
+    tokens, positions, table = tokens.to(dev), positions.to(dev), table.to(dev)
+    lora = _lora(sh, slots)
+    scores = {}
+    with torch.no_grad():
+        hidden = sh.model.hidden_states(tokens, positions, lora, CacheView(sh.cache, table, positions))
+        last = hidden[torch.arange(len(slots), device=dev), torch.tensor(lengths, device=dev) - 1]
+        logits = sh.model.logits(last[:, None], lora)[:, 0]
+        for i, slot, prompt, k in scoring:
+            one = _lora(sh, [slot])
+            scores[i] = score_prompt(lambda h, one=one: sh.model.logits(h, one), hidden[i, : lengths[i]], prompt, k)
+    return logits, scores
+
+
+@op
+def decode(sh: Shard, tokens: Tensor, positions: Tensor, table: Tensor, slots: list[int]) -> Tensor:
+    dev = sh.device
+    tokens, positions, table = tokens.to(dev), positions.to(dev), table.to(dev)
+    with torch.no_grad():
+        return sh.model(tokens, positions, _lora(sh, slots), CacheView(sh.cache, table, positions))[:, 0]
+
+
+@op
+def copy_blocks(sh: Shard, src: list[int], dst: list[int]) -> None:
+    sh.cache.copy_blocks(src, dst)  # type: ignore[union-attr]

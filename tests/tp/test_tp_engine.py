@@ -1,0 +1,106 @@
+"""A tensor-parallel LocalEngine (tp=2: this process is rank 0, one spawned gloo follower) against the
+same work on tp=1: training losses, optimizer steps, saved / exported / paged state and sampled
+tokens agree, and state moves between the two in the ordinary unsplit layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tinker import types
+
+from mint_server.engine.interface import NotSupportedError
+from mint_server.engine.local import LocalEngine
+from mint_server.engine.settings import EngineSettings
+from tests.engine.test_training import sft_datums
+from tests.tiny import make_tiny_checkpoint
+
+ADAM = types.AdamParams(learning_rate=1e-2, grad_clip_norm=0.5)  # clipping reads the global gradient norm
+TOL = 1e-5
+
+
+def engine(model_dir: Path, tmp_path: Path, tp: int, slots: int) -> LocalEngine:
+    s = EngineSettings(device_slots=slots, max_rank=8, kv_budget_tokens=2048, max_context=256, threads=1,
+                       store_dir=tmp_path / f"pages-tp{tp}", tp=tp)
+    return LocalEngine(model_dir, "tiny", device="cpu", dtype=torch.float32, settings=s)
+
+
+def clients(e: LocalEngine, seeds: tuple[int, ...], root: Path, steps: int = 3) -> list[dict]:
+    """One training client per seed, their calls interleaved: create → steps × (forward_backward,
+    optim_step), save after the first and resume from it before the last, export; then sample
+    greedy and seeded from each trained adapter."""
+    ids = {s: e.create_adapter(types.LoraConfig(rank=4, seed=s)).result() for s in seeds}
+    out = {s: {"losses": [], "norms": []} for s in seeds}
+    for step in range(steps):
+        for s, aid in ids.items():
+            data, d = sft_datums([6, 9], seed=100 + s), root / f"{s}"
+            if step == steps - 1:
+                e.load_state(aid, d / "state", True).result()
+            out[s]["losses"].append(e.submit(e.prepare_train(data, "cross_entropy", None).on(aid)).result()
+                                    .metrics["loss:sum"])
+            out[s]["norms"].append(e.submit(e.prepare_optim(ADAM).on(aid)).result().metrics["grad_norm:mean"])
+            if step == 0:
+                e.save_state(aid, d / "state", True).result()
+    prompt = [5, 9, 13, 40, 7]
+    for s, aid in ids.items():
+        e.export_peft(aid, root / f"{s}" / "peft").result()
+        e.save_state(aid, root / f"{s}" / "final", True).result()
+        greedy = e.submit(e.prepare_sample(aid, prompt, 2, types.SamplingParams(max_tokens=8, temperature=0.0)))
+        seeded = e.submit(e.prepare_sample(aid, prompt, 2, types.SamplingParams(max_tokens=8, temperature=1.0,
+                                                                                seed=7)))
+        out[s]["tokens"] = [list(q.tokens) for r in (greedy.result(), seeded.result()) for q in r.sequences]
+    return [out[s] for s in seeds]
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> None:
+    model_dir = make_tiny_checkpoint(tmp_path / "model", "qwen3", tie=False)
+    one = engine(model_dir, tmp_path, tp=1, slots=4)
+    try:
+        want = clients(one, (1, 2), tmp_path / "tp1")
+    finally:
+        one.shutdown()
+    # one device slot for two clients: every switch pages a client's split state out and back in
+    two = engine(model_dir, tmp_path, tp=2, slots=1)
+    try:
+        assert two.runner is not None and two.registry.bank.shapes["q_proj"][2] * 2 == \
+            two.registry.bank.full_shapes["q_proj"][2]  # rank 0 holds half of q_proj's LoRA B
+        got = clients(two, (1, 2), tmp_path / "tp2")
+        assert two.registry.stats.evictions["device"] >= 6  # the split state was paged out and back
+        # tp=1's saved state loads into the split engine (scattered), and trains on identically
+        aid = two.load_state(None, tmp_path / "tp1" / "1" / "final", True).result()
+        data = sft_datums([6, 9], seed=101)
+        loss_after = two.submit(two.prepare_train(data, "cross_entropy", None).on(aid)).result().metrics["loss:sum"]
+        with pytest.raises(NotSupportedError, match="tensor parallelism"):
+            two.create_adapter(types.LoraConfig(rank=4), optimizer="dimuon").result()
+    finally:
+        two.shutdown()
+    for w, g in zip(want, got, strict=True):
+        for a, b in zip(w["losses"] + w["norms"], g["losses"] + g["norms"], strict=True):
+            assert abs(a - b) <= TOL * max(1.0, abs(a)), (w, g)
+        assert g["tokens"] == w["tokens"]
+    for seed in (1, 2):
+        a, b = tmp_path / "tp1" / f"{seed}", tmp_path / "tp2" / f"{seed}"
+        # the same files, keys, shapes and dtypes (the unsplit PEFT / state layout), values within TOL
+        assert sorted(p.name for p in (a / "peft").iterdir()) == sorted(p.name for p in (b / "peft").iterdir())
+        assert (a / "peft" / "adapter_config.json").read_text() == (b / "peft" / "adapter_config.json").read_text()
+        assert close(load_file(a / "peft" / "adapter_model.safetensors"),
+                     load_file(b / "peft" / "adapter_model.safetensors")) <= TOL
+        for name in ("weights.safetensors", "optimizer.safetensors"):
+            assert close(load_file(a / "final" / name), load_file(b / "final" / name)) <= TOL
+    # tp=2's saved state loads into a tp=1 engine and gives tp=2's next loss
+    back = engine(model_dir, tmp_path / "back", tp=1, slots=2)
+    try:
+        aid = back.load_state(None, tmp_path / "tp2" / "1" / "final", True).result()
+        loss_back = back.submit(back.prepare_train(data, "cross_entropy", None).on(aid)).result().metrics["loss:sum"]
+    finally:
+        back.shutdown()
+    assert abs(loss_back - loss_after) <= TOL * max(1.0, abs(loss_back))
