@@ -65,6 +65,7 @@ def engine_settings(
     kv_budget_mb: float | None = None,
     threads: int | None = None,
     max_fused_tokens: int | None = None,
+    tp: int | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -75,7 +76,7 @@ def engine_settings(
         device_slots = device_slots if device_slots is not None else adapter_slots
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
-             "threads": threads, "max_fused_tokens": max_fused_tokens}
+             "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -177,6 +178,12 @@ def register(app: typer.Typer) -> None:
             None, "--threads",
             help="Intra-op threads of the engine's tensor math [default: the cores this process may run on].",
         ),
+        tp: int = typer.Option(
+            None, "--tp",
+            help=f"Tensor-parallel ranks of the engine's model [default: {_default('tp')}]: this process is rank 0 "
+            "and schedules, tp-1 spawned processes run their share (gloo on CPU, NCCL on CUDA: one GPU per "
+            "rank). See docs/scale-up.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -186,6 +193,7 @@ def register(app: typer.Typer) -> None:
         from mint_server.api.auth import check_key_form
         from mint_server.api.server import ConnectionLimits, uvicorn_config
         from mint_server.api.settings import Settings
+        from mint_server.engine.interface import NotSupportedError
         from mint_server.engine.local import LocalEngine
         from mint_server.model.config import ModelError
         from mint_server.model.prepare import resolve_base_model
@@ -204,7 +212,10 @@ def register(app: typer.Typer) -> None:
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
-                                     max_fused_tokens)
+                                     max_fused_tokens, tp)
+        if ray is not None and engine_cfg.tp > 1:
+            raise typer.BadParameter("--tp > 1 with --ray is not supported yet (tensor-parallel replicas)",
+                                     param_hint="--tp")
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:
@@ -217,6 +228,8 @@ def register(app: typer.Typer) -> None:
                 engine = fleet_engine(model_dir, name, engine_cfg, ray, replicas)
         except ModelError as e:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
+        except NotSupportedError as e:  # e.g. a model whose heads do not split over --tp ranks
+            raise typer.BadParameter(str(e), param_hint="--tp") from None
         settings = Settings(
             data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, max_body_bytes=max_body_mb * 1024 * 1024,
         )

@@ -117,3 +117,7 @@ def parity(tp: tpmod.TP, ckpt: str, modes: tuple[str, ...]) -> dict:
             "lora_effect": float((want["logits"][0] - ref(tokens[:1])[0]).abs().max()),
         }
     return results
+
+
+def parity_all(tp: tpmod.TP, ckpts: dict[str, str], modes: tuple[str, ...]) -> dict:
+    return {family: parity(tp, ckpt, modes) for family, ckpt in ckpts.items()}
