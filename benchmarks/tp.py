@@ -1,0 +1,124 @@
+"""Tensor-parallel engine step time on CPU: TP=1 vs TP=2 on the same cores (a script, not a test).
+
+A random Qwen3-style base (default hidden 768, 6 layers, 12 heads / 4 KV heads, intermediate
+2048, vocab 16384: big enough that matmuls, not Python, dominate a step) is built in a temp dir.
+Each variant is a real LocalEngine: TP=1 with --cores intra-op threads, TP=2 with --cores / 2
+threads on each of its two ranks (gloo on loopback), so both use the same cores. Measured, medians
+after a warm-up:
+  train: forward_backward + optim_step of one rank-16 adapter on ROWS × SEQ tokens;
+  decode: greedy sampling of ROWS sequences × NEW tokens after a short prompt (seconds per token step).
+On one machine TP only splits the work the same cores already shared, and adds a gloo all-reduce
+(through loopback TCP) after every attention and MLP block plus the rank-0 → followers broadcast of
+each op, so expect TP=2 to be *slower* here; what TP buys is memory per device (each rank holds
+half of the base, the bank and the KV cache) and, on several GPUs, their summed compute and
+bandwidth. The figures show what that overhead costs on this machine. Last stdout line: JSON.
+
+    python benchmarks/tp.py [--cores 2] [--steps 5] [--rows 4] [--seq 256] [--new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import load_average  # noqa: E402
+
+
+def build(dest: Path, hidden: int, layers: int, vocab: int) -> Path:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tests.tiny import save_tiny_tokenizer
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                      num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=4,
+                      head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    Qwen3ForCausalLM(cfg).save_pretrained(dest)
+    save_tiny_tokenizer(dest)
+    return dest
+
+
+def measure(model_dir: Path, tp: int, cores: int, args: argparse.Namespace) -> dict[str, float]:
+    import torch
+    from tinker import types
+
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.settings import EngineSettings
+
+    threads = max(1, cores // tp)
+    s = EngineSettings(device_slots=2, max_rank=16, kv_budget_tokens=8192, max_context=1024, threads=threads, tp=tp)
+    e = LocalEngine(model_dir, "bench", device="cpu", dtype=torch.float32, settings=s)
+    try:
+        aid = e.create_adapter(types.LoraConfig(rank=16, seed=0)).result()
+        g = torch.Generator().manual_seed(1)
+        data = []
+        for _ in range(args.rows):
+            seq = torch.randint(3, 300, (args.seq + 1,), generator=g).tolist()
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * args.seq}))
+        adam = types.AdamParams(learning_rate=1e-4)
+
+        def train() -> None:
+            e.submit(e.prepare_train(data, "cross_entropy", None).on(aid)).result()
+            e.submit(e.prepare_optim(adam).on(aid)).result()
+
+        def decode() -> None:
+            params = types.SamplingParams(max_tokens=args.new, temperature=0.0, stop=[])
+            e.submit(e.prepare_sample(aid, [5, 9, 13, 40, 7, 11, 12, 14], args.rows, params)).result()
+
+        out = {}
+        for name, fn in (("train_step_s", train), ("decode_s", decode)):
+            fn()  # warm-up
+            times = []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            out[name] = statistics.median(times)
+        out["decode_token_step_s"] = out.pop("decode_s") / args.new
+        return out
+    finally:
+        e.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rows", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=16384)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = build(Path(d) / "model", args.hidden, args.layers, args.vocab)
+        load_before = load_average()
+        results = {f"tp{tp}": measure(model_dir, tp, args.cores, args) for tp in (1, 2)}
+    one, two = results["tp1"], results["tp2"]
+    for tp, r in results.items():
+        print(f"{tp}: train step {r['train_step_s'] * 1e3:8.1f} ms   decode token step "
+              f"{r['decode_token_step_s'] * 1e3:7.2f} ms   ({args.rows} rows)")
+    summary = {
+        "cores": args.cores, "rows": args.rows, "seq": args.seq, "new_tokens": args.new,
+        "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
+        **{f"{tp}_{k}": v for tp, r in results.items() for k, v in r.items()},
+        "train_ratio_tp2_over_tp1": two["train_step_s"] / one["train_step_s"],
+        "decode_ratio_tp2_over_tp1": two["decode_token_step_s"] / one["decode_token_step_s"],
+        "load_average_before": load_before, "load_average_after": load_average(),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
