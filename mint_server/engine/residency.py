@@ -79,6 +79,9 @@ class Adapter:
     source: AdapterSource | None = None
     slot: int | None = None  # device tier when set
     host: Pairs | None = None  # host tier: the weights (fp32 masters when the bank is not fp32)
+    # tensor-parallel: `host`, `grads` and the moments off the device are this rank's share (each
+    # rank holds its own) rather than the full layout (fresh from the store or a client)
+    host_split: bool = False
     paged: Path | None = None  # store tier for adapters without a source: the page dir
     grads: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # accumulated since last step
     optim: AdamState = field(default_factory=AdamState)
@@ -249,6 +252,9 @@ class Residency:
             else:
                 self.bank.clear(a.slot)
             a.slot = None
+        elif a.host_split and self.runner is not None:
+            self.runner.call("forget", aid=a.id)
+        a.host_split = False
         self._set_host(a, None)
         if a.paged is not None:
             shutil.rmtree(a.paged, ignore_errors=True)
@@ -345,7 +351,10 @@ class Residency:
         """host → device: write the slot; a training adapter's state follows it to the device."""
         assert a.host is not None
         dev = self.device
-        if self.runner is not None:  # every rank takes its share of the full host copy
+        if self.runner is not None and a.host_split:  # every rank moves its own host share into the slot
+            self.runner.call("promote_split", aid=a.id, slot=slot, rank=a.rank, alpha=a.alpha, trainable=a.trainable)
+            a.host_split = False
+        elif self.runner is not None:  # every rank takes its share of the full host copy
             self.runner.call("promote", aid=a.id, slot=slot, weights=a.host, rank=a.rank, alpha=a.alpha,
                              trainable=a.trainable, grads=a.grads, moments=a.optim.moments, step=a.optim.step,
                              family=a.optim.family)
@@ -365,10 +374,10 @@ class Residency:
         """device → host: an exact copy of what the slot (or the fp32 masters) held."""
         assert a.slot is not None
         slot = a.slot
-        if self.runner is not None:  # gathered from every rank: the host tier holds the full layout
-            host, a.grads, moments = self.runner.call("demote", aid=a.id, slot=slot, rank=a.rank, targets=a.targets)
-            a.master = None
-            a.optim.moments = moments
+        if self.runner is not None:  # every rank keeps its share in its own host memory (tp_runner.demote)
+            self.runner.call("demote", aid=a.id, slot=slot, rank=a.rank, targets=a.targets)
+            a.host_split = True
+            host = a.host
             self._slots[slot] = None
             a.slot = None
             self.stats.evictions["device"] += 1
@@ -408,6 +417,12 @@ class Residency:
     def _to_store(self, a: Adapter) -> None:
         """host → store. A sourced read-only adapter just drops its copy; anything else is written to
         its page dir first (atomically), then dropped."""
+        if a.host_split and (a.source is None or a.trainable):
+            # pages hold the full layout: gather every rank's share (they drop theirs)
+            a.host, a.grads, a.optim.moments = self.runner.call("gather_host", aid=a.id)
+        elif a.host_split:  # re-read from its source when needed: every rank just drops its share
+            self.runner.call("forget", aid=a.id)
+        a.host_split = False
         if a.source is None or a.trainable:
             from mint_server.engine import state_io  # state_io imports this module
 
@@ -490,6 +505,8 @@ class Residency:
         elif a.slot is not None:
             pairs = {t: (self.bank.A[t][a.slot][..., : a.rank, :], self.bank.B[t][a.slot][..., : a.rank])
                      for t in a.targets}
+        elif a.host is not None and a.host_split:
+            pairs = self.runner.call("host_weights", aid=a.id)
         elif a.host is not None:
             pairs = a.host
         else:

@@ -56,6 +56,7 @@ class Record:
     grads: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     optim: AdamState = field(default_factory=AdamState)
     master: Pairs | None = None
+    host: Pairs | None = None  # this rank's share while the adapter is in the host tier
 
 
 @dataclass(frozen=True)
@@ -195,15 +196,51 @@ def promote(sh: Shard, aid: str, slot: int, weights: Pairs, rank: int, alpha: fl
 
 
 @op
-def demote(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...]) -> tuple[Pairs, Pairs, dict]:
-    """device → host: the full weights, gradients and moments, gathered (every rank gets them)."""
+def promote_split(sh: Shard, aid: str, slot: int, rank: int, alpha: float, trainable: bool) -> None:
+    """host → device for an adapter whose host copy is split: every rank moves its own share."""
     rec = sh.record(aid)
-    host = _cpu_full(_current(sh, aid, slot, rank, targets), sh)
+    local = _to(rec.host, sh.device)
+    sh.bank.write(slot, local, rank, alpha)
+    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
+                  if trainable and sh.dtype != torch.float32 else None)
+    rec.grads = _to(rec.grads, sh.device)
+    rec.optim.moments = _to(rec.optim.moments, sh.device)
+    rec.host = None
+
+
+@op
+def demote(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...]) -> None:
+    """device → host: every rank keeps its share (weights or fp32 masters, gradients, moments) in its
+    own host memory; nothing crosses ranks."""
+    rec = sh.record(aid)
+    rec.host = {t: (x.detach().float().cpu().clone(), y.detach().float().cpu().clone())
+                for t, (x, y) in _current(sh, aid, slot, rank, targets).items()}
+    rec.master = None
+    rec.grads = _to(rec.grads, torch.device("cpu"))
+    rec.optim.moments = _to(rec.optim.moments, torch.device("cpu"))
+
+
+@op
+def gather_host(sh: Shard, aid: str) -> tuple[Pairs, Pairs, dict]:
+    """host → store for a split host copy: the full weights, gradients and moments (every rank
+    drops its share)."""
+    rec = sh.record(aid)
+    host = _cpu_full(rec.host, sh)
     grads = _cpu_full(rec.grads, sh)
     moments = {t: tuple(m.cpu() for m in ms)
                for t, ms in tpmod.gather_moments(rec.optim.moments, rec.optim.family, sh.tp).items()}
     sh.forget(aid)
     return host, grads, moments
+
+
+@op
+def host_weights(sh: Shard, aid: str) -> Pairs:
+    return _cpu_full(sh.record(aid).host, sh)
+
+
+@op
+def forget(sh: Shard, aid: str) -> None:
+    sh.forget(aid)
 
 
 @op
