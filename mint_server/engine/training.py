@@ -356,6 +356,8 @@ def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targe
 
 
 def logprobs_block(model: Transformer, h: Tensor, targets: Tensor, lora: LoraBatch | None) -> Tensor:
+    if getattr(model, "tp", None) is not None:  # vocab-parallel: never gather the [rows, T, vocab] logits
+        return model.tp.target_logprobs(model.local_logits(h, lora), targets, model.vocab_start)
     return TargetLogprobs.apply(model.logits(h, lora), targets)
 
 

@@ -89,6 +89,12 @@ class TP:
         """Concatenate the ranks' slices along the last dim (vocab-parallel logits); backward: own slice."""
         return _Gather.apply(x, self.rank, self.world, self.group)
 
+    def target_logprobs(self, local_logits: Tensor, targets: Tensor, vocab_start: int) -> Tensor:
+        """log_softmax(logits)[targets] [rows, T, K] in float32 from each rank's vocabulary slice
+        (vocab-parallel cross-entropy): three all-reduces of [rows, T, ·] instead of gathering the
+        [rows, T, vocab] logits; backward stays local to the slice."""
+        return _VocabTargetLogprobs.apply(local_logits, targets, vocab_start, self.group)
+
     # --- plain (no autograd) helpers ------------------------------------------------------------
     def all_gather_dim(self, x: Tensor, dim: int) -> Tensor:
         parts = [torch.empty_like(x) for _ in range(self.world)]
@@ -142,6 +148,33 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return grad.chunk(ctx.world, dim=-1)[ctx.rank].contiguous(), None, None, None
+
+
+class _VocabTargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, targets: Tensor, vocab_start: int, group: Any) -> Tensor:
+        x = logits.float()
+        top = x.amax(-1, keepdim=True)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        total = (x - top).exp_().sum(-1, keepdim=True)
+        dist.all_reduce(total, group=group)
+        lse = top + total.log_()
+        local = targets - vocab_start
+        inside = (local >= 0) & (local < x.shape[-1])
+        local = local.clamp(0, x.shape[-1] - 1)
+        picked = x.gather(-1, local) * inside
+        dist.all_reduce(picked, group=group)
+        ctx.in_dtype = logits.dtype
+        ctx.save_for_backward(x, local, inside, lse)
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        x, local, inside, lse = ctx.saved_tensors
+        # as losses.TargetLogprobs, on this slice: scatter(g at targets it holds) − softmax·Σ g
+        p = x.sub_(lse).exp_().mul_(-grad.sum(-1, keepdim=True))
+        p.scatter_add_(-1, local, grad * inside)
+        return p.to(ctx.in_dtype), None, None, None
 
 
 def sync_replicated(tp: TP | None, target: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:

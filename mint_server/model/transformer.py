@@ -348,10 +348,14 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def logits(self, h: Tensor, lora: LoraBatch | None = None) -> Tensor:
-        tp = self.tp
-        if tp is None:
+        if self.tp is None:
             return project(self.lm_head, h, lora, "lm_head", 0)
-        return tp.gather(project(self.lm_head, tp.enter(h), lora, "lm_head", 0, tp))
+        return self.tp.gather(self.local_logits(h, lora))
+
+    def local_logits(self, h: Tensor, lora: LoraBatch | None = None) -> Tensor:
+        """Tensor-parallel: this rank's vocabulary slice of the logits (rows vocab_start…), not gathered."""
+        assert self.tp is not None
+        return project(self.lm_head, self.tp.enter(h), lora, "lm_head", 0, self.tp)
 
     def forward(
         self,

@@ -116,7 +116,24 @@ def parity(tp: tpmod.TP, ckpt: str, modes: tuple[str, ...]) -> dict:
             "greedy_equal": bool(torch.equal(got["greedy"], want["greedy"])),
             "lora_effect": float((want["logits"][0] - ref(tokens[:1])[0]).abs().max()),
         }
+    results["vocab_parallel_logprobs"] = _vocab_parallel(tp, ref, model, tokens)
     return results
+
+
+def _vocab_parallel(tp: tpmod.TP, ref, model, tokens: torch.Tensor) -> dict[str, float]:
+    """tp.target_logprobs on vocabulary slices vs losses.TargetLogprobs on the full logits: values and
+    the gradient reaching the hidden states."""
+    from mint_server.engine.losses import TargetLogprobs
+
+    targets = torch.randint(0, ref.config.vocab_size, (*tokens.shape, 2), generator=torch.Generator().manual_seed(3))
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(4))
+    h = ref.hidden_states(tokens).detach()
+    h_ref, h_tp = h.clone().requires_grad_(True), h.clone().requires_grad_(True)
+    want = TargetLogprobs.apply(ref.logits(h_ref), targets)
+    got = tp.target_logprobs(model.local_logits(h_tp), targets, model.vocab_start)
+    (want * weights).sum().backward()
+    (got * weights).sum().backward()
+    return {"values": float((got - want).abs().max()), "grad": float((h_tp.grad - h_ref.grad).abs().max())}
 
 
 def parity_all(tp: tpmod.TP, ckpts: dict[str, str], modes: tuple[str, ...]) -> dict:
