@@ -3,8 +3,9 @@
 A random Qwen3-style base (default hidden 768, 6 layers, 12 heads / 4 KV heads, intermediate
 2048, vocab 16384: big enough that matmuls, not Python, dominate a step) is built in a temp dir.
 Each variant is a real LocalEngine: TP=1 with --cores intra-op threads, TP=2 with --cores / 2
-threads on each of its two ranks (gloo on loopback), so both use the same cores. Measured, medians
-after a warm-up:
+threads on each of its two ranks (gloo on loopback), so both use the same cores. Both engines live
+side by side and their steps alternate, so both see the same load from other jobs. Measured,
+medians after a warm-up:
   train: forward_backward + optim_step of one rank-16 adapter on ROWS × SEQ tokens;
   decode: greedy sampling of ROWS sequences × NEW tokens after a short prompt (seconds per token step).
 On one machine TP only splits the work the same cores already shared, and adds a gloo all-reduce
@@ -47,47 +48,44 @@ def build(dest: Path, hidden: int, layers: int, vocab: int) -> Path:
     return dest
 
 
-def measure(model_dir: Path, tp: int, cores: int, args: argparse.Namespace) -> dict[str, float]:
-    import torch
-    from tinker import types
+class Variant:
+    """One LocalEngine (TP = tp on `cores` cores) with a trained-on adapter and its two timed actions."""
 
-    from mint_server.engine.local import LocalEngine
-    from mint_server.engine.settings import EngineSettings
+    def __init__(self, model_dir: Path, tp: int, cores: int, args: argparse.Namespace) -> None:
+        import torch
+        from tinker import types
 
-    threads = max(1, cores // tp)
-    s = EngineSettings(device_slots=2, max_rank=16, kv_budget_tokens=8192, max_context=1024, threads=threads, tp=tp)
-    e = LocalEngine(model_dir, "bench", device="cpu", dtype=torch.float32, settings=s)
-    try:
-        aid = e.create_adapter(types.LoraConfig(rank=16, seed=0)).result()
+        from mint_server.engine.local import LocalEngine
+        from mint_server.engine.settings import EngineSettings
+
+        s = EngineSettings(device_slots=2, max_rank=16, kv_budget_tokens=8192, max_context=1024,
+                           threads=max(1, cores // tp), tp=tp)
+        self.e = e = LocalEngine(model_dir, "bench", device="cpu", dtype=torch.float32, settings=s)
+        self.aid = e.create_adapter(types.LoraConfig(rank=16, seed=0)).result()
         g = torch.Generator().manual_seed(1)
-        data = []
+        self.data = []
         for _ in range(args.rows):
             seq = torch.randint(3, 300, (args.seq + 1,), generator=g).tolist()
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                                    loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * args.seq}))
-        adam = types.AdamParams(learning_rate=1e-4)
+            self.data.append(types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
+                                         loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * args.seq}))
+        self.adam = types.AdamParams(learning_rate=1e-4)
+        self.params = types.SamplingParams(max_tokens=args.new, temperature=0.0, stop=[])
+        self.rows = args.rows
+        self.times: dict[str, list[float]] = {"train_step_s": [], "decode_s": []}
 
-        def train() -> None:
-            e.submit(e.prepare_train(data, "cross_entropy", None).on(aid)).result()
-            e.submit(e.prepare_optim(adam).on(aid)).result()
+    def train(self) -> None:
+        e = self.e
+        e.submit(e.prepare_train(self.data, "cross_entropy", None).on(self.aid)).result()
+        e.submit(e.prepare_optim(self.adam).on(self.aid)).result()
 
-        def decode() -> None:
-            params = types.SamplingParams(max_tokens=args.new, temperature=0.0, stop=[])
-            e.submit(e.prepare_sample(aid, [5, 9, 13, 40, 7, 11, 12, 14], args.rows, params)).result()
+    def decode(self) -> None:
+        e = self.e
+        e.submit(e.prepare_sample(self.aid, [5, 9, 13, 40, 7, 11, 12, 14], self.rows, self.params)).result()
 
-        out = {}
-        for name, fn in (("train_step_s", train), ("decode_s", decode)):
-            fn()  # warm-up
-            times = []
-            for _ in range(args.steps):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            out[name] = statistics.median(times)
-        out["decode_token_step_s"] = out.pop("decode_s") / args.new
-        return out
-    finally:
-        e.shutdown()
+    def timed(self, name: str, fn: object) -> None:
+        t0 = time.perf_counter()
+        fn()  # type: ignore[operator]
+        self.times[name].append(time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -104,7 +102,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model_dir = build(Path(d) / "model", args.hidden, args.layers, args.vocab)
         load_before = load_average()
-        results = {f"tp{tp}": measure(model_dir, tp, args.cores, args) for tp in (1, 2)}
+        variants = {f"tp{tp}": Variant(model_dir, tp, args.cores, args) for tp in (1, 2)}
+        try:
+            for v in variants.values():  # warm-up
+                v.train()
+                v.decode()
+            for _ in range(args.steps):  # interleaved, so both see the same load from other jobs
+                for v in variants.values():
+                    v.timed("train_step_s", v.train)
+                for v in variants.values():
+                    v.timed("decode_s", v.decode)
+        finally:
+            for v in variants.values():
+                v.e.shutdown()
+        results = {name: {"train_step_s": statistics.median(v.times["train_step_s"]),
+                          "decode_token_step_s": statistics.median(v.times["decode_s"]) / args.new}
+                   for name, v in variants.items()}
     one, two = results["tp1"], results["tp2"]
     for tp, r in results.items():
         print(f"{tp}: train step {r['train_step_s'] * 1e3:8.1f} ms   decode token step "

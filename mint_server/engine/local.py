@@ -90,9 +90,14 @@ class LocalEngine(JobParsing):
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
         tp, followers = self._start_tp() if s.tp > 1 else (None, [])
-        self.model = load_model(self.model_dir, self.device, self.dtype)
-        if tp is not None:  # this process is rank 0: it keeps its share and schedules for every rank
-            self.model = shard_model(self.model, tp)
+        try:
+            self.model = load_model(self.model_dir, self.device, self.dtype)
+            if tp is not None:  # this process is rank 0: it keeps its share and schedules for every rank
+                self.model = shard_model(self.model, tp)
+        except BaseException:
+            for p in followers:  # they would wait for rank 0's ops forever
+                p.kill()
+            raise
         cfg = self.model.config
         self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
                                       model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))

@@ -53,6 +53,11 @@ def clients(e: LocalEngine, seeds: tuple[int, ...], root: Path, steps: int = 3) 
         seeded = e.submit(e.prepare_sample(aid, prompt, 2, types.SamplingParams(max_tokens=8, temperature=1.0,
                                                                                 seed=7)))
         out[s]["tokens"] = [list(q.tokens) for r in (greedy.result(), seeded.result()) for q in r.sequences]
+        out[s]["scores"] = e.submit(e.prepare_score(aid, prompt + out[s]["tokens"][0])).result()
+    # an interpolation (its source gathered, the result installed split) samples alike too
+    mixed = e.interpolate([ids[seeds[0]]], [0.5]).result()  # (one source: the tp=2 engine has one slot)
+    params = types.SamplingParams(max_tokens=8, temperature=0.0)
+    out[seeds[0]]["mixed"] = list(e.submit(e.prepare_sample(mixed, prompt, 1, params)).result().sequences[0].tokens)
     return [out[s] for s in seeds]
 
 
@@ -90,7 +95,9 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w["losses"] + w["norms"], g["losses"] + g["norms"], strict=True):
             assert abs(a - b) <= TOL * max(1.0, abs(a)), (w, g)
-        assert g["tokens"] == w["tokens"]
+        assert g["tokens"] == w["tokens"] and g.get("mixed") == w.get("mixed")
+        assert g["scores"][0] is None and w["scores"][0] is None
+        assert max(abs(a - b) for a, b in zip(g["scores"][1:], w["scores"][1:], strict=True)) <= TOL
     for seed in SEEDS:
         a, b = tmp_path / "tp1" / f"{seed}", tmp_path / "tp2" / f"{seed}"
         # the same files, keys, shapes and dtypes (the unsplit PEFT / state layout), values within TOL
