@@ -178,10 +178,8 @@ class LocalEngine(JobParsing):
                                       on_device=False))
         if isinstance(job, OptimJob):
             return self._op(lambda _a: self.state.optim_step(job), job.adapter_id)
-        if isinstance(job, CustomJob | ReverseKLJob):
-            refused = self._not_with_tp("forward_backward_custom" if isinstance(job, CustomJob) else "reverse KL")
-            if refused is not None:
-                return refused
+        if isinstance(job, ReverseKLJob) and (refused := self._not_with_tp("reverse KL")) is not None:
+            return refused
         if isinstance(job, CustomJob):
             return self._op(lambda _a: self.trainer.forward_backward_custom(job), job.adapter_id)
         if isinstance(job, ReverseKLJob):

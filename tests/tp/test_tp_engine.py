@@ -10,7 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tinker import types
+from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
+from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import NotSupportedError
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
@@ -19,6 +21,14 @@ from tests.tiny import make_tiny_checkpoint
 
 ADAM = types.AdamParams(learning_rate=1e-2, grad_clip_norm=0.5)  # clipping reads the global gradient norm
 TOL = 1e-5
+
+
+def _custom_loss(logprobs: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    return -(logprobs * 0.5).sum() + torch.nn.functional.softplus(logprobs).mean(), {}
+
+
+_traced = trace_loss(_custom_loss, {"logprobs": 1}, "tp-custom")
+CUSTOM = compile_loss(_traced.name, [(i.name, i.rank) for i in _traced.inputs], encode_graph(_traced).nodes)
 SEEDS = (1, 2, 3)
 
 
@@ -45,6 +55,11 @@ def clients(e: LocalEngine, seeds: tuple[int, ...], root: Path, steps: int = 3) 
             out[s]["norms"].append(e.submit(e.prepare_optim(ADAM).on(aid)).result().metrics["grad_norm:mean"])
             if step == 0:
                 e.save_state(aid, d / "state", True).result()
+    # a server-side custom loss (two passes through the split trainer, the loss itself on rank 0)
+    first = ids[seeds[0]]
+    custom = e.submit(e.prepare_custom(sft_datums([7], seed=9), CUSTOM).on(first)).result()
+    out[seeds[0]]["losses"].append(custom.metrics["loss:sum"])
+    out[seeds[0]]["norms"].append(e.submit(e.prepare_optim(ADAM).on(first)).result().metrics["grad_norm:mean"])
     prompt = [5, 9, 13, 40, 7]
     for s, aid in ids.items():
         e.export_peft(aid, root / f"{s}" / "peft").result()
