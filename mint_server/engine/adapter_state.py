@@ -13,7 +13,7 @@ import torch
 from tinker import types
 
 from mint_server.engine import state_io
-from mint_server.engine.interface import EngineError, NotSupportedError
+from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import OptimJob
 from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step
 from mint_server.engine.residency import AdamState, Adapter, Residency
@@ -56,9 +56,6 @@ class AdapterState:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
         runner = self.registry.runner
         if runner is not None:  # every rank steps its share (global gradient norm)
-            if family != "adamw":
-                raise NotSupportedError(f"optim_params: the {family!r} optimizer is not supported with tensor "
-                                        "parallelism (tp > 1) yet; use AdamParams")
             return types.OptimStepResponse(metrics=runner.call(
                 "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
         weights = self._params(a)

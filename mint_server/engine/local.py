@@ -193,9 +193,6 @@ class LocalEngine(JobParsing):
     # --- adapter ops ----------------------------------------------------------------------------
     def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         """A trainable adapter whose optimizer family ("adamw" or "dimuon") is fixed for its life."""
-        if optimizer != "adamw" and (refused := self._not_with_tp(f"the {optimizer!r} optimizer")) is not None:
-            return refused
-
         def create(_a: list[Adapter | None]) -> str:
             a = self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
             a.optim = AdamState(family=check_family(optimizer))

@@ -27,13 +27,16 @@ so every matrix moves by lr·√r in Frobenius norm whatever its gradient's scal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from tinker import types
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, NotSupportedError
 from mint_server.engine.residency import AdamState
+from mint_server.model.tp import split_dim as tp_split_dim
 
 FAMILIES = ("adamw", "dimuon")
 NS_STEPS = 5  # Newton–Schulz iterations of the matrix sign
@@ -105,36 +108,61 @@ def check_dimuon_params(p: types.DimuonParams) -> None:
             raise EngineError(f"dimuon_params.{name}: {value!r} is out of range")
 
 
-def matrix_sign(m: Tensor) -> Tensor:
-    """Approximately U·Vᵀ for m = U·S·Vᵀ, batched over leading dims; float32."""
+def matrix_sign(m: Tensor, wide: bool | None = None, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Approximately U·Vᵀ for m = U·S·Vᵀ, batched over leading dims; float32.
+
+    Tensor-parallel (a split LoRA factor): m is this rank's slice along the matrix's long dim,
+    `wide` is the whole matrix's orientation and `reduce` sums a tensor over the ranks — the Gram
+    matrix and the norm contract the split dim, everything else is local to the slice.
+    """
     x = m.float()
-    wide = x.shape[-2] <= x.shape[-1]
+    wide = x.shape[-2] <= x.shape[-1] if wide is None else wide
+    total = reduce or (lambda t: t)
     if not wide:
         x = x.mT
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)
+    x = x / (_fro(x, reduce) + NS_EPS)
     a, b, c = _NS_COEFFS
     for _ in range(NS_STEPS):
-        gram = x @ x.mT
+        gram = total(x @ x.mT)
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x if wide else x.mT
 
 
+def _fro(x: Tensor, reduce: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """Frobenius norm over the last two dims (keepdim); of the whole matrix when x is a slice."""
+    if reduce is None:
+        return torch.linalg.matrix_norm(x, keepdim=True)
+    return reduce(x.pow(2).sum((-2, -1), keepdim=True)).sqrt()
+
+
 @torch.no_grad()
-def dimuon_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.DimuonParams) -> dict[str, float]:
-    """Update float32 `params` in place from `grads` with Dimuon; advances `state` (family dimuon)."""
-    norm = grad_norm(grads)
+def dimuon_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.DimuonParams,
+                norm: float | None = None, tp: Any = None) -> dict[str, float]:
+    """Update float32 `params` in place from `grads` with Dimuon; advances `state` (family dimuon).
+
+    tp: `params` / `grads` are this tensor-parallel rank's share (model/tp.py's split); `norm` is then
+    the global gradient norm.
+    """
+    norm = grad_norm(grads) if norm is None else norm
     clip = min(hp.grad_clip_norm / (norm + 1e-6), 1.0) if hp.grad_clip_norm > 0 else 1.0
     state.step += 1
     for t, (gA, gB) in grads.items():
         pA, pB = params[t]
         if t not in state.moments:
             state.moments[t] = (torch.zeros_like(pA, dtype=torch.float32), torch.zeros_like(pB, dtype=torch.float32))
-        for p, g, mu in ((pA, gA, state.moments[t][0]), (pB, gB, state.moments[t][1])):
+        for factor, p, g, mu in (("A", pA, gA, state.moments[t][0]), ("B", pB, gB, state.moments[t][1])):
             g = g.float() * clip if clip != 1.0 else g.float()
             mu.lerp_(g, 1 - hp.beta1)
-            d = matrix_sign(mu)
-            rank = min(p.shape[-2], p.shape[-1])
-            fro = torch.linalg.matrix_norm(d, keepdim=True)
+            shape, reduce = list(p.shape), None
+            if tp is not None and (dim := tp_split_dim(t, factor)) is not None:
+                shape[dim] *= tp.world
+                reduce = tp.all_reduce_sum
+                if shape[dim] < min(shape[-2:]):
+                    raise NotSupportedError(f"dimuon with tensor parallelism: {t}'s LoRA {factor} is split along "
+                                            "its short side (rank above the layer's width)")
+            d = matrix_sign(mu, wide=shape[-2] <= shape[-1], reduce=reduce)
+            rank = min(shape[-2], shape[-1])
+            fro = _fro(d, reduce)
             d = torch.where(fro > 0, d * (math.sqrt(rank) / fro.clamp_min(NS_EPS)), torch.zeros_like(d))
             p.sub_(d, alpha=hp.learning_rate)
     return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}

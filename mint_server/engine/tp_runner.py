@@ -29,10 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tinker import types
 from torch import Tensor
 
 from mint_server.engine.interface import EngineError
-from mint_server.engine.optim import Pairs, adamw_step
+from mint_server.engine.optim import Pairs, adamw_step, dimuon_step
 from mint_server.engine.residency import AdamState
 from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.model import tp as tpmod
@@ -282,7 +283,7 @@ def gather_optim(sh: Shard, aid: str) -> AdamState:
 # --- optimizer --------------------------------------------------------------------------------------
 @op
 def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ...], params: Any) -> dict[str, float]:
-    """AdamW on every rank's share with the global gradient norm; all or nothing across ranks."""
+    """AdamW or Dimuon on every rank's share with the global gradient norm; all or nothing across ranks."""
     rec = sh.record(aid)
     views = _views(sh, slot, rank, targets)
     if sh.dtype == torch.float32:
@@ -294,7 +295,11 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
     before = ({t: (x.clone(), y.clone()) for t, (x, y) in params_.items()},
               {t: tuple(m.clone() for m in ms) for t, ms in rec.optim.moments.items()}, rec.optim.step)
     norm = tpmod.grad_norm(rec.grads, sh.tp)
-    metrics = adamw_step(params_, rec.grads, rec.optim, params, norm=norm)
+    if isinstance(params, types.DimuonParams):  # rank 0 fixed the family when the adapter was created
+        rec.optim.family = "dimuon"
+        metrics = dimuon_step(params_, rec.grads, rec.optim, params, norm=norm, tp=sh.tp)
+    else:
+        metrics = adamw_step(params_, rec.grads, rec.optim, params, norm=norm)
     finite = all(bool(torch.isfinite(x).all()) for pair in params_.values() for x in pair)
     if not sh.tp.all_true(finite):
         with torch.no_grad():

@@ -101,6 +101,11 @@ class TP:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_reduce_sum(self, x: Tensor) -> Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
     def sum(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, group=self.group)
@@ -305,7 +310,7 @@ def embed(model: nn.Module, tokens: Tensor) -> Tensor:
 
 
 # --- splitting and gathering adapter state --------------------------------------------------------
-def _split_dim(target: str, factor: str) -> int | None:
+def split_dim(target: str, factor: str) -> int | None:
     """The dim of a [layers, (E,) r, in] / [layers, (E,) out, r] factor that is split; None: replicated."""
     if target in ROW_TARGETS:
         return -1 if factor == "A" else None
@@ -315,14 +320,14 @@ def _split_dim(target: str, factor: str) -> int | None:
 
 
 def shard_tensor(x: Tensor, target: str, factor: str, tp: TP) -> Tensor:
-    dim = _split_dim(target, factor)
+    dim = split_dim(target, factor)
     if dim is None or tp.world == 1:
         return x.clone()
     return _slice(x, dim % x.dim(), tp)
 
 
 def gather_tensor(x: Tensor, target: str, factor: str, tp: TP) -> Tensor:
-    dim = _split_dim(target, factor)
+    dim = split_dim(target, factor)
     if dim is None or tp.world == 1:
         return x.clone()
     return tp.all_gather_dim(x, dim % x.dim())
@@ -357,7 +362,7 @@ def grad_norm(grads: Mapping[str, tuple[Tensor, Tensor]], tp: TP) -> float:
     for t, pair in sorted(grads.items()):
         for factor, g in zip("AB", pair, strict=True):
             sq = float(g.float().pow(2).sum(dtype=torch.float64))
-            if _split_dim(t, factor) is None:
+            if split_dim(t, factor) is None:
                 replicated += sq
             else:
                 split += sq

@@ -14,6 +14,7 @@ from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import NotSupportedError
+from mint_server.engine.jobs import ReverseKLJob
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
 from tests.engine.test_training import sft_datums
@@ -76,6 +77,18 @@ def clients(e: LocalEngine, seeds: tuple[int, ...], root: Path, steps: int = 3) 
     return [out[s] for s in seeds]
 
 
+def dimuon_client(e: LocalEngine) -> list[float]:
+    """A Dimuon-trained adapter (its matrix sign over split factors): losses and gradient norms."""
+    aid = e.create_adapter(types.LoraConfig(rank=4, seed=5), optimizer="dimuon").result()
+    data = sft_datums([8], seed=55)
+    out = []
+    for _ in range(3):
+        out.append(e.submit(e.prepare_train(data, "cross_entropy", None).on(aid)).result().metrics["loss:sum"])
+        params = types.DimuonParams(learning_rate=1e-2)
+        out.append(e.submit(e.prepare_optim(params).on(aid)).result().metrics["grad_norm:mean"])
+    return out
+
+
 def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     for k in a:
@@ -88,6 +101,7 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
     one = engine(model_dir, tmp_path, tp=1, slots=4)
     try:
         want = clients(one, SEEDS, tmp_path / "tp1")
+        dimuon_one = dimuon_client(one)
     finally:
         one.shutdown()
     # one device slot and host room for about one more for three clients: every switch pages a
@@ -103,10 +117,13 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
         aid = two.load_state(None, tmp_path / "tp1" / "1" / "final", True).result()
         data = sft_datums([6, 9], seed=101)
         loss_after = two.submit(two.prepare_train(data, "cross_entropy", None).on(aid)).result().metrics["loss:sum"]
+        dimuon_two = dimuon_client(two)
         with pytest.raises(NotSupportedError, match="tensor parallelism"):
-            two.create_adapter(types.LoraConfig(rank=4), optimizer="dimuon").result()
+            two.submit(ReverseKLJob((), 1.0, None, aid)).result()
     finally:
         two.shutdown()
+    for a, b in zip(dimuon_one, dimuon_two, strict=True):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), (dimuon_one, dimuon_two)
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w["losses"] + w["norms"], g["losses"] + g["norms"], strict=True):
             assert abs(a - b) <= TOL * max(1.0, abs(a)), (w, g)
