@@ -50,7 +50,7 @@ from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
 from mint_server.model.loader import default_device, default_dtype, load_model
-from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config, shard_model
+from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config
 from mint_server.model.transformer import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
@@ -91,9 +91,8 @@ class LocalEngine(JobParsing):
         self.dtype = dtype or default_dtype(self.device)
         tp, followers = self._start_tp() if s.tp > 1 else (None, [])
         try:
-            self.model = load_model(self.model_dir, self.device, self.dtype)
-            if tp is not None:  # this process is rank 0: it keeps its share and schedules for every rank
-                self.model = shard_model(self.model, tp)
+            # tp: this process is rank 0; it loads only its share and schedules for every rank
+            self.model = load_model(self.model_dir, self.device, self.dtype, tp=tp)
         except BaseException:
             for p in followers:  # they would wait for rank 0's ops forever
                 p.kill()

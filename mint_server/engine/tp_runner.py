@@ -143,7 +143,7 @@ def follower_main(rank: int, world: int, port: int, model_dir: str, settings: An
     if dev.type == "cuda":
         dev = torch.device("cuda", rank % torch.cuda.device_count())
     tp = tpmod.init(rank, world, port, backend="nccl" if dev.type == "cuda" else "gloo")
-    model = tpmod.shard_model(load_model(Path(model_dir), dev, dtype), tp)
+    model = load_model(Path(model_dir), dev, dtype, tp=tp)  # reads only this rank's slices
     cfg = model.config
     bank = LoraBank(cfg, settings.device_slots, settings.max_rank, dev, dtype,
                     shapes=tpmod.local_target_shapes(cfg, world))

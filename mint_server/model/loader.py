@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
+from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
 from mint_server.model.transformer import Transformer, rope_inv_freq
 
 # HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
@@ -59,8 +60,10 @@ def our_name(hf_name: str) -> str | None:
 
 
 def load_model(
-    model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+    tp: TP | None = None,
 ) -> Transformer:
+    """tp: build this tensor-parallel rank's share only, reading just its slices of the split weights."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_hf_dir(model_dir)
     device = torch.device(device) if device is not None else default_device()
@@ -68,6 +71,16 @@ def load_model(
     files = weight_files(model_dir)
     with torch.device("meta"):
         model = model_class(cfg)(cfg)
+        if tp is not None:
+            shard_model(model, tp)  # parameters take their per-rank shapes (still meta)
+
+    def read(sf: object, name: str, ours: str) -> torch.Tensor:
+        dim = checkpoint_split_dim(ours) if tp is not None and tp.world > 1 else None
+        if dim is None:
+            return sf.get_tensor(name)  # type: ignore[attr-defined]
+        part = sf.get_slice(name)  # type: ignore[attr-defined]
+        return part[shard_of(part.get_shape(), dim, tp)]  # type: ignore[arg-type]
+
     expected = set(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -81,11 +94,14 @@ def load_model(
                     continue
                 if ours in expected:
                     keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
-                    state[ours] = sf.get_tensor(name).to(device=device, dtype=keep)
+                    state[ours] = read(sf, name, ours).to(device=device, dtype=keep)
                 elif m := _PER_EXPERT.match(ours):
-                    per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = sf.get_tensor(name)
+                    per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = read(sf, name, ours)
                 elif m := _FUSED_GATE_UP.match(ours):
                     gate, up = sf.get_tensor(name).to(device=device, dtype=dtype).chunk(2, dim=1)
+                    if tp is not None and tp.world > 1:  # gate and up are each split along their rows
+                        gate = gate[shard_of(gate.shape, 1, tp)].contiguous()
+                        up = up[shard_of(up.shape, 1, tp)].contiguous()
                     state[f"{m.group(1)}.gate_proj"], state[f"{m.group(1)}.up_proj"] = gate, up
     for ours, experts in per_expert.items():
         if ours in expected and ours not in state:

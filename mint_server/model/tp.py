@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -261,7 +262,9 @@ def _split_linear(linear: nn.Linear, dim: int, tp: TP) -> None:
 
 
 def shard_model(model: nn.Module, tp: TP) -> nn.Module:
-    """Split a loaded (full) model in place to this rank's share; its forward then runs the collectives."""
+    """Split a loaded (full) model in place to this rank's share; its forward then runs the collectives.
+    On a model built on the meta device (loader.load_model(tp=…)) this only shapes the parameters, and
+    the loader fills them with the slices it read."""
     from mint_server.model.moe import SparseMoE
 
     cfg: ModelConfig = model.config  # type: ignore[assignment]
@@ -297,6 +300,35 @@ def shard_model(model: nn.Module, tp: TP) -> nn.Module:
             _split_linear(mlp.up_proj, 0, tp)
             _split_linear(mlp.down_proj, 1, tp)
     return model
+
+
+_COLUMN_WEIGHT = re.compile(r"\.(self_attn\.[qkv]_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight|"
+                            r"mlp\.experts\.\d+\.(gate|up)_proj\.weight)$")
+_ROW_WEIGHT = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.experts\.\d+\.down_proj)\.weight$")
+_STACKED = {"mlp.experts.gate_proj": 1, "mlp.experts.up_proj": 1, "mlp.experts.down_proj": 2}
+
+
+def checkpoint_split_dim(name: str) -> int | None:
+    """The dim of a checkpoint tensor (our name, see loader.our_name) that tensor parallelism splits;
+    None: every rank reads all of it. Lets each rank read only its slice from the safetensors files."""
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return 0
+    if _COLUMN_WEIGHT.search(name):
+        return 0
+    if _ROW_WEIGHT.search(name):
+        return 1
+    for suffix, dim in _STACKED.items():
+        if name.endswith(suffix):
+            return dim
+    return None
+
+
+def shard_of(shape: tuple[int, ...] | list[int], dim: int, tp: TP) -> tuple[slice, ...]:
+    """The index of this rank's slice of a tensor split along `dim`."""
+    n = shape[dim] // tp.world
+    index = [slice(None)] * len(shape)
+    index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+    return tuple(index)
 
 
 def embed(model: nn.Module, tokens: Tensor) -> Tensor:

@@ -13,8 +13,11 @@ from tests.tp.workers import parity_all
 def test_tp2_matches_tp1_logits_loss_grads_greedy(tmp_path: Path) -> None:
     ckpts = {"qwen3": str(make_tiny_checkpoint(tmp_path / "qwen3", "qwen3", tie=True)),
              "qwen3_moe": str(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", tie=False))}
-    results = run_ranks(parity_all, ckpts, ("fast", "reference"))
+    fused = make_tiny_checkpoint(tmp_path / "moe-fused", "qwen3_moe", tie=True, fused_experts=True)
+    results = run_ranks(parity_all, ckpts, ("fast", "reference"), str(fused))
+    assert results.pop("fused_sliced_load_equal")
     for family, by_mode in results.items():
+        assert by_mode.pop("sliced_load_equal"), family
         vocab = by_mode.pop("vocab_parallel_logprobs")
         assert vocab["values"] <= 1e-5 and vocab["grad"] <= 1e-5, (family, vocab)
         for mode, r in by_mode.items():

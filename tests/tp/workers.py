@@ -117,6 +117,11 @@ def parity(tp: tpmod.TP, ckpt: str, modes: tuple[str, ...]) -> dict:
             "lora_effect": float((want["logits"][0] - ref(tokens[:1])[0]).abs().max()),
         }
     results["vocab_parallel_logprobs"] = _vocab_parallel(tp, ref, model, tokens)
+    # reading only this rank's slices from the checkpoint gives the same share as slicing the full model
+    sliced = load_model(Path(ckpt), "cpu", torch.float32, tp=tp).state_dict()
+    full = model.state_dict()
+    results["sliced_load_equal"] = sorted(sliced) == sorted(full) and all(
+        torch.equal(sliced[k], full[k]) for k in full)
     return results
 
 
@@ -136,5 +141,10 @@ def _vocab_parallel(tp: tpmod.TP, ref, model, tokens: torch.Tensor) -> dict[str,
     return {"values": float((got - want).abs().max()), "grad": float((h_tp.grad - h_ref.grad).abs().max())}
 
 
-def parity_all(tp: tpmod.TP, ckpts: dict[str, str], modes: tuple[str, ...]) -> dict:
-    return {family: parity(tp, ckpt, modes) for family, ckpt in ckpts.items()}
+def parity_all(tp: tpmod.TP, ckpts: dict[str, str], modes: tuple[str, ...], fused: str) -> dict:
+    out = {family: parity(tp, ckpt, modes) for family, ckpt in ckpts.items()}
+    # transformers' fused expert layout (gate_up_proj): sliced on read too
+    sliced = load_model(Path(fused), "cpu", torch.float32, tp=tp).state_dict()
+    full = tpmod.shard_model(load_model(Path(fused), "cpu", torch.float32), tp).state_dict()
+    out["fused_sliced_load_equal"] = all(torch.equal(sliced[k], full[k]) for k in full)
+    return out
