@@ -141,14 +141,6 @@ class LocalEngine(JobParsing):
             self.device = torch.device("cuda", 0)
         return start_followers(self.settings.tp, self.model_dir, self.settings, self.device, self.dtype)
 
-    def _not_with_tp(self, what: str) -> Future | None:
-        """A failed future for features the tensor-parallel runner does not run yet; None when tp == 1."""
-        if self.runner is None:
-            return None
-        future: Future = Future()
-        future.set_exception(NotSupportedError(f"{what} is not supported with tensor parallelism (tp > 1) yet"))
-        return future
-
     # --- limits (read by the service) -----------------------------------------------------------
     @property
     def vocab_size(self) -> int:
@@ -177,8 +169,6 @@ class LocalEngine(JobParsing):
                                       on_device=False))
         if isinstance(job, OptimJob):
             return self._op(lambda _a: self.state.optim_step(job), job.adapter_id)
-        if isinstance(job, ReverseKLJob) and (refused := self._not_with_tp("reverse KL")) is not None:
-            return refused
         if isinstance(job, CustomJob):
             return self._op(lambda _a: self.trainer.forward_backward_custom(job), job.adapter_id)
         if isinstance(job, ReverseKLJob):

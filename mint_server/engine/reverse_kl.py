@@ -4,6 +4,8 @@ reference's whole next-token distribution at each position, through the trainer'
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from tinker import types
@@ -12,7 +14,16 @@ from mint_server.engine.jobs import ReverseKLJob
 from mint_server.engine.losses import KLRow
 from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter
-from mint_server.engine.training import OUTPUT_TYPE, Output, Row, Trainer, accumulate, leaf_grads
+from mint_server.engine.training import (
+    OUTPUT_TYPE,
+    Output,
+    Row,
+    Trainer,
+    accumulate,
+    leaf_grads,
+    training_lora,
+)
+from mint_server.model.lora import LoraBank
 
 
 class ReverseKL:
@@ -35,47 +46,73 @@ class ReverseKL:
         out: dict[int, np.ndarray] = {}
         pending: dict[str, Pairs] = {}
         total = 0.0
-        for mb in plan:
-            batch = [rows[r.datum] for r in mb]
-            el, grads = self._kl_micro_batch(batch, student, reference, temperature)
-            accumulate(pending, grads)
-            for r, row, e in zip(mb, batch, el, strict=True):
-                out[r.datum] = e[: len(row.student)].copy()
-                total += float(out[r.datum].sum(dtype=np.float64))
-        failed = self.trainer.commit(pending, {student.id: student})
-        if failed:
-            raise failed[student.id]
+        runner = self.trainer.registry.runner
+        try:
+            for mb in plan:
+                batch = [rows[r.datum] for r in mb]
+                if runner is not None:  # every rank runs the pass on its share; gradients stay pending there
+                    el = runner.call("reverse_kl_pass", rows=batch, student=self.trainer.lora_ref(student),
+                                     reference_slot=None if reference is None else reference.slot,
+                                     temperature=temperature, checkpoint=self.trainer.recompute(
+                                         max(len(r.student) for r in batch)))
+                else:
+                    el, grads = self._kl_micro_batch(batch, student, reference, temperature)
+                    accumulate(pending, grads)
+                for r, row, e in zip(mb, batch, el, strict=True):
+                    out[r.datum] = e[: len(row.student)].copy()
+                    total += float(out[r.datum].sum(dtype=np.float64))
+        except BaseException:
+            if runner is not None:
+                runner.call("train_commit", keep=False)
+            raise
+        if runner is not None:
+            if runner.call("train_commit", keep=True):
+                raise self.trainer._non_finite(student.id)
+        else:
+            failed = self.trainer.commit(pending, {student.id: student})
+            if failed:
+                raise failed[student.id]
         return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
                       loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
 
     def _kl_micro_batch(
         self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
     ) -> tuple[np.ndarray, dict[str, Pairs]]:
-        R = len(rows)
-        Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
-        s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
-        align = np.zeros((R, Ts), dtype=np.int64)  # reference position of each student position
-        valid, w = np.zeros((R, Ts), dtype=np.float32), np.zeros((R, Ts), dtype=np.float32)
-        for i, r in enumerate(rows):
-            n, m = len(r.student), len(r.reference)
-            s_tok[i, :n], r_tok[i, :m] = r.student, r.reference
-            pos = np.arange(Ts) + (m - n)
-            align[i] = np.clip(pos, 0, m - 1)
-            valid[i, :n] = pos[:n] >= 0
-            w[i, :n] = r.weights
-        dev = self.trainer.device
-        with torch.no_grad():
-            lora_r = self.trainer.registry.bank.batch([reference.slot] * R) if reference is not None else None
-            hr = self.trainer.model.hidden_states(torch.from_numpy(r_tok).to(dev), lora=lora_r)
-            idx = torch.from_numpy(align).to(dev)[..., None].expand(-1, -1, hr.shape[-1])
-            ref_lp = torch.log_softmax(self.trainer.model.logits(hr.gather(1, idx), lora_r).float() / temperature, -1)
-            del hr
-        lora_s, leaves = self.trainer.training_lora([student], [0] * R)
-        with torch.enable_grad():
-            hs = self.trainer.model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s,
-                                          checkpoint=self.trainer.recompute(Ts))
-            s_lp = torch.log_softmax(self.trainer.model.logits(hs, lora_s).float() / temperature, -1)
-            kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
-            el = kl * torch.from_numpy(w * valid).to(dev)
-            el.sum().backward()
-        return el.detach().float().cpu().numpy(), leaf_grads(leaves)
+        tr = self.trainer
+        checkpoint = tr.recompute(max(len(r.student) for r in rows))
+        ref_slot = reference.slot if reference is not None else None
+        el, leaves = kl_micro_batch(tr.model, tr.registry.bank, rows, student, ref_slot, temperature, tr.device,
+                                    tr.registry.dtype, checkpoint)
+        return el, leaf_grads(leaves)
+
+
+def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, reference_slot: int | None,
+                   temperature: float, dev: torch.device, dtype: torch.dtype, checkpoint: bool) -> tuple[np.ndarray, Any]:
+    """One reverse-KL forward + backward over `rows` on any model / bank (a tensor-parallel rank's
+    share too): the per-position losses and the student's gradient leaves."""
+    R = len(rows)
+    Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
+    s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
+    align = np.zeros((R, Ts), dtype=np.int64)  # reference position of each student position
+    valid, w = np.zeros((R, Ts), dtype=np.float32), np.zeros((R, Ts), dtype=np.float32)
+    for i, r in enumerate(rows):
+        n, m = len(r.student), len(r.reference)
+        s_tok[i, :n], r_tok[i, :m] = r.student, r.reference
+        pos = np.arange(Ts) + (m - n)
+        align[i] = np.clip(pos, 0, m - 1)
+        valid[i, :n] = pos[:n] >= 0
+        w[i, :n] = r.weights
+    with torch.no_grad():
+        lora_r = bank.batch([reference_slot] * R, dev) if reference_slot is not None else None
+        hr = model.hidden_states(torch.from_numpy(r_tok).to(dev), lora=lora_r)
+        idx = torch.from_numpy(align).to(dev)[..., None].expand(-1, -1, hr.shape[-1])
+        ref_lp = torch.log_softmax(model.logits(hr.gather(1, idx), lora_r).float() / temperature, -1)
+        del hr
+    lora_s, leaves = training_lora(bank, [student], [0] * R, dev, dtype)
+    with torch.enable_grad():
+        hs = model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s, checkpoint=checkpoint)
+        s_lp = torch.log_softmax(model.logits(hs, lora_s).float() / temperature, -1)
+        kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
+        el = kl * torch.from_numpy(w * valid).to(dev)
+        el.sum().backward()
+    return el.detach().float().cpu().numpy(), leaves

@@ -365,6 +365,19 @@ def train_commit(sh: Shard, keep: bool) -> list[str]:
     return failed
 
 
+@op
+def reverse_kl_pass(sh: Shard, rows: list[Any], student: LoraRef, reference_slot: int | None, temperature: float,
+                    checkpoint: bool) -> Any:
+    """One reverse-KL micro-batch on every rank's share (the KL over the gathered logits is the same on
+    every rank); the student's gradients stay pending until `train_commit`."""
+    from mint_server.engine.reverse_kl import kl_micro_batch
+
+    el, leaves = kl_micro_batch(sh.model, sh.bank, rows, student, reference_slot, temperature, sh.device, sh.dtype,
+                                checkpoint)
+    accumulate(sh.pending, leaf_grads(leaves))
+    return el
+
+
 # --- sampling -------------------------------------------------------------------------------------
 @op
 def make_cache(sh: Shard, num_blocks: int, block_size: int) -> None:

@@ -238,11 +238,16 @@ class Trainer:
                 losses[key] = el_cpu[j, :n].copy()
         return leaf_grads(leaves)
 
-    def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
-                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool) -> Tensor:
+    @staticmethod
+    def lora_ref(a: Adapter) -> Any:
+        """What a tensor-parallel op needs of an adapter in a slot (tp_runner.LoraRef)."""
         from mint_server.engine.tp_runner import LoraRef
 
-        refs = [LoraRef(a.id, a.slot, a.rank, a.targets, a.scale) for a in adapters] if backward else None  # type: ignore[arg-type]
+        return LoraRef(a.id, a.slot, a.rank, a.targets, a.scale)  # type: ignore[arg-type]
+
+    def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
+                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool) -> Tensor:
+        refs = [self.lora_ref(a) for a in adapters] if backward else None
         slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
         return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
                            row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,

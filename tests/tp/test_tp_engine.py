@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from tinker import types
 from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 
 from mint_server.engine.custom_loss import compile_loss
-from mint_server.engine.interface import NotSupportedError
-from mint_server.engine.jobs import ReverseKLJob
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
 from tests.engine.test_training import sft_datums
@@ -89,6 +86,21 @@ def dimuon_client(e: LocalEngine) -> list[float]:
     return out
 
 
+def kl_client(e: LocalEngine) -> list[float]:
+    """Reverse KL against the base (full-vocabulary distributions over gathered logits): losses, norms."""
+    aid = e.create_adapter(types.LoraConfig(rank=4, seed=6)).result()
+    datum = {"student_input": types.ModelInput.from_ints([4, 8, 15, 16, 23]),
+             "reference_input": types.ModelInput.from_ints([3, 4, 8, 15, 16, 23]),
+             "target_tokens": [8, 15, 16, 23, 42], "weights": [1.0, 0.5, 1.0, 1.0, 2.0]}
+    e.submit(e.prepare_train(sft_datums([6], seed=66), "cross_entropy", None).on(aid)).result()
+    e.submit(e.prepare_optim(ADAM).on(aid)).result()  # the student now differs from the base
+    out = []
+    for _ in range(2):
+        out.append(e.submit(e.prepare_reverse_kl([datum], 1.5).on(aid)).result().metrics["loss:sum"])
+        out.append(e.submit(e.prepare_optim(ADAM).on(aid)).result().metrics["grad_norm:mean"])
+    return out
+
+
 def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert sorted(a) == sorted(b)
     for k in a:
@@ -102,6 +114,7 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
     try:
         want = clients(one, SEEDS, tmp_path / "tp1")
         dimuon_one = dimuon_client(one)
+        kl_one = kl_client(one)
     finally:
         one.shutdown()
     # one device slot and host room for about one more for three clients: every switch pages a
@@ -118,12 +131,12 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
         data = sft_datums([6, 9], seed=101)
         loss_after = two.submit(two.prepare_train(data, "cross_entropy", None).on(aid)).result().metrics["loss:sum"]
         dimuon_two = dimuon_client(two)
-        with pytest.raises(NotSupportedError, match="tensor parallelism"):
-            two.submit(ReverseKLJob((), 1.0, None, aid)).result()
+        kl_two = kl_client(two)
     finally:
         two.shutdown()
-    for a, b in zip(dimuon_one, dimuon_two, strict=True):
-        assert abs(a - b) <= TOL * max(1.0, abs(a)), (dimuon_one, dimuon_two)
+    assert min(kl_one) > 0, kl_one
+    for a, b in zip(dimuon_one + kl_one, dimuon_two + kl_two, strict=True):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), (dimuon_one, dimuon_two, kl_one, kl_two)
     for w, g in zip(want, got, strict=True):
         for a, b in zip(w["losses"] + w["norms"], g["losses"] + g["norms"], strict=True):
             assert abs(a - b) <= TOL * max(1.0, abs(a)), (w, g)
