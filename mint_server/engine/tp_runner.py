@@ -9,13 +9,17 @@ own `Shard` (its share of the model, the LoRA bank, the KV cache and the adapter
 training state). Followers (ranks 1..N-1, spawned processes) only receive and run ops, in order,
 so every collective inside an op meets its peers. The split itself is model/tp.py's.
 
-What crosses the boundary: ops get whole tensors from rank 0 (weights as the host tier holds them,
-unsplit) and each rank takes its share; ops that read state back (`demote`, `weights`,
-`gather_optim`) all-gather it, so rank 0's host tier, the store and every file on disk hold the
-ordinary unsplit layout, and only the device tier is split.
+What crosses the boundary: full adapter state arriving from a client or the store (install, load,
+a store read) goes to every rank, which keeps its share (`promote`, `set_weights`, `set_optim`); an
+adapter leaving its slot keeps each rank's share in that rank's host memory (`demote`,
+`promote_split`); whatever leaves the engine — a save, an export, a page written to the store — is
+all-gathered (`weights`, `gather_optim`, `gather_host`), so every file holds the ordinary unsplit
+layout.
 
 A rank-0 op that fails before its collectives leaves the followers waiting for the next op, which
 is fine; the ops check nothing that could differ between ranks (rank 0 validates requests before).
+A follower that fails inside an op (out of memory) leaves rank 0 waiting in that op's collective:
+there is no recovery yet. One tp > 1 engine per process (it owns the default process group).
 """
 
 from __future__ import annotations
