@@ -72,6 +72,9 @@ class TP:
     rank: int
     world: int
     group: Any = None
+    # where collectives' tensors must live: cpu for gloo, this rank's GPU for NCCL (host-tier shares
+    # and scalars are moved there and back)
+    device: torch.device = torch.device("cpu")
 
     # --- the four collectives the model uses (autograd-aware) -------------------------------------
     def enter(self, x: Tensor) -> Tensor:
@@ -98,22 +101,23 @@ class TP:
 
     # --- plain (no autograd) helpers ------------------------------------------------------------
     def all_gather_dim(self, x: Tensor, dim: int) -> Tensor:
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        y = x.to(self.device).contiguous()
+        parts = [torch.empty_like(y) for _ in range(self.world)]
+        dist.all_gather(parts, y, group=self.group)
+        return torch.cat(parts, dim=dim).to(x.device)
 
     def all_reduce_sum(self, x: Tensor) -> Tensor:
-        out = x.contiguous().clone()
+        out = x.to(self.device).contiguous().clone()
         dist.all_reduce(out, group=self.group)
-        return out
+        return out.to(x.device)
 
     def sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return float(t.item())
 
     def all_true(self, flag: bool) -> bool:
-        t = torch.tensor([0 if flag else 1], dtype=torch.int64)
+        t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return int(t.item()) == 0
 
@@ -203,10 +207,12 @@ def init(rank: int, world: int, port: int, backend: str | None = None, addr: str
     """Join the default process group (gloo on CPU, NCCL when CUDA is available) and return this rank's TP."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
     if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world)
-    return TP(rank, world)
+    return TP(rank, world, device=device)
 
 
 # --- which models can split ---------------------------------------------------------------------
