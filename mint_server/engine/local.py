@@ -273,6 +273,11 @@ class LocalEngine(JobParsing):
         return work.future
 
     def _op(self, fn: Callable[[list[Adapter | None]], Any], *refs: AdapterRef, on_device: bool = True) -> Future:
+        distinct = {r if isinstance(r, str) else r.key for r in refs if r is not None}
+        if on_device and len(distinct) > self.settings.device_slots:
+            # They must all be in device slots at once: it would wait for ever for room.
+            raise EngineError(f"adapters: this needs {len(distinct)} adapters in device slots at once; the engine "
+                              f"has {self.settings.device_slots} (--device-slots)")
         return self._submit(_Work(Future(), tuple(r for r in refs if r is not None), op=fn, on_device=on_device))
 
     def _wake(self) -> None:

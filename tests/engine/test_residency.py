@@ -10,6 +10,7 @@ import pytest
 import torch
 from tinker import types
 
+from mint_server.engine.interface import EngineError
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import EngineSettings
@@ -154,5 +155,16 @@ def test_a_corrupt_adapter_fails_its_requests_and_nothing_else(sampling_llama_di
         with pytest.raises(Exception, match="bad|safetensors|header"):
             bad.result(timeout=120)
         assert len(good.result(timeout=120).sequences[0].tokens) == 8
+    finally:
+        e.shutdown()
+
+
+def test_an_op_needing_more_adapters_than_slots_is_refused_not_stuck(train_llama_dir, tmp_path):
+    e = engine(train_llama_dir, tmp_path, slots=1)
+    try:
+        a, b = (e.create_adapter(types.LoraConfig(rank=4, seed=s)).result() for s in (1, 2))
+        with pytest.raises(EngineError, match="device-slots"):
+            e.interpolate([a, b], [0.5, 0.5])
+        assert e.registry.get(e.interpolate([a, a], [0.5, 0.5]).result()) is not None  # one adapter: fine
     finally:
         e.shutdown()
