@@ -213,9 +213,6 @@ def register(app: typer.Typer) -> None:
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
                                      max_fused_tokens, tp)
-        if ray is not None and engine_cfg.tp > 1:
-            raise typer.BadParameter("--tp > 1 with --ray is not supported yet (tensor-parallel replicas)",
-                                     param_hint="--tp")
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

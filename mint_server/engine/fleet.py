@@ -244,7 +244,8 @@ class ReplicaActor:
 
         return {"kv_blocks_in_use": self.engine.sampler.kv_blocks_in_use, "queue_depth": self.engine.queue_depth(),
                 "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals(),
-                "torch_threads": torch.get_num_threads()}
+                "torch_threads": torch.get_num_threads(),
+                "tp_ranks": 1 if self.engine.runner is None else 1 + len(self.engine.runner.followers)}
 
     def pause(self, after_tokens: int | None = None) -> None:
         """Hold the engine's worker before its next turn, or, with `after_tokens`, once that many
@@ -373,8 +374,8 @@ class FleetEngine(JobParsing):
                 s, store_dir=Path(s.store_dir) / f"replica-{i}")  # page dirs: one per replica
             if s.threads is None:  # as many torch threads as the CPUs Ray reserves it, not the node's cores
                 replica_settings = dataclasses.replace(replica_settings, threads=int(max(1, f.cpus_per_replica)))
-            handle = actor_cls.options(
-                num_cpus=f.cpus_per_replica, num_gpus=f.gpus_per_replica, max_restarts=f.max_restarts,
+            handle = actor_cls.options(  # a tensor-parallel replica reserves its resources once per rank
+                num_cpus=f.cpus_per_replica * s.tp, num_gpus=f.gpus_per_replica * s.tp, max_restarts=f.max_restarts,
                 max_task_retries=0, max_concurrency=1000, name=None,
             ).remote(i, str(self.model_dir), base_model, replica_settings, device, dtype,
                      int(max(1, f.cpus_per_replica)), i if f.pin_cores else None)
