@@ -77,13 +77,14 @@ def proc_status_kb(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def start_server(model_dir: Path, data_dir: Path, args, fused_tokens: int) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, data_dir: Path, args, fused_tokens: int,
+                 extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     import httpx
 
     port = free_port()
     cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(port),
            "--data-dir", str(data_dir), "--api-key", KEY, "--kv-budget-tokens", str(args.kv_tokens),
-           "--max-seq-len", str(args.max_seq), "--max-fused-tokens", str(fused_tokens), "--log-level", "warning", "--base-model", str(model_dir)]
+           "--max-seq-len", str(args.max_seq), "--max-fused-tokens", str(fused_tokens), "--log-level", "warning", "--base-model", str(model_dir), *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
@@ -173,7 +174,9 @@ def run_mode(mode: str, model_dir: Path, args, work: Path, fused_tokens: int) ->
     import tinker
     from transformers import AutoTokenizer
 
-    proc, url = start_server(model_dir, work / f"data-{mode}", args, fused_tokens)
+    base_mode, _, extra = mode.partition("@")  # "mode@--flag=value,--flag=value": extra server flags
+    proc, url = start_server(model_dir, work / f"data-{len(os.listdir(work))}", args, fused_tokens,
+                             extra.split(",") if extra else [])
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
         base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
@@ -185,7 +188,7 @@ def run_mode(mode: str, model_dir: Path, args, work: Path, fused_tokens: int) ->
         walls, server_cpu, client_cpu, rewards, sampled, trained = [], [], [], [], 0, 0
         for it in range(args.warmup + args.iterations):
             t0, s0, c0 = time.perf_counter(), cpu_seconds(proc.pid), time.process_time()
-            if mode.startswith("fused"):
+            if base_mode.startswith("fused"):
                 stats = list(pool.map(lambda p, it=it: p.iteration(it), policies))
             else:
                 stats = [p.iteration(it) for p in policies]
@@ -235,6 +238,9 @@ def main() -> None:
                          "activations than one policy's")
     ap.add_argument("--one-pass", action="store_true",
                     help="also run fused with a budget holding every policy's batch (one pass; more peak memory)")
+    ap.add_argument("--modes", default="fused sequential fused_one_pass",
+                    help="modes to run (space-separated; fused_one_pass only with --one-pass; MODE@--flag=v,--flag=v "
+                         "adds `mint serve` flags to one mode); ratios are to sequential")
     ap.add_argument("--quick", action="store_true", help="tiny random Llama, 2 problems, 1 iteration (smoke run)")
     args = ap.parse_args()
 
@@ -261,28 +267,33 @@ def main() -> None:
                          "max_tokens": args.max_tokens, "iterations": args.iterations, "warmup": args.warmup,
                          "cores": len(os.sched_getaffinity(0)), "load_average_start": load_average()}
         one_pass = args.max_fused_tokens * args.policies  # every policy's batch in one pass
-        for mode, budget in (("fused", args.max_fused_tokens), ("sequential", args.max_fused_tokens),
-                             ("fused_one_pass", one_pass)):
-            if mode == "fused_one_pass" and not args.one_pass:
+        for mode in args.modes.split():
+            if mode.startswith("fused_one_pass") and not args.one_pass:
                 continue
+            budget = one_pass if mode.startswith("fused_one_pass") else args.max_fused_tokens
             summary[mode] = run_mode(mode, model_dir, args, work, budget)
-    fused, seq = summary["fused"], summary["sequential"]
-    summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
-                   peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
-                   server_cpu_ratio=seq["server_cpu_s"] / fused["server_cpu_s"],
-                   goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
-    if "fused_one_pass" in summary:
-        one = summary["fused_one_pass"]
-        summary.update(speedup_one_pass=seq["iteration_s"] / one["iteration_s"],
-                       peak_ratio_one_pass=one["peak_rss_mb"] / seq["peak_rss_mb"])
+    seq = summary["sequential"]
+    summary.update(goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
+    fused = summary.get("fused")
+    if fused is not None:
+        summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
+                       peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
+                       server_cpu_ratio=seq["server_cpu_s"] / fused["server_cpu_s"])
+    for mode in [m for m in summary if m.startswith("fused_one_pass")]:
+        one = summary[mode]
+        one.update(speedup=seq["iteration_s"] / one["iteration_s"], peak_ratio=one["peak_rss_mb"] / seq["peak_rss_mb"],
+                   server_cpu_ratio=seq["server_cpu_s"] / one["server_cpu_s"])
     print(f"per iteration ({args.policies} policies × {args.problems} × {args.group} × {args.max_tokens} tokens): "
-          f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
-          f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
-          f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×); server CPU s per iteration "
-          f"sequential/fused {summary['server_cpu_ratio']:.2f}×", flush=True)
-    if "fused_one_pass" in summary:
-        print(f"fused in one pass: {summary['fused_one_pass']['iteration_s']:.2f}s → {summary['speedup_one_pass']:.2f}×, "
-              f"peak {summary['peak_ratio_one_pass']:.3f}×", flush=True)
+          f"sequential {seq['iteration_s']:.2f}s, peak {seq['peak_rss_mb']:.0f} MB", flush=True)
+    if fused is not None:
+        print(f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
+              f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
+              f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×); server CPU s per iteration "
+              f"sequential/fused {summary['server_cpu_ratio']:.2f}×", flush=True)
+    for mode in [m for m in summary if m.startswith("fused_one_pass")]:
+        one = summary[mode]
+        print(f"{mode}: {one['iteration_s']:.2f}s → {one['speedup']:.2f}×, peak {one['peak_rss_mb']:.0f} MB → "
+              f"{one['peak_ratio']:.3f}×, server CPU s sequential/this {one['server_cpu_ratio']:.2f}×", flush=True)
     print(json.dumps(summary))
 
 

@@ -66,6 +66,8 @@ def engine_settings(
     threads: int | None = None,
     max_fused_tokens: int | None = None,
     tp: int | None = None,
+    checkpoint_from_tokens: int | None = None,
+    logits_chunk_mb: float | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -76,7 +78,8 @@ def engine_settings(
         device_slots = device_slots if device_slots is not None else adapter_slots
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
-             "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp}
+             "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp,
+             "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -167,6 +170,17 @@ def register(app: typer.Typer) -> None:
             "into micro-batches. The peak training memory follows it: set it to one run's batch for no more peak "
             "memory than one run alone.",
         ),
+        checkpoint_from_tokens: int = typer.Option(
+            None, "--checkpoint-from-tokens",
+            help=f"A training pass with at least this many padded tokens recomputes its blocks in backward "
+            f"[default: {_default('checkpoint_from_tokens')}; 0: never]: activation memory stops growing with "
+            "the fused batch, for about one more forward.",
+        ),
+        logits_chunk_mb: float = typer.Option(
+            None, "--logits-chunk-mb",
+            help=f"Most fp32 logits one training pass holds at once, MiB [default: {_default('logits_chunk_mb')}]; "
+            "bigger logits run in chunks recomputed in backward.",
+        ),
         ray: str = typer.Option(
             None, "--ray",
             help="Serve from a fleet of engine replicas on Ray: 'local' starts a Ray instance here; 'auto' or "
@@ -212,7 +226,7 @@ def register(app: typer.Typer) -> None:
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
-                                     max_fused_tokens, tp)
+                                     max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

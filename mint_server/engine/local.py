@@ -110,7 +110,9 @@ class LocalEngine(JobParsing):
             self.runner = Runner(Shard(tp, self.model, self.registry.bank, self.device, self.dtype,
                                        self.registry.record), followers)
             self.registry.runner = self.runner
-        self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens)
+        self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens,
+                               checkpoint_from_tokens=s.checkpoint_from_tokens or None,
+                               logits_chunk=s.logits_chunk_elements())
         self.state = AdapterState(self.registry, base_model, cfg)
         self.reverse_kl = ReverseKL(self.trainer)
         self.sampler = Sampler(

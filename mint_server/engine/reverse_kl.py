@@ -79,7 +79,7 @@ class ReverseKL:
         self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
     ) -> tuple[np.ndarray, dict[str, Pairs]]:
         tr = self.trainer
-        checkpoint = tr.recompute(max(len(r.student) for r in rows))
+        checkpoint = tr.recompute(len(rows) * max(len(r.student) for r in rows))  # padded tokens
         ref_slot = reference.slot if reference is not None else None
         el, leaves = kl_micro_batch(tr.model, tr.registry.bank, rows, student, ref_slot, temperature, tr.device,
                                     tr.registry.dtype, checkpoint)

@@ -32,6 +32,13 @@ class EngineSettings:
     max_step_tokens: int = 16384
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
+    # Training memory, whatever the fused batch: a pass with at least this many padded tokens
+    # recomputes its transformer blocks in backward (activation checkpointing, about one more
+    # forward); 0: never.
+    checkpoint_from_tokens: int = 2048
+    # The most fp32 logits a training pass materialises at once (MiB); above it the lm_head and
+    # log-softmax run in position chunks, recomputed in backward.
+    logits_chunk_mb: float = 128.0
     max_num_samples: int = 128
     # Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).
     max_top_logprobs: int = 20
@@ -63,6 +70,10 @@ class EngineSettings:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
         if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):
             raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb!r}")
+        if not isinstance(self.checkpoint_from_tokens, int) or self.checkpoint_from_tokens < 0:
+            raise ValueError(f"checkpoint_from_tokens must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
+        if not (isinstance(self.logits_chunk_mb, int | float) and self.logits_chunk_mb > 0):
+            raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:
@@ -87,6 +98,10 @@ class EngineSettings:
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         return max(1, cores // self.tp)
+
+    def logits_chunk_elements(self) -> int:
+        """logits_chunk_mb as fp32 logits elements (the Trainer's logits_chunk)."""
+        return max(1, int(self.logits_chunk_mb * 2**20) // 4)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

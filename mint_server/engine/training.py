@@ -66,10 +66,13 @@ class Trainer:
     max_len: longest datum accepted (default: the model's max_position_embeddings).
     max_tokens_per_pass: padded tokens (rows × longest row) per forward/backward; a bigger fused
         batch is split into micro-batches, longest rows first. None = never split.
-    checkpoint_from_len: recompute transformer blocks in backward when a micro-batch's longest row
-        has at least this many tokens (activation checkpointing). None = never.
+    checkpoint_from_tokens: recompute transformer blocks in backward (activation checkpointing) when
+        a micro-batch has at least this many padded tokens (rows × longest row): the blocks' saved
+        activations grow with the padded tokens, so a big fused batch costs about one more forward
+        instead of its activations. None = never.
     logits_chunk: most logits elements materialised at once; above it the lm_head + log-softmax
-        run in position chunks that are recomputed in backward.
+        run in position chunks that are recomputed in backward, so the [rows, T, vocab] logits
+        (the biggest tensors of a small-hidden, big-vocab model) never exist whole.
     """
 
     def __init__(
@@ -79,12 +82,12 @@ class Trainer:
         base_model: str,
         *,
         max_tokens_per_pass: int | None = 16384,
-        checkpoint_from_len: int | None = 4096,
+        checkpoint_from_tokens: int | None = 4096,
         logits_chunk: int = 2**28,
     ) -> None:
         self.model, self.registry, self.base_model = model, registry, base_model
         self.max_tokens_per_pass = max_tokens_per_pass
-        self.checkpoint_from_len = checkpoint_from_len
+        self.checkpoint_from_tokens = checkpoint_from_tokens
         self.logits_chunk = logits_chunk
         self.device, self.vocab = registry.device, model.config.vocab_size
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
@@ -206,7 +209,7 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             if runner is None:
                 h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                             checkpoint=self.recompute(T))
+                                             checkpoint=self.recompute(len(mb) * T))
                 lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
@@ -251,7 +254,7 @@ class Trainer:
         slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
         return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
                            row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,
-                           backward=backward, checkpoint=self.recompute(tokens.shape[1]),
+                           backward=backward, checkpoint=self.recompute(tokens.shape[0] * tokens.shape[1]),
                            logits_chunk=self.logits_chunk)
 
     def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
@@ -265,9 +268,9 @@ class Trainer:
         """
         return training_lora(self.registry.bank, adapters, row_adapter, self.device, self.registry.dtype)
 
-    def recompute(self, longest: int) -> bool:
-        """Recompute transformer blocks in backward (activation checkpointing) for rows this long."""
-        return self.checkpoint_from_len is not None and longest >= self.checkpoint_from_len
+    def recompute(self, padded_tokens: int) -> bool:
+        """Recompute transformer blocks in backward (activation checkpointing) for a batch this big."""
+        return self.checkpoint_from_tokens is not None and padded_tokens >= self.checkpoint_from_tokens
 
     def _target_logprobs(self, h: Tensor, lora: LoraBatch | None, targets: Tensor) -> Tensor:
         return target_logprobs(self.model, h, lora, targets, self.logits_chunk)

@@ -196,7 +196,7 @@ def test_fused_step_isolates_adapters(model):
 
 def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
     plain = new_trainer(model)
-    split = new_trainer(model, max_tokens_per_pass=40, checkpoint_from_len=1, logits_chunk=320 * 8)
+    split = new_trainer(model, max_tokens_per_pass=40, checkpoint_from_tokens=1, logits_chunk=320 * 8)
     datums = sft_datums([21, 14, 9, 3, 17], seed=9)
     calls = []
     split_once = split._micro_batch
