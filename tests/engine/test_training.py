@@ -216,6 +216,46 @@ def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
         assert rel_err(gb[t][0], ga[t][0]) <= 1e-5 and rel_err(gb[t][1], ga[t][1]) <= 1e-5
 
 
+
+def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
+    """One fused pass of three adapters (importance sampling, GRPO's loss) with blocks recomputed
+    because of its padded tokens (no row is long) and logits built a few positions at a time gives
+    the losses and gradients of the plain pass."""
+    plain = new_trainer(model, checkpoint_from_tokens=None)
+    lengths = [13, 9, 11, 6]
+    # 3 adapters × 4 rows × 13 = 156 padded tokens: recomputed; the longest row (13) alone is not
+    budget = new_trainer(model, checkpoint_from_tokens=100, logits_chunk=12 * 320 * 3)
+    g = torch.Generator().manual_seed(4)
+    reqs = []
+    for k in range(3):
+        reqs.append([types.Datum(model_input=d.model_input, loss_fn_inputs={
+            "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": -3 * torch.rand(d.model_input.length, generator=g),
+            "advantages": torch.randn(d.model_input.length, generator=g)}) for d in sft_datums(lengths, seed=20 + k)])
+    checkpointed = []
+    hidden_states = model.hidden_states
+    monkeypatch.setattr(model, "hidden_states",
+                        lambda *a, **kw: checkpointed.append(kw.get("checkpoint")) or hidden_states(*a, **kw))
+    results = []
+    for tr in (plain, budget):
+        ids = [tr.create_adapter(types.LoraConfig(rank=4, seed=k)) for k in range(3)]
+        for aid, datums in zip(ids, reqs, strict=True):  # a step, so B is nonzero and A gets a gradient
+            tr.run([TrainRequest(aid, datums, "cross_entropy")])
+            tr.optim_step(aid, ADAM)
+        outs = tr.run([TrainRequest(aid, datums, "importance_sampling") for aid, datums in zip(ids, reqs, strict=True)])
+        results.append((outs, [tr.registry.get(aid).grads for aid in ids]))
+    assert checkpointed[-1] is True and checkpointed[len(checkpointed) // 2 - 1] is False
+    assert budget.recompute(156) and not budget.recompute(13)
+    (outs_a, grads_a), (outs_b, grads_b) = results
+    for oa, ob in zip(outs_a, outs_b, strict=True):
+        assert abs(oa.metrics["loss:sum"] - ob.metrics["loss:sum"]) <= 1e-5 * max(1.0, abs(oa.metrics["loss:sum"]))
+        for x, y in zip(oa.loss_fn_outputs, ob.loss_fn_outputs, strict=True):
+            for key in ("logprobs", "elementwise_loss"):
+                torch.testing.assert_close(x[key].to_torch(), y[key].to_torch(), rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(grads_a, grads_b, strict=True):
+        assert set(ga) == set(gb)
+        for t in ga:
+            assert rel_err(gb[t][0], ga[t][0]) <= 1e-5 and rel_err(gb[t][1], ga[t][1]) <= 1e-5
+
 def test_sft_learns_a_small_task(trainer):
     aid = trainer.create_adapter(types.LoraConfig(rank=8, seed=0))
     datums = sft_datums([16, 16, 12, 20], seed=10, weights="ones")
