@@ -272,28 +272,29 @@ def main() -> None:
                 continue
             budget = one_pass if mode.startswith("fused_one_pass") else args.max_fused_tokens
             summary[mode] = run_mode(mode, model_dir, args, work, budget)
-    seq = summary["sequential"]
     summary.update(goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
-    fused = summary.get("fused")
-    if fused is not None:
-        summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
-                       peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
-                       server_cpu_ratio=seq["server_cpu_s"] / fused["server_cpu_s"])
-    for mode in [m for m in summary if m.startswith("fused_one_pass")]:
-        one = summary[mode]
-        one.update(speedup=seq["iteration_s"] / one["iteration_s"], peak_ratio=one["peak_rss_mb"] / seq["peak_rss_mb"],
-                   server_cpu_ratio=seq["server_cpu_s"] / one["server_cpu_s"])
-    print(f"per iteration ({args.policies} policies × {args.problems} × {args.group} × {args.max_tokens} tokens): "
-          f"sequential {seq['iteration_s']:.2f}s, peak {seq['peak_rss_mb']:.0f} MB", flush=True)
-    if fused is not None:
-        print(f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
-              f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
-              f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×); server CPU s per iteration "
-              f"sequential/fused {summary['server_cpu_ratio']:.2f}×", flush=True)
-    for mode in [m for m in summary if m.startswith("fused_one_pass")]:
-        one = summary[mode]
-        print(f"{mode}: {one['iteration_s']:.2f}s → {one['speedup']:.2f}×, peak {one['peak_rss_mb']:.0f} MB → "
-              f"{one['peak_ratio']:.3f}×, server CPU s sequential/this {one['server_cpu_ratio']:.2f}×", flush=True)
+    seq = summary.get("sequential")
+    if seq is not None:
+        fused = summary.get("fused")
+        if fused is not None:
+            summary.update(speedup=seq["iteration_s"] / fused["iteration_s"],
+                           peak_ratio=fused["peak_rss_mb"] / seq["peak_rss_mb"],
+                           server_cpu_ratio=seq["server_cpu_s"] / fused["server_cpu_s"])
+        for mode in [m for m in summary if m.startswith("fused_one_pass")]:
+            one = summary[mode]
+            one.update(speedup=seq["iteration_s"] / one["iteration_s"], peak_ratio=one["peak_rss_mb"] / seq["peak_rss_mb"],
+                       server_cpu_ratio=seq["server_cpu_s"] / one["server_cpu_s"])
+        print(f"per iteration ({args.policies} policies × {args.problems} × {args.group} × {args.max_tokens} tokens): "
+              f"sequential {seq['iteration_s']:.2f}s, peak {seq['peak_rss_mb']:.0f} MB", flush=True)
+        if fused is not None:
+            print(f"fused {fused['iteration_s']:.2f}s, sequential {seq['iteration_s']:.2f}s → {summary['speedup']:.2f}× "
+                  f"(goal ≥ 1.77×); server peak RSS fused {fused['peak_rss_mb']:.0f} MB vs sequential "
+                  f"{seq['peak_rss_mb']:.0f} MB → {summary['peak_ratio']:.3f}× (goal ≤ 1.05×); server CPU s per iteration "
+                  f"sequential/fused {summary['server_cpu_ratio']:.2f}×", flush=True)
+        for mode in [m for m in summary if m.startswith("fused_one_pass")]:
+            one = summary[mode]
+            print(f"{mode}: {one['iteration_s']:.2f}s → {one['speedup']:.2f}×, peak {one['peak_rss_mb']:.0f} MB → "
+                  f"{one['peak_ratio']:.3f}×, server CPU s sequential/this {one['server_cpu_ratio']:.2f}×", flush=True)
     print(json.dumps(summary))
 
 
