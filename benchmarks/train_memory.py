@@ -8,7 +8,7 @@ SmolLM2 (a tiny random Llama with --quick), run once per trainer configuration, 
 subprocess: the pass's peak resident memory above the process's resident memory just before it
 (VmHWM reset through /proc/self/clear_refs), and the median seconds of --repeats passes after the
 first. A configuration is Trainer keyword arguments (max_tokens_per_pass, checkpoint_from_tokens,
-logits_chunk, train_budget_mb). Last line: one JSON.
+logits_chunk), by name from CONFIGS or as JSON objects separated by ';'. Last line: one JSON.
 """
 
 from __future__ import annotations
