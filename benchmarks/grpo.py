@@ -15,7 +15,9 @@ still costs its forward/backward), again so that both modes do the same work.
   their training passes and batches their samples in one decode loop, and one policy's sampling
   overlaps another's training.
 - sequential: the same policies, one iteration after another.
-- fused_one_pass (with --one-pass): fused, with a training budget that holds every policy's batch.
+- fused_one_pass (with --one-pass): fused, with a training budget that holds every policy's batch
+  in one pass, and the memory held to one policy's: a pass bigger than one policy's batch
+  recomputes its blocks in backward (`--checkpoint-from-tokens` = one policy's batch + 1).
 
 The server runs with `--max-fused-tokens` at one policy's padded batch (unless given): a fused
 pass is split into micro-batches of that size, so it never holds more training activations than
@@ -271,6 +273,8 @@ def main() -> None:
             if mode.startswith("fused_one_pass") and not args.one_pass:
                 continue
             budget = one_pass if mode.startswith("fused_one_pass") else args.max_fused_tokens
+            if mode == "fused_one_pass":  # memory by budget: a pass bigger than one policy's batch recomputes
+                mode = f"fused_one_pass@--checkpoint-from-tokens={args.max_fused_tokens + 1}"
             summary[mode] = run_mode(mode, model_dir, args, work, budget)
     summary.update(goal_speedup=1.77, goal_peak_ratio=1.05, load_average_end=load_average())
     seq = summary.get("sequential")
