@@ -4,12 +4,6 @@ LoRA policy; its adapter is PEFT-named; `mint serve --base-model DIR` starts on 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
@@ -18,7 +12,7 @@ from safetensors import safe_open
 from tinker import types
 
 from tests.mla.tiny_deepseek import make_tiny_deepseek
-from tests.service.live import BASE, KEY_A, LiveServer, batch, datum, tiny_engine, train
+from tests.service.live import BASE, KEY_A, LiveServer, ServeProcess, batch, datum, tiny_engine, train
 
 pytestmark = pytest.mark.slow  # two live servers and a subprocess per base: ~1 min
 
@@ -67,32 +61,8 @@ def test_tinker_sdk_trains_saves_and_samples_on_deepseek(serve_dir, tmp_path):
 
 
 def test_mint_serve_starts_on_a_deepseek_dir(serve_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MINT_API_KEYS": KEY_A}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(serve_dir),
-         "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--device-slots", "2", "--max-rank", "8", "--kv-budget-mb", "1", "--max-seq-len", "128"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/api/v1"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.3)
-        caps = httpx.get(f"{url}/get_server_capabilities", headers={"X-API-Key": KEY_A}).json()
+    with ServeProcess("--base-model", str(serve_dir), "--data-dir", str(tmp_path / "data"), "--device-slots", "2",
+                      "--max-rank", "8", "--kv-budget-mb", "1", "--max-seq-len", "128") as served:
+        caps = httpx.get(f"{served.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY_A}).json()
         assert caps["supported_models"][0]["model_name"] == serve_dir.name
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode in (0, -signal.SIGTERM), out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        served.stop()

@@ -3,20 +3,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import pytest
 import tinker
 from tinker import types
 
 from mint_server.model.moe_layout import moe_layout_of
-from tests.service.live import BASE, KEY_A, LiveServer, batch, datum, tiny_engine, train
+from tests.service.live import BASE, KEY_A, LiveServer, ServeProcess, batch, datum, tiny_engine, train
 from tests.tiny import make_tiny_checkpoint
 
 
@@ -60,32 +53,8 @@ def test_tinker_sdk_trains_saves_and_samples_an_expert_lora_policy(moe_serve_dir
 
 
 def test_mint_serve_starts_on_a_qwen3_moe_dir(moe_serve_dir, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MINT_API_KEYS": KEY_A}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(moe_serve_dir),
-         "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--device-slots", "2", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/api/v1"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.3)
-        caps = httpx.get(f"{url}/get_server_capabilities", headers={"X-API-Key": KEY_A}).json()
+    with ServeProcess("--base-model", str(moe_serve_dir), "--data-dir", str(tmp_path / "data"), "--device-slots",
+                      "2", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128") as served:
+        caps = httpx.get(f"{served.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY_A}).json()
         assert caps["supported_models"][0]["model_name"] == moe_serve_dir.name
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
-        assert proc.returncode in (0, -signal.SIGTERM), out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        served.stop()

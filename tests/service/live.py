@@ -3,12 +3,17 @@ on the real LocalEngine over a tiny random checkpoint (see conftest.py's `tiny_d
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import uvicorn
 from tinker import types
@@ -97,3 +102,48 @@ class LiveServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServeProcess:
+    """`mint serve ARGS` as a user runs it: a subprocess on a free loopback port, healthy on entry.
+
+    `stop()` ends it as an operator does (SIGTERM: drain, then exit) and returns its output; leaving
+    the block any other way kills it."""
+
+    def __init__(self, *args: str, keys: str = KEY_A, ready_timeout_s: float = 180.0) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args, self.keys, self.ready_timeout_s = args, keys, ready_timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+
+    def __enter__(self) -> ServeProcess:
+        self.proc = proc = subprocess.Popen(
+            [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(self.port),
+             *self.args], env={**os.environ, "MINT_API_KEYS": self.keys},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/api/v1/healthz").status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError(f"mint serve did not become healthy:\n{proc.communicate()[0]}")
+            time.sleep(0.3)
+
+    def stop(self) -> str:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=120)
+        assert self.proc.returncode in (0, -signal.SIGTERM), out
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -15,47 +10,22 @@ import httpx
 import pytest
 
 from mint_server.api.auth import owner_id
-from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.service.live import BASE, KEY_A, LiveServer, ServeProcess, tiny_engine
 
 
 def test_mint_serve_process(tiny_dir: Path, tmp_path: Path) -> None:
-    port = _free_port()
-    env = {**os.environ, "MINT_API_KEYS": f"{KEY_A}, tml-second-key-0000"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(tiny_dir),
-         "--port", str(port), "--data-dir", str(tmp_path / "data"),
-         "--device-slots", "4", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}/api/v1"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.3)
+    with ServeProcess("--base-model", str(tiny_dir), "--data-dir", str(tmp_path / "data"), "--device-slots", "4",
+                      "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128",
+                      keys=f"{KEY_A}, tml-second-key-0000") as served:
+        url = f"{served.url}/api/v1"
         caps = httpx.get(f"{url}/get_server_capabilities", headers={"X-API-Key": "tml-second-key-0000"}).json()
         assert caps["supported_models"][0]["model_name"] == tiny_dir.name  # a plain dir is named after itself
         assert caps["supported_models"][0]["max_context_length"] == 128  # --max-seq-len reached the engine
         assert httpx.get(f"{url}/get_server_capabilities").status_code == 401
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out = served.stop()
         # uvicorn finishes the lifespan shutdown (our drain), then re-raises the signal.
-        assert proc.returncode in (0, -signal.SIGTERM) and "Application shutdown complete" in out, out
+        assert "Application shutdown complete" in out, out
         assert KEY_A not in out and "tml-second-key" not in out  # keys never reach the log
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_no_auth_and_loopback_rule(tiny_dir: Path, tmp_path: Path) -> None:

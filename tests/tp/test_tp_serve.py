@@ -3,20 +3,13 @@ one-process engine."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
 from tinker import types
 
-from mint_server.model.tp import free_port
-from tests.service.live import KEY_A, LiveServer, tiny_engine
+from tests.service.live import KEY_A, LiveServer, ServeProcess, tiny_engine
 from tests.tiny import make_tiny_checkpoint
 
 GREEDY = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
@@ -48,30 +41,10 @@ def test_mint_serve_tp2_answers_the_tinker_sdk_like_tp1(tmp_path: Path) -> None:
     model_dir = make_tiny_checkpoint(tmp_path / "tiny-moe", "qwen3_moe", tie=True)
     with LiveServer(tiny_engine(model_dir), tmp_path / "one") as server:
         want = sdk_run(server.url, "tiny/llama")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(model_dir),
-         "--port", str(port), "--data-dir", str(tmp_path / "two"), "--tp", "2", "--threads", "1",
-         "--device-slots", "2", "--max-rank", "8", "--kv-budget-tokens", "512", "--max-seq-len", "128"],
-        env={**os.environ, "MINT_API_KEYS": KEY_A}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.3)
-        got = sdk_run(url, model_dir.name)
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode in (0, -signal.SIGTERM), out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with ServeProcess("--base-model", str(model_dir), "--data-dir", str(tmp_path / "two"), "--tp", "2",
+                      "--threads", "1", "--device-slots", "2", "--max-rank", "8", "--kv-budget-tokens", "512",
+                      "--max-seq-len", "128") as served:
+        got = sdk_run(served.url, model_dir.name)
+        served.stop()
     assert got[0] == pytest.approx(want[0], rel=1e-5), (got, want)
     assert got[1:] == want[1:], (got, want)
