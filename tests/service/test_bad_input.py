@@ -488,7 +488,7 @@ def ctx(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ct
         train(tc, 1)
         weights = tc.save_state("w1").result().path
         sampler_path = tc.save_weights_for_sampler("s1").result().path
-        sc = client.create_sampling_client(model_path=sampler_path)
+        sc = client.create_sampling_client(model_path=sampler_path).result()
         api = httpx.Client(base_url=f"{server.url}/api/v1/{CAT}", headers={"X-API-Key": KEY_A}, timeout=60)
         assert api.put("/policies/pol/aliases/prod", json={"revision": 1}).status_code == 200
         api.close()

@@ -90,7 +90,7 @@ def test_stability_records_drive_stable_reinforce(client_a: tinker.ServiceClient
 
 
 def test_topk_sample_logprobs_come_from_the_same_distribution_as_the_tokens(client_a: tinker.ServiceClient) -> None:
-    sc = client_a.create_sampling_client(base_model=BASE)
+    sc = client_a.create_sampling_client(base_model=BASE).result()
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3, stop=[])
     seq = sc.sample(types.ModelInput.from_ints([5, 6, 7]), 2, params, topk_sample_logprobs=4).result().sequences[0]
     assert seq.topk_logprobs is not None and len(seq.topk_logprobs) == len(seq.tokens)
