@@ -15,6 +15,30 @@ from hypothesis import HealthCheck, Phase, given, settings
 from tests.service.live import KEY_A, LiveServer, tiny_engine
 
 EXAMPLES_PER_OPERATION = 8
+
+
+def _load_lazy_modules() -> None:
+    """Import what schemathesis imports lazily, now, at collection. pytest rewrites a plugin's modules
+    (ast.parse) as they are imported, and CPython 3.11's AST recursion bookkeeping is shared by the
+    interpreter's threads (gh-106905): parsed late in a run, with server and SDK threads alive, it
+    once failed this test with "AST constructor recursion depth mismatch"."""
+    import schemathesis.transport.requests  # noqa: F401 - case.call
+
+    spec = {"openapi": "3.0.2", "info": {"title": "warm-up", "version": "1"}, "paths": {"/x": {"post": {
+        "requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}},
+        "responses": {"200": {"description": "ok"}}}}}}  # fmt: skip
+    operation = next(iter(schemathesis.openapi.from_dict(spec).get_all_operations())).ok()
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=1, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    def draw(case: schemathesis.Case) -> None:
+        pass
+
+    draw()
+
+
+_load_lazy_modules()
 SERVER_ERRORS: list[str] = []
 CALLS: list[int] = []
 
