@@ -18,6 +18,8 @@ PG_URL = os.environ.get("MINT_TEST_POSTGRES_URL")
 def fresh_pg_schema() -> Iterator[str]:
     """A URL whose search_path is a new, empty schema: a fresh database for the catalog."""
     if not PG_URL:
+        if os.environ.get("CI"):  # CI promises PostgreSQL (.ci/run): its absence is a failure, not a skip
+            pytest.fail("MINT_TEST_POSTGRES_URL is not set in CI (.ci/run starts PostgreSQL)")
         pytest.skip('MINT_TEST_POSTGRES_URL is not set (eval "$(.ci/postgres.sh)")')
     schema = f"t_{uuid.uuid4().hex[:16]}"
     admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
