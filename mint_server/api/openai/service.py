@@ -93,6 +93,11 @@ class Reply:
         completion = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def body(self, response_id: str, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """A response or stream chunk of this reply, in OpenAI's envelope."""
+        return {"id": response_id, "object": kind, "created": self.created, "model": self.target.model,
+                "system_fingerprint": self.target.fingerprint, "choices": choices, **extra}
+
 
 class Mailbox:
     """Carries tokens from the engine's thread to the event loop with one wakeup per batch of them
@@ -406,20 +411,14 @@ class OpenAIService:
                 "index": c.index, "message": message, "finish_reason": c.finish_reason,
                 "logprobs": self._chat_logprobs(c.text.tokens, c.logprobs, c.tops, req) if req.logprobs else None,
             })  # fmt: skip
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": reply.created,
-                "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices,
-                "usage": reply.usage}  # fmt: skip
+        return reply.body(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", choices, usage=reply.usage)
 
     async def chat_stream(self, reply: Reply, req: ChatRequest) -> AsyncIterator[dict[str, Any]]:
         chunk_id = f"chatcmpl-{uuid.uuid4().hex}"
         usage = req.stream_options is not None and req.stream_options.include_usage
 
-        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            out = {"id": chunk_id, "object": "chat.completion.chunk", "created": reply.created,
-                   "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices}
-            if usage:
-                out["usage"] = None
-            return out  # fmt: skip
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:  # usage only in the last chunk, when asked
+            return reply.body(chunk_id, "chat.completion.chunk", choices, **({"usage": None} if usage else {}))
 
         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in reply.choices])  # fmt: skip
@@ -509,21 +508,15 @@ class OpenAIService:
                 if req.logprobs is not None else None
             choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})  # fmt: skip
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": reply.created,
-                "model": reply.target.model, "system_fingerprint": reply.target.fingerprint, "choices": choices,
-                "usage": reply.usage}  # fmt: skip
+        return reply.body(f"cmpl-{uuid.uuid4().hex}", "text_completion", choices, usage=reply.usage)
 
     async def complete_stream(self, reply: Reply, req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
         chunk_id = f"cmpl-{uuid.uuid4().hex}"
         usage = req.stream_options is not None and req.stream_options.include_usage
         offsets = {c.index: 0 for c in reply.choices}
 
-        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
-            out = {"id": chunk_id, "object": "text_completion", "created": reply.created, "model": reply.target.model,
-                   "system_fingerprint": reply.target.fingerprint, "choices": choices}
-            if usage:
-                out["usage"] = None
-            return out  # fmt: skip
+        def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:  # usage only in the last chunk, when asked
+            return reply.body(chunk_id, "text_completion", choices, **({"usage": None} if usage else {}))
 
         if req.echo:
             for c in reply.choices:
