@@ -48,7 +48,8 @@ def test_tinker_sdk_trains_saves_and_samples_on_deepseek(serve_dir, tmp_path):
         finally:
             client.close("success")
     # the written adapter uses PEFT's module names for MLA, shared experts, dense MLP and experts (packed)
-    written = next((tmp_path / "data").rglob("adapter_model.safetensors"))
+    # (a durable checkpoint: the session's snapshots under ephemeral/ go when it ends)
+    written = next(p for p in (tmp_path / "data").rglob("adapter_model.safetensors") if "ephemeral" not in p.parts)
     with safe_open(str(written), "pt") as f:
         keys = set(f.keys())
     for module in ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj",

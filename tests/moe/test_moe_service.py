@@ -44,12 +44,13 @@ def test_tinker_sdk_trains_saves_and_samples_an_expert_lora_policy(moe_serve_dir
             tuned = sc.sample(prompt, 1, greedy).result().sequences[0].tokens
             assert tuned == sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
             assert tc.forward(batch(), "cross_entropy").result().metrics["loss:sum"] < losses[0]
+            # every adapter the server wrote (checkpoints, snapshots) holds expert LoRA (train_mlp), packed;
+            # read while the session lives: ending it removes its snapshots
+            written = [p.parent for p in (tmp_path / "data").rglob("adapter_model.safetensors")]
+            layouts = {moe_layout_of(d) for d in written}
+            assert written and layouts == {"packed"}, layouts
         finally:
             client.close("success")
-        # every adapter the server wrote (checkpoints, catalog) holds expert LoRA (train_mlp), packed
-        written = [p.parent for p in (tmp_path / "data").rglob("adapter_model.safetensors")]
-        layouts = {moe_layout_of(d) for d in written}
-        assert written and layouts == {"packed"}, layouts
 
 
 def test_mint_serve_starts_on_a_qwen3_moe_dir(moe_serve_dir, tmp_path):
