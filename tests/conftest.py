@@ -26,7 +26,7 @@ def smollm2_dir(mint_test_cache: Path) -> Path:
 # on the other mode, so CI checks both paths at the cost of those tests only; `--kernels=both` runs
 # every test of these suites on both.
 PARITY_FILES = ("tests/model/test_parity.py", "tests/moe/test_moe_model.py", "tests/moe/test_moe_sampling.py",
-                "tests/engine/test_sampling.py", "tests/engine/test_training.py")
+                "tests/engine/test_sampling.py", "tests/engine/test_training.py", "tests/engine/test_invariance.py")
 PARITY_SUITES = ("tests/model/", "tests/moe/", "tests/engine/")
 PARITY_WORDS = ("match", "equal", "alone", "isolates")
 PARITY_SKIP = ("test_smollm2_logits_match_transformers", "test_bad_requests_fail_alone_and_leave_state_unchanged",

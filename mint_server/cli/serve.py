@@ -68,6 +68,7 @@ def engine_settings(
     tp: int | None = None,
     checkpoint_from_tokens: int | None = None,
     logits_chunk_mb: float | None = None,
+    batch_invariant: bool | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -79,7 +80,8 @@ def engine_settings(
     given = {"device_slots": device_slots, "host_cache_mb": host_cache_mb, "max_rank": max_rank,
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
              "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp,
-             "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb}
+             "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb,
+             "batch_invariant": batch_invariant}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -198,6 +200,12 @@ def register(app: typer.Typer) -> None:
             "and schedules, tp-1 spawned processes run their share (gloo on CPU, NCCL on CUDA: one GPU per "
             "rank). See docs/scale-up.md.",
         ),
+        batch_invariant: bool = typer.Option(
+            None, "--batch-invariant/--no-batch-invariant",
+            help=f"Bitwise batch-invariant numerics [default: {_default('batch_invariant')}]: a row's logits, "
+            "logprobs, tokens and gradients never depend on its batch, and sampled logprobs equal the training "
+            "forward's (true on-policy RL). Dense families, one rank; slower. See docs/numerics.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -226,7 +234,8 @@ def register(app: typer.Typer) -> None:
         root = resolve_data_dir(data_dir)
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
-                                     max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb)
+                                     max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb,
+                                     batch_invariant)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -49,6 +49,8 @@ from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
+from mint_server.model import invariant
+from mint_server.model.invariant import enable_for_model as enable_invariant
 from mint_server.model.loader import default_device, default_dtype, load_model
 from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config
 from mint_server.model.transformer import kv_bytes_per_token
@@ -98,6 +100,9 @@ class LocalEngine(JobParsing):
                 p.kill()
             raise
         cfg = self.model.config
+        self._invariant = s.batch_invariant
+        if s.batch_invariant:
+            enable_invariant(cfg, s.max_rank, self.device, self.dtype)
         self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
                                       model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -472,6 +477,8 @@ class LocalEngine(JobParsing):
             self._running = False
             self._cv.notify_all()
         self._worker.join()
+        if self._invariant:
+            invariant.set_enabled(False)
         self.registry.close()
         if self.runner is not None:
             self.runner.close()

@@ -27,6 +27,7 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine.interface import EngineError, NotSupportedError
+from mint_server.model import invariant
 
 LossFn = Callable[[Tensor, dict[str, Tensor], Tensor, dict[str, float]], Tensor]
 THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
@@ -163,6 +164,10 @@ class TargetLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor) -> Tensor:
         x = logits.float()
+        ctx.in_dtype = logits.dtype
+        if invariant.enabled():  # the sampler's function (row-wise log-softmax): equal logprobs bitwise
+            ctx.save_for_backward(x, targets, None)
+            return invariant.log_softmax(x).gather(-1, targets)
         lse = torch.logsumexp(x, -1, keepdim=True)
         ctx.in_dtype = logits.dtype
         ctx.save_for_backward(x, targets, lse)
@@ -172,7 +177,8 @@ class TargetLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         x, targets, lse = ctx.saved_tensors
         # d/dx of Σ_k g_k·(x[t_k] − lse) = scatter(g) − softmax(x)·Σ_k g_k
-        p = x.sub_(lse).exp_().mul_(-grad.sum(-1, keepdim=True))
+        p = torch.softmax(x, -1) if lse is None else x.sub_(lse).exp_()
+        p = p.mul_(-grad.sum(-1, keepdim=True))
         p.scatter_add_(-1, targets, grad)
         return p.to(ctx.in_dtype), None
 

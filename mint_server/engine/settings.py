@@ -55,6 +55,10 @@ class EngineSettings:
     # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
     # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
     tp: int = 1
+    # Batch-invariant numerics (model/invariant.py): a row's logits, logprobs, sampled tokens and
+    # gradients are bitwise the same whatever else is in its batch, and the sampler's logprobs equal
+    # the training forward's. Dense families on one rank; costs padding and smaller kernels.
+    batch_invariant: bool = False
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -74,6 +78,10 @@ class EngineSettings:
             raise ValueError(f"checkpoint_from_tokens must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
         if not (isinstance(self.logits_chunk_mb, int | float) and self.logits_chunk_mb > 0):
             raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.tp != 1:
+            raise ValueError("batch_invariant is supported on one rank only (tp=1)")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:

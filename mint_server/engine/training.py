@@ -32,6 +32,7 @@ from mint_server.engine.jobs import CustomJob, TrainJob
 from mint_server.engine.losses import ParsedDatum, TargetLogprobs, pad_inputs
 from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
+from mint_server.model import invariant
 from mint_server.model.lora import LoraBank, LoraBatch, lora_shapes
 from mint_server.model.transformer import Transformer
 
@@ -205,6 +206,8 @@ class Trainer:
             lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
             lora = self.registry.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
+        if lora is not None:
+            lora.row_lengths = [r.length for r in mb]
 
         with torch.set_grad_enabled(backward):
             if runner is None:
@@ -321,7 +324,8 @@ def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int
                   dtype: torch.dtype) -> tuple[LoraBatch, Leaves]:
     """Trainer.training_lora over any bank (a tensor-parallel rank's share too); adapters need .id,
     .slot, .rank, .targets and .scale."""
-    rmax = max(a.rank for a in adapters)
+    # invariant mode: always the bank's max rank, so the products' shapes do not depend on the batch
+    rmax = bank.max_rank if invariant.enabled() else max(a.rank for a in adapters)
     leaves: Leaves = {a.id: {} for a in adapters}
     weights: dict[str, tuple[Any, Any]] = {}
     for t in sorted({t for a in adapters for t in a.targets}):

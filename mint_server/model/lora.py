@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mint_server.model import kernels
+from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.tp import TP, sync_replicated
 
@@ -177,14 +177,18 @@ class LoraBatch:
     row_scale: Tensor | None = None
     row_index: Tensor | None = None
     plan: MixedPlan | None = None  # fast kernels, mixed rows: how add_lora groups them
+    # Batch-invariant mode: each row's real length (its later positions are padding); the tiles of an
+    # adapter's tokens start at each of its rows, so its gradient sums are the same in any batch.
+    row_lengths: list[int] | None = None
+    row_list: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        rows = self.rows.tolist()
+        rows = self.row_list = self.rows.tolist()
         first = rows[0] if rows else -1
         self.uniform = first if first >= 0 and all(r == first for r in rows) else None
         self.row_index = self.rows.clamp(min=0)
         self.row_scale = torch.where(self.rows >= 0, self.scale[self.row_index], torch.zeros_like(self.scale[:1]))
-        if self.uniform is None and kernels.fast():
+        if self.uniform is None and kernels.fast() and not invariant.enabled():
             self.plan = MixedPlan.of(rows, self.rows.device)
 
     @property
@@ -231,6 +235,8 @@ def add_lora(
     """
     if groups is not None:
         return _add_expert_lora(y, x, A, B, batch, groups)
+    if invariant.enabled():
+        return _add_lora_invariant(y, x, A, B, batch)
     rows, tokens, out = y.shape
     if batch.uniform is not None:
         u = batch.uniform
@@ -297,6 +303,39 @@ class MixedPlan:
         adapters = sorted(counts)
         return cls("segments", torch.tensor([i for _, i in used], device=device),
                    adapters=adapters, sizes=[counts[a] for a in adapters])
+
+
+def _add_lora_invariant(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Tensor:
+    """add_lora in batch-invariant mode: each adapter's tokens through invariant.matmul (TILE-row
+    products at a fixed rank), so a token's delta never depends on the batch. With autograd on, an
+    adapter's tiles start at each of its rows and stop at the row's length (its gradient sums over
+    the same tiles in any batch); without, its tokens are packed densely."""
+    rows, T, out = y.shape
+    fi = x.shape[-1]
+    n = rows * T
+    aligned = torch.is_grad_enabled()
+    lengths = batch.row_lengths or [T] * rows
+    members: dict[int, list[int]] = {}
+    for i, a in enumerate(batch.row_list):
+        if a >= 0:
+            members.setdefault(a, []).append(i)
+    xf = torch.cat([x.reshape(n, fi), x.new_zeros(1, fi)])  # row n: the zero row padding tiles read
+    yf = y.reshape(n, out)
+    for a, rows_of_a in members.items():
+        idx: list[int] = []
+        for i in rows_of_a:
+            m = min(lengths[i], T)
+            idx.extend(range(i * T, i * T + m))
+            if aligned:
+                idx.extend([n] * (-m % invariant.TILE))
+        index = torch.tensor(idx, device=y.device)
+        xa = invariant.matmul(xf.index_select(0, index), A[a].transpose(0, 1)) * batch.scale[a].to(x.dtype)
+        delta = invariant.matmul(xa, B[a].transpose(0, 1))
+        if aligned:
+            real = index < n
+            index, delta = index[real], delta[real]
+        yf = yf.index_add(0, index, delta) if aligned else yf.index_add_(0, index, delta)
+    return yf.view(rows, T, out)
 
 
 def _add_mixed_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, plan: MixedPlan) -> Tensor:
@@ -446,6 +485,8 @@ class LoraBank:
         """A LoraBatch over the whole bank (no copies) for rows given as slot ids (-1 = base)."""
         used = {s for s in row_slots if s >= 0}
         rank = max((self.rank[s] for s in used), default=0)
+        if rank and invariant.enabled():  # one product shape whatever the batch's adapters
+            rank = self.max_rank
         targets = {t for s in used for t in self.targets[s]}
         weights = {t: (self.A[t][..., :rank, :], self.B[t][..., :rank]) for t in targets} if rank else {}
         rows = torch.tensor(list(row_slots), dtype=torch.long, device=device or self.scale.device)

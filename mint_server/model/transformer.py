@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mint_server.model import kernels
+from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
@@ -27,6 +27,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
+        if invariant.enabled():
+            return invariant.rms_norm(x, self.weight, self.eps)
         # One fused op (fp32: no cast to keep parity for). Inference only: its backward measured
         # slower than autograd through the plain form (benchmarks/train.py --only ab).
         if x.dtype == torch.float32 and kernels.fast() and not torch.is_grad_enabled():
@@ -229,13 +231,20 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if kernels.fast():
+        if kernels.fast() and not invariant.enabled():  # addcmul's fused multiply-add may round otherwise
             ssin = signed_sin(sin)
             q, k = apply_rope_fast(q, cos, ssin), apply_rope_fast(k, cos, ssin)
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv
-        if cache is None:
+        if invariant.enabled():
+            if cache is None:
+                positions = torch.arange(T, device=x.device).expand(B, T)
+            else:
+                positions = cache.positions
+                k, v = cache.update(self.layer, k, v)
+            y = invariant.attention(q, k, v, positions, 1 / math.sqrt(self.head_dim))
+        elif cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         else:
             k, v = cache.update(self.layer, k, v)
@@ -249,7 +258,7 @@ def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, l
             tp: TP | None = None) -> Tensor:
     """Base projection plus the batch's LoRA delta for this target (never merged into the base).
     Under tensor parallelism both are this rank's share (see tp.py)."""
-    y = linear(x)
+    y = invariant.linear(x, linear.weight, linear.bias) if invariant.enabled() else linear(x)
     return y if lora is None else lora.apply(target, layer, x, y, tp=tp)
 
 
@@ -275,6 +284,8 @@ class MLP(nn.Module):
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
     """silu(g) · u; fast kernels without autograd reuse g's memory (it is a fresh projection output)."""
+    if invariant.enabled():
+        return invariant.silu_mul(g, u)
     if kernels.fast() and not torch.is_grad_enabled():
         return F.silu(g, inplace=True).mul_(u)
     return F.silu(g) * u
@@ -331,11 +342,9 @@ class Transformer(nn.Module):
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
-        angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
-        angles = torch.cat((angles, angles), dim=-1)
         # a fresh tensor: blocks may add into it in place
         x = self.embed_tokens(tokens) if self.tp is None else embed(self, tokens)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self.rope(positions)
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -346,6 +355,20 @@ class Transformer(nn.Module):
             else:
                 x = block(x, cos, sin, lora, cache)
         return self.norm(x)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin [B, 1, T, head_dim] of positions [B, T] (float32). Invariant mode reads them from a
+        table computed once, so a position's values do not depend on how many are computed at once."""
+        if invariant.enabled():
+            need = int(positions.max()) + 1
+            table = getattr(self, "_rope_table", None)
+            if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+                length = max(need, self.config.max_position_embeddings)
+                self._rope_table = table = invariant.rope_table(self.inv_freq.to(positions.device), length)
+            return table[0][positions][:, None], table[1][positions][:, None]
+        angles = positions[:, None, :, None].float() * self.inv_freq[None, None, None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
 
     def logits(self, h: Tensor, lora: LoraBatch | None = None) -> Tensor:
         if self.tp is None:

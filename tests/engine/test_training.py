@@ -18,6 +18,7 @@ from mint_server.model.peft_io import save_peft
 from tests.engine.helpers import AdapterRegistry, TrainRequest
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter
+from tests.tolerance import for_model
 
 ADAM = types.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
 
@@ -84,9 +85,9 @@ def peft_grad(params, target, layer, which):
     return params[name].grad
 
 
-def rel_err(a, b):
-    """‖a − b‖ / ‖b‖; 0 when both are zero (A's gradient while B is still PEFT's zero init)."""
-    return ((a - b).norm() / b.norm().clamp(min=1e-30)).item()
+def tol(model_or_trainer):
+    """The tolerance policy (tests/tolerance.py) for the tiny model a test trains."""
+    return for_model(getattr(model_or_trainer, "model", model_or_trainer).config)
 
 
 @pytest.mark.parametrize("fixture", ["train_llama_dir", "train_qwen3_dir"])
@@ -101,15 +102,15 @@ def test_cross_entropy_grads_match_peft(fixture, request, tmp_path):
     ref_loss, ref_lp, params = peft_reference(model_dir, tmp_path / "peft", datums)
 
     assert out.loss_fn_output_type == "ArrayRecord"
-    assert out.metrics["loss:sum"] == pytest.approx(ref_loss, rel=1e-5)
+    tol(trainer).check_scalar(out.metrics["loss:sum"], ref_loss, sum(d.model_input.length for d in datums))
     for o, lp in zip(out.loss_fn_outputs, ref_lp, strict=True):
-        torch.testing.assert_close(o["logprobs"].to_torch(), lp, rtol=1e-5, atol=1e-5)
+        tol(trainer).check(o["logprobs"].to_torch(), lp, "logprobs vs PEFT")
         assert o["elementwise_loss"].shape == o["logprobs"].shape
     assert set(adapter.grads) == set(weights.weights)
     for t, (gA, gB) in adapter.grads.items():
         for layer in range(gA.shape[0]):
-            assert rel_err(gA[layer], peft_grad(params, t, layer, "A")) <= 1e-5, (t, layer, "A")
-            assert rel_err(gB[layer], peft_grad(params, t, layer, "B")) <= 1e-5, (t, layer, "B")
+            tol(trainer).check_rel(gA[layer], peft_grad(params, t, layer, "A"), (t, layer, "A"))
+            tol(trainer).check_rel(gB[layer], peft_grad(params, t, layer, "B"), (t, layer, "B"))
 
 
 def test_gradients_accumulate_and_optim_step_clears_them(trainer):
@@ -139,13 +140,13 @@ def test_forward_gives_logprobs_without_touching_gradients(trainer, model):
     ])
     grads = {t: (a.clone(), b.clone()) for t, (a, b) in adapter.grads.items()}
     for a, b in zip(fb.loss_fn_outputs, fwd.loss_fn_outputs, strict=True):
-        torch.testing.assert_close(a["logprobs"].to_torch(), b["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
-    assert fwd.metrics["loss:sum"] == pytest.approx(fb.metrics["loss:sum"], rel=1e-5)
+        tol(trainer).check(a["logprobs"].to_torch(), b["logprobs"].to_torch(), "forward vs forward_backward")
+    tol(trainer).check_scalar(fwd.metrics["loss:sum"], fb.metrics["loss:sum"], sum(d.model_input.length for d in datums))
     for d, o in zip(datums, base.loss_fn_outputs, strict=True):  # bare base = model with no LoRA
         with torch.no_grad():
             logits = model(torch.tensor([d.model_input.to_ints()]))[0]
         lp = torch.log_softmax(logits, -1).gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
-        torch.testing.assert_close(o["logprobs"].to_torch(), lp, rtol=1e-5, atol=1e-5)
+        tol(model).check(o["logprobs"].to_torch(), lp, "bare base")
     for t, (a, b) in adapter.grads.items():
         assert torch.equal(a, grads[t][0]) and torch.equal(b, grads[t][1])
 
@@ -162,9 +163,9 @@ def test_two_dimensional_targets_give_per_column_logprobs(trainer):
                               TrainRequest(adapter.id, [d, alt], "cross_entropy", backward=False)])
     lp2 = out2.loss_fn_outputs[0]["logprobs"].to_torch()
     assert list(lp2.shape) == [8, 2]
-    torch.testing.assert_close(lp2[:, 0], out1.loss_fn_outputs[0]["logprobs"].to_torch())
-    torch.testing.assert_close(lp2[:, 1], out1.loss_fn_outputs[1]["logprobs"].to_torch())
-    assert out2.metrics["loss:sum"] == pytest.approx(out1.metrics["loss:sum"], rel=1e-5)
+    tol(trainer).check(lp2[:, 0], out1.loss_fn_outputs[0]["logprobs"].to_torch(), "column 0")
+    tol(trainer).check(lp2[:, 1], out1.loss_fn_outputs[1]["logprobs"].to_torch(), "column 1")
+    tol(trainer).check_scalar(out2.metrics["loss:sum"], out1.metrics["loss:sum"], 16)
 
 
 def test_fused_step_isolates_adapters(model):
@@ -179,16 +180,19 @@ def test_fused_step_isolates_adapters(model):
     for _ in range(3):
         ra, rb = fused.run([TrainRequest(a, da, "cross_entropy"), TrainRequest(b, db, "cross_entropy")])
         (ra_alone,) = alone.run([TrainRequest(a_alone, da, "cross_entropy")])
-        assert ra.metrics["loss:sum"] == pytest.approx(ra_alone.metrics["loss:sum"], rel=1e-6)
+        tol(model).check_scalar(ra.metrics["loss:sum"], ra_alone.metrics["loss:sum"], 21)
         for t, (gA, gB) in fused.registry.get(a).grads.items():
             ref = alone.registry.get(a_alone).grads[t]
-            assert rel_err(gA, ref[0]) <= 1e-5 and rel_err(gB, ref[1]) <= 1e-5
+            tol(model).check_rel(gA, ref[0], (t, "A"))
+            tol(model).check_rel(gB, ref[1], (t, "B"))
         for tr, aid in ((fused, a), (fused, b), (alone, a_alone)):
             tr.optim_step(aid, ADAM)
     wa, wa_alone = fused.registry.weights(a).weights, alone.registry.weights(a_alone).weights
     for t in wa:
-        assert (wa[t][0] - wa_alone[t][0]).abs().max() <= 1e-6
-        assert (wa[t][1] - wa_alone[t][1]).abs().max() <= 1e-6
+        # Adam's normalised step is ~lr per element whatever the gradient's rounding: the weights
+        # agree to lr times the gradients' relative bound.
+        tol(model).check(wa[t][0], wa_alone[t][0], (t, "A"))
+        tol(model).check(wa[t][1], wa_alone[t][1], (t, "B"))
     for t, (A, B) in fused.registry.weights(c).weights.items():
         assert torch.equal(A, c_before.weights[t][0]) and torch.equal(B, c_before.weights[t][1])
     assert fused.registry.get(c).grads == {} and fused.registry.get(c).optim.step == 0
@@ -210,10 +214,11 @@ def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
         ids.append(aid)
     assert calls == [1, 2, 2] * 2  # [21], [17, 14], [9, 3] under a budget of 40 padded tokens
     for x, y in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs, strict=True):
-        torch.testing.assert_close(x["logprobs"].to_torch(), y["logprobs"].to_torch(), rtol=1e-5, atol=1e-6)
+        tol(model).check(x["logprobs"].to_torch(), y["logprobs"].to_torch(), "micro-batched logprobs")
     ga, gb = plain.registry.get(ids[0]).grads, split.registry.get(ids[1]).grads
     for t in ga:
-        assert rel_err(gb[t][0], ga[t][0]) <= 1e-5 and rel_err(gb[t][1], ga[t][1]) <= 1e-5
+        tol(model).check_rel(gb[t][0], ga[t][0], (t, "A"))
+        tol(model).check_rel(gb[t][1], ga[t][1], (t, "B"))
 
 
 
@@ -247,14 +252,15 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
     assert budget.recompute(156) and not budget.recompute(13)
     (outs_a, grads_a), (outs_b, grads_b) = results
     for oa, ob in zip(outs_a, outs_b, strict=True):
-        assert abs(oa.metrics["loss:sum"] - ob.metrics["loss:sum"]) <= 1e-5 * max(1.0, abs(oa.metrics["loss:sum"]))
+        tol(model).check_scalar(oa.metrics["loss:sum"], ob.metrics["loss:sum"], sum(lengths))
         for x, y in zip(oa.loss_fn_outputs, ob.loss_fn_outputs, strict=True):
             for key in ("logprobs", "elementwise_loss"):
-                torch.testing.assert_close(x[key].to_torch(), y[key].to_torch(), rtol=1e-5, atol=1e-6)
+                tol(model).check(x[key].to_torch(), y[key].to_torch(), key)
     for ga, gb in zip(grads_a, grads_b, strict=True):
         assert set(ga) == set(gb)
         for t in ga:
-            assert rel_err(gb[t][0], ga[t][0]) <= 1e-5 and rel_err(gb[t][1], ga[t][1]) <= 1e-5
+            tol(model).check_rel(gb[t][0], ga[t][0], (t, "A"))
+            tol(model).check_rel(gb[t][1], ga[t][1], (t, "B"))
 
 def test_sft_learns_a_small_task(trainer):
     aid = trainer.create_adapter(types.LoraConfig(rank=8, seed=0))
@@ -319,11 +325,12 @@ def test_reverse_kl_matches_direct_computation(trainer, with_reference_adapter):
               for s, r, w in rows]
     out = trainer.reverse_kl(student.id, reference.id if reference else None, datums, temperature=0.7)
     ref_total, ref_grads = _reverse_kl_reference(trainer, student, reference, rows, 0.7)
-    assert out.metrics["loss:sum"] == pytest.approx(ref_total, rel=1e-5)
+    tol(trainer).check_scalar(out.metrics["loss:sum"], ref_total, 29)
     assert [o["loss"].shape for o in out.loss_fn_outputs] == [[9], [14], [6]]
-    assert all(np.all(o["loss"].to_numpy() >= -1e-6) for o in out.loss_fn_outputs)
+    assert all(np.all(o["loss"].to_numpy() >= -tol(trainer).rel) for o in out.loss_fn_outputs)
     for t, (gA, gB) in student.grads.items():
-        assert rel_err(gA, ref_grads[t][0]) <= 1e-5 and rel_err(gB, ref_grads[t][1]) <= 1e-5
+        tol(trainer).check_rel(gA, ref_grads[t][0], (t, "A"))
+        tol(trainer).check_rel(gB, ref_grads[t][1], (t, "B"))
 
 
 def test_reverse_kl_against_itself_is_zero_and_checks_input(trainer):

@@ -1,0 +1,214 @@
+"""Batch-invariant tensor math: a row's numbers never depend on what else is in its batch.
+
+A BLAS picks its kernel, blocking and reduction order from the matrix shapes, and a reduction or
+elementwise kernel splits its work over threads by the tensor's size; so the same token's logits
+differ in the last bits between a batch of 1 and a batch of 64, or between the sampler (one token
+per step) and the trainer (a whole sequence per pass). In invariant mode (`mint serve
+--batch-invariant`, `EngineSettings.batch_invariant`) every operation a token goes through has a
+shape that does not depend on the batch:
+
+- products with a weight (base projections, LoRA shrink/expand at the bank's max rank, lm_head)
+  run on tiles of TILE tokens (zero-padded), one bmm over the tiles: each token is computed by the
+  same [TILE, in] × [in, out] product wherever it sits;
+- row reductions (RMSNorm's mean square) and elementwise transcendentals (SiLU) run one [TILE, d]
+  tile at a time, so the thread split and the vectorised/scalar split of the work are the same for
+  every tile;
+- RoPE reads cos/sin from a table computed once per position;
+- attention takes keys in blocks of KEY_BLOCK positions: scores per (query tile, key block), a
+  row softmax over keys padded to whole blocks with -inf, and the weighted values summed block by
+  block in order, so a query sees the same sums whether its keys come from the KV cache one token
+  at a time or from a whole training sequence;
+- logprobs come from the row-wise log-softmax kernel (one thread per row, same code per row).
+
+That each of these is invariant on this machine's kernels (a tile's rows do not depend on their
+position in it or on the tile count, a row softmax does not depend on its padding) is checked when
+the mode is switched on (`verify`); a backend that fails it is refused with the failing operation
+named. Training adds one rule: tiles of an adapter's tokens are aligned to its own rows
+(`LoraBatch.row_lengths`), so the sums that make its gradients see the same tiles in a fused pass
+as alone. The cost is padding (a lone decode row still runs a TILE-row product) and more, smaller
+kernel calls: benchmarks/invariance.py measures it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+TILE = 16  # tokens per product tile
+KEY_BLOCK = 64  # key positions per attention block
+
+_enabled = False
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def set_enabled(value: bool) -> None:
+    global _enabled
+    _enabled = bool(value)
+
+
+@contextmanager
+def use(value: bool) -> Iterator[None]:
+    old = _enabled
+    set_enabled(value)
+    try:
+        yield
+    finally:
+        set_enabled(old)
+
+
+def _pad_rows(x: Tensor, multiple: int) -> Tensor:
+    extra = -x.shape[0] % multiple
+    return F.pad(x, (0, 0, 0, extra)) if extra else x
+
+
+def matmul(x: Tensor, wt: Tensor) -> Tensor:
+    """x [n, in] @ wt [in, out] as TILE-row products: row i of the result depends only on x[i]."""
+    n = x.shape[0]
+    xt = _pad_rows(x, TILE)
+    nt = xt.shape[0] // TILE
+    y = torch.bmm(xt.view(nt, TILE, -1), wt.expand(nt, *wt.shape))
+    return y.view(nt * TILE, -1)[:n]
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear, batch-invariant: x [..., in], weight [out, in]."""
+    lead = x.shape[:-1]
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.t()).view(*lead, weight.shape[0])
+    return y if bias is None else y + bias
+
+
+def per_tile(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """fn applied to [TILE, d] tiles of x [..., d] one at a time (elementwise ops whose result may
+    depend on where an element falls in the kernel's split of the work)."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    tiles = _pad_rows(flat, TILE).split(TILE)
+    return torch.cat([fn(t) for t in tiles])[:n].view(x.shape)
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """x [..., d] summed over d → [..., 1], one [TILE, d] tile at a time (a reduction kernel splits
+    its work by the tensor's size)."""
+    flat = x.reshape(-1, x.shape[-1])
+    n = flat.shape[0]
+    sums = torch.cat([t.sum(-1, keepdim=True) for t in _pad_rows(flat, TILE).split(TILE)])
+    return sums[:n].view(*x.shape[:-1], 1)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    mean_sq = row_sum(xf * xf) / x.shape[-1]
+    return weight * (xf * torch.rsqrt(mean_sq + eps)).to(x.dtype)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    return per_tile(F.silu, g) * u
+
+
+def rope_table(inv_freq: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """cos, sin [length, head_dim] for positions 0..length-1 (float32), computed once in float64."""
+    pos = torch.arange(length, dtype=torch.float64, device=inv_freq.device)
+    angles = pos[:, None] * inv_freq.double()[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float) -> Tensor:
+    """Causal attention, batch-invariant. q [B, H, T, d]; k, v [B, Hkv, L, d] hold positions
+    0..L-1; q_positions [B, T]: each query's absolute position (it sees keys at positions ≤ it)."""
+    B, H, T, d = q.shape
+    L, dv = k.shape[2], v.shape[-1]
+    if k.shape[1] != H:
+        k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
+    nq, nk = -(-T // TILE), -(-L // KEY_BLOCK)
+    qt = F.pad(q, (0, 0, 0, nq * TILE - T)).view(B, H, nq, TILE, d)
+    kb = F.pad(k, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, d)
+    vb = F.pad(v, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, dv)
+    # one [TILE, d] × [d, KEY_BLOCK] product per (query tile, key block)
+    scores = torch.cat([torch.matmul(qt, kb[:, :, j, None].transpose(-1, -2)) for j in range(nk)], dim=-1) * scale
+    pos = F.pad(q_positions, (0, nq * TILE - T)).view(B, 1, nq, TILE, 1)
+    keys = torch.arange(nk * KEY_BLOCK, device=q.device)
+    scores = scores.masked_fill(keys > pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = None
+    for j in range(nk):  # block by block, in order: trailing all-masked blocks add exact zeros
+        part = torch.matmul(probs[..., j * KEY_BLOCK : (j + 1) * KEY_BLOCK], vb[:, :, j, None])
+        out = part if out is None else out + part
+    assert out is not None
+    return out.view(B, H, nq * TILE, dv)[:, :, :T]
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """Row-wise log-softmax over the last dim (one thread per row, the same code for every row)."""
+    return torch.log_softmax(x, dim=-1)
+
+
+class InvariantBackendError(RuntimeError):
+    """This machine's kernels do not give batch-invariant results for an operation the mode needs."""
+
+
+def verify(shapes: list[tuple[int, int]], widths: list[int], vocab: int, head_dim: int,
+           device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    """Check, on this machine's kernels and thread count, every property invariant mode relies on,
+    for the model's own sizes: products with weights of `shapes` [(in, out)], SiLU and row sums
+    over `widths`, the row log-softmax over `vocab`, attention blocks of `head_dim`. Raises
+    InvariantBackendError naming the first operation that fails."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    def same(a: Tensor, b: Tensor, what: str) -> None:
+        if not torch.equal(a, b):
+            raise InvariantBackendError(f"batch-invariant mode is not supported by this machine's kernels: {what} "
+                                        "depends on the batch (try another MKL_CBWR / thread count, or run without "
+                                        "--batch-invariant)")
+
+    perm = torch.randperm(3 * TILE, generator=g).to(device)
+    for fi, fo in shapes:
+        x, wt = rand(3 * TILE, fi), rand(fo, fi).t()
+        y = matmul(x, wt)
+        same(matmul(x[perm], wt), y[perm], f"a [{TILE}, {fi}] × [{fi}, {fo}] product's row position")
+        same(matmul(x[:5], wt), y[:5], f"a [{TILE}, {fi}] × [{fi}, {fo}] product's tile count")
+    for w in widths:
+        x = rand(3 * TILE, w)
+        silu, sums = per_tile(F.silu, x), row_sum(x)
+        same(per_tile(F.silu, x[perm]), silu[perm], f"SiLU over {w} columns")
+        same(per_tile(F.silu, x[:5]), silu[:5], f"SiLU over {w} columns, by tile count")
+        same(row_sum(x[perm]), sums[perm], f"a row sum over {w} columns")
+        same(row_sum(x[:5]), sums[:5], f"a row sum over {w} columns, by tile count")
+    x = rand(4, vocab)
+    same(log_softmax(x[1:2]), log_softmax(x)[1:2], f"log-softmax over {vocab}")
+    same(torch.softmax(x[1:2], -1), torch.softmax(x, -1)[1:2], f"softmax over {vocab}")
+    # attention: one query alone (decode) vs inside a longer sequence's tiles (prefill, training)
+    L = 2 * KEY_BLOCK + 5
+    q, k, v = rand(1, 2, L, head_dim), rand(1, 2, L, head_dim), rand(1, 2, L, head_dim)
+    pos = torch.arange(L, device=device)[None]
+    full = attention(q, k, v, pos, 1 / math.sqrt(head_dim))
+    p = KEY_BLOCK + 3
+    one = attention(q[:, :, p : p + 1], k[:, :, : p + 1], v[:, :, : p + 1], pos[:, p : p + 1], 1 / math.sqrt(head_dim))
+    same(one, full[:, :, p : p + 1], f"attention over head_dim {head_dim}")
+
+
+def enable_for_model(cfg, max_rank: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32) -> None:
+    """Switch the mode on for a model of this ModelConfig after checking its family and this
+    machine's kernels (verify); InvariantBackendError names what stands in the way."""
+    if cfg.family.moe or cfg.family.mla:
+        raise InvariantBackendError(f"batch-invariant mode supports the dense families (Llama, Qwen3); "
+                                    f"{cfg.architecture} is not supported yet")
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    i = cfg.intermediate_size
+    shapes = {(h, q), (h, kv), (q, h), (h, i), (i, h), (h, cfg.vocab_size)}
+    for fi, fo in list(shapes):  # LoRA shrink and expand at the bank's max rank
+        shapes |= {(fi, max_rank), (max_rank, fo)}
+    verify(sorted(shapes), sorted({h, i, cfg.head_dim}), cfg.vocab_size, cfg.head_dim, device, dtype)
+    set_enabled(True)
