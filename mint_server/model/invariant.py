@@ -72,7 +72,9 @@ def _pad_rows(x: Tensor, multiple: int) -> Tensor:
 def matmul(x: Tensor, wt: Tensor) -> Tensor:
     """x [n, in] @ wt [in, out] as TILE-row products: row i of the result depends only on x[i]."""
     n = x.shape[0]
-    xt = _pad_rows(x, TILE)
+    # at least two tiles: a batch of one goes to a plain GEMM, which may split the reduction over
+    # threads where a batch of several does not
+    xt = _pad_rows(x, TILE) if n > TILE else F.pad(x, (0, 0, 0, 2 * TILE - n))
     nt = xt.shape[0] // TILE
     y = torch.bmm(xt.view(nt, TILE, -1), wt.expand(nt, *wt.shape))
     return y.view(nt * TILE, -1)[:n]
@@ -174,10 +176,11 @@ def verify(shapes: list[tuple[int, int]], widths: list[int], vocab: int, head_di
 
     perm = torch.randperm(3 * TILE, generator=g).to(device)
     for fi, fo in shapes:
-        x, wt = rand(3 * TILE, fi), rand(fo, fi).t()
+        x, wt = rand(7 * TILE, fi), rand(fo, fi).t()
         y = matmul(x, wt)
         same(matmul(x[perm], wt), y[perm], f"a [{TILE}, {fi}] × [{fi}, {fo}] product's row position")
-        same(matmul(x[:5], wt), y[:5], f"a [{TILE}, {fi}] × [{fi}, {fo}] product's tile count")
+        for n in (5, 3 * TILE):
+            same(matmul(x[:n], wt), y[:n], f"a [{TILE}, {fi}] × [{fi}, {fo}] product's tile count")
     for w in widths:
         x = rand(3 * TILE, w)
         silu, sums = per_tile(F.silu, x), row_sum(x)
