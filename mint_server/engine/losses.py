@@ -177,7 +177,7 @@ class TargetLogprobs(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         x, targets, lse = ctx.saved_tensors
         # d/dx of Σ_k g_k·(x[t_k] − lse) = scatter(g) − softmax(x)·Σ_k g_k
-        p = torch.softmax(x, -1) if lse is None else x.sub_(lse).exp_()
+        p = invariant.softmax_from_log(invariant.log_softmax(x)) if lse is None else x.sub_(lse).exp_()
         p = p.mul_(-grad.sum(-1, keepdim=True))
         p.scatter_add_(-1, targets, grad)
         return p.to(ctx.in_dtype), None

@@ -40,6 +40,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 TILE = 16  # tokens per product tile
+# Rows per tile of the backward's products: only the trainer runs them (alone or fused, the same
+# code), so they need not match the sampler's and can be larger, reading each weight fewer times.
+BACKWARD_TILE = 128
 KEY_BLOCK = 64  # key positions per attention block
 
 _enabled = False
@@ -69,15 +72,39 @@ def _pad_rows(x: Tensor, multiple: int) -> Tensor:
     return F.pad(x, (0, 0, 0, extra)) if extra else x
 
 
-def matmul(x: Tensor, wt: Tensor) -> Tensor:
-    """x [n, in] @ wt [in, out] as TILE-row products: row i of the result depends only on x[i]."""
+def _tiled(x: Tensor, wt: Tensor, tile: int) -> Tensor:
     n = x.shape[0]
     # at least two tiles: a batch of one goes to a plain GEMM, which may split the reduction over
     # threads where a batch of several does not
-    xt = _pad_rows(x, TILE) if n > TILE else F.pad(x, (0, 0, 0, 2 * TILE - n))
-    nt = xt.shape[0] // TILE
-    y = torch.bmm(xt.view(nt, TILE, -1), wt.expand(nt, *wt.shape))
-    return y.view(nt * TILE, -1)[:n]
+    xt = _pad_rows(x, tile) if n > tile else F.pad(x, (0, 0, 0, 2 * tile - n))
+    nt = xt.shape[0] // tile
+    y = torch.bmm(xt.view(nt, tile, -1), wt.expand(nt, *wt.shape))
+    return y.view(nt * tile, -1)[:n]
+
+
+class _Matmul(torch.autograd.Function):
+    """x [n, in] @ wt [in, out] in TILE-row products. Backward: x's gradient in BACKWARD_TILE-row
+    products (row-wise again); wt's gradient, a sum over all n rows, as one product — its shape
+    follows only the rows given, which training lays out per adapter and per row (LoraBatch)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, wt: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, wt)
+        return _tiled(x, wt, TILE)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:  # type: ignore[override]
+        x, wt = ctx.saved_tensors
+        gx = _tiled(grad, wt.t(), BACKWARD_TILE) if ctx.needs_input_grad[0] else None
+        gw = x.t() @ grad if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+def matmul(x: Tensor, wt: Tensor) -> Tensor:
+    """x [n, in] @ wt [in, out] as TILE-row products: row i of the result depends only on x[i]."""
+    if torch.is_grad_enabled() and (x.requires_grad or wt.requires_grad):
+        return _Matmul.apply(x, wt)
+    return _tiled(x, wt, TILE)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -132,25 +159,29 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float
         k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     nq, nk = -(-T // TILE), -(-L // KEY_BLOCK)
     qt = F.pad(q, (0, 0, 0, nq * TILE - T)).view(B, H, nq, TILE, d)
-    kb = F.pad(k, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, d)
+    kbt = F.pad(k, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, d).transpose(-1, -2)
     vb = F.pad(v, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, dv)
-    # one [TILE, d] × [d, KEY_BLOCK] product per (query tile, key block)
-    scores = torch.cat([torch.matmul(qt, kb[:, :, j, None].transpose(-1, -2)) for j in range(nk)], dim=-1) * scale
     pos = F.pad(q_positions, (0, nq * TILE - T)).view(B, 1, nq, TILE, 1)
     keys = torch.arange(nk * KEY_BLOCK, device=q.device)
-    scores = scores.masked_fill(keys > pos, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = None
-    for j in range(nk):  # block by block, in order: trailing all-masked blocks add exact zeros
-        part = torch.matmul(probs[..., j * KEY_BLOCK : (j + 1) * KEY_BLOCK], vb[:, :, j, None])
-        out = part if out is None else out + part
-    assert out is not None
-    return out.view(B, H, nq * TILE, dv)[:, :, :T]
+    outs = []
+    for i in range(nq):  # a query tile against every key block: one [TILE, d] × [d, KEY_BLOCK] product each
+        scores = torch.matmul(qt[:, :, i, None], kbt)  # [B, H, nk, TILE, KEY_BLOCK]
+        scores = scores.transpose(2, 3).reshape(B, H, TILE, nk * KEY_BLOCK) * scale
+        probs = torch.softmax(scores.masked_fill(keys > pos[:, :, i], float("-inf")), dim=-1)
+        parts = torch.matmul(probs.view(B, H, TILE, nk, KEY_BLOCK).transpose(2, 3), vb)  # [B, H, nk, TILE, dv]
+        # summed block by block in order: trailing all-masked blocks add exact zeros
+        outs.append(parts.sum(2))
+    return torch.stack(outs, 2).view(B, H, nq * TILE, dv)[:, :, :T]
 
 
 def log_softmax(x: Tensor) -> Tensor:
     """Row-wise log-softmax over the last dim (one thread per row, the same code for every row)."""
     return torch.log_softmax(x, dim=-1)
+
+
+def softmax_from_log(logp: Tensor) -> Tensor:
+    """exp(logp) for [..., vocab] log-probabilities, one [TILE, vocab] tile at a time."""
+    return per_tile(torch.exp, logp)
 
 
 class InvariantBackendError(RuntimeError):
@@ -190,7 +221,13 @@ def verify(shapes: list[tuple[int, int]], widths: list[int], vocab: int, head_di
         same(row_sum(x[:5]), sums[:5], f"a row sum over {w} columns, by tile count")
     x = rand(4, vocab)
     same(log_softmax(x[1:2]), log_softmax(x)[1:2], f"log-softmax over {vocab}")
-    same(torch.softmax(x[1:2], -1), torch.softmax(x, -1)[1:2], f"softmax over {vocab}")
+    lp = log_softmax(rand(3 * TILE, vocab))
+    same(softmax_from_log(lp[perm]), softmax_from_log(lp)[perm], f"exp over {vocab} columns")
+    same(softmax_from_log(lp[:5]), softmax_from_log(lp)[:5], f"exp over {vocab} columns, by tile count")
+    for fi, fo in shapes:  # the backward's products (the trainer's only)
+        grad, w = rand(3 * BACKWARD_TILE, fo), rand(fo, fi)
+        y = _tiled(grad, w, BACKWARD_TILE)
+        same(_tiled(grad[:7], w, BACKWARD_TILE), y[:7], f"a [{BACKWARD_TILE}, {fo}] × [{fo}, {fi}] product's tile count")
     # attention: one query alone (decode) vs inside a longer sequence's tiles (prefill, training)
     L = 2 * KEY_BLOCK + 5
     q, k, v = rand(1, 2, L, head_dim), rand(1, 2, L, head_dim), rand(1, 2, L, head_dim)

@@ -37,3 +37,10 @@ def test_training_memory_flags_reach_the_settings_and_bad_values_name_the_flag(t
         with pytest.raises(typer.BadParameter) as err:
             engine_settings(None, None, None, None, None, None, None, tmp_path, **{flag: value})
         assert err.value.param_hint == "--" + flag.replace("_", "-")
+
+
+def test_batch_invariant_flag_reaches_the_settings_and_is_refused_with_tensor_parallel(tmp_path):
+    assert engine_settings(None, None, None, None, None, None, None, tmp_path, batch_invariant=True).batch_invariant
+    assert not engine_settings(None, None, None, None, None, None, None, tmp_path).batch_invariant
+    with pytest.raises(typer.BadParameter, match="batch_invariant is supported on one rank only"):
+        engine_settings(None, None, None, None, None, None, None, tmp_path, tp=2, batch_invariant=True)
