@@ -68,8 +68,17 @@ def use(value: bool) -> Iterator[None]:
 
 
 def _pad_rows(x: Tensor, multiple: int) -> Tensor:
-    extra = -x.shape[0] % multiple
-    return F.pad(x, (0, 0, 0, extra)) if extra else x
+    return _pad_dim(x, 0, multiple)
+
+
+def _pad_dim(x: Tensor, dim: int, multiple: int) -> Tensor:
+    """x with zeros appended along dim up to a multiple (a cat: F.pad would fill the whole output)."""
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
 
 
 def _tiled(x: Tensor, wt: Tensor, tile: int) -> Tensor:
@@ -120,16 +129,21 @@ def per_tile(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     flat = x.reshape(-1, x.shape[-1])
     n = flat.shape[0]
     tiles = _pad_rows(flat, TILE).split(TILE)
-    return torch.cat([fn(t) for t in tiles])[:n].view(x.shape)
+    if torch.is_grad_enabled() and flat.requires_grad:
+        out = torch.cat([fn(t) for t in tiles])
+    else:  # written in place of a cat's copy
+        first = fn(tiles[0])
+        out = first.new_empty(len(tiles) * TILE, first.shape[-1])
+        out[:TILE] = first
+        for k in range(1, len(tiles)):
+            out[k * TILE : (k + 1) * TILE] = fn(tiles[k])
+    return out[:n].view(*x.shape[:-1], out.shape[-1])
 
 
 def row_sum(x: Tensor) -> Tensor:
     """x [..., d] summed over d → [..., 1], one [TILE, d] tile at a time (a reduction kernel splits
     its work by the tensor's size)."""
-    flat = x.reshape(-1, x.shape[-1])
-    n = flat.shape[0]
-    sums = torch.cat([t.sum(-1, keepdim=True) for t in _pad_rows(flat, TILE).split(TILE)])
-    return sums[:n].view(*x.shape[:-1], 1)
+    return per_tile(lambda t: t.sum(-1, keepdim=True), x)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -158,9 +172,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float
     if k.shape[1] != H:
         k, v = k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1)
     nq, nk = -(-T // TILE), -(-L // KEY_BLOCK)
-    qt = F.pad(q, (0, 0, 0, nq * TILE - T)).view(B, H, nq, TILE, d)
-    kbt = F.pad(k, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, d).transpose(-1, -2)
-    vb = F.pad(v, (0, 0, 0, nk * KEY_BLOCK - L)).view(B, H, nk, KEY_BLOCK, dv)
+    qt = _pad_dim(q, 2, TILE).view(B, H, nq, TILE, d)
+    kbt = _pad_dim(k, 2, KEY_BLOCK).view(B, H, nk, KEY_BLOCK, d).transpose(-1, -2)
+    vb = _pad_dim(v, 2, KEY_BLOCK).view(B, H, nk, KEY_BLOCK, dv)
     pos = F.pad(q_positions, (0, nq * TILE - T)).view(B, 1, nq, TILE, 1)
     keys = torch.arange(nk * KEY_BLOCK, device=q.device)
     outs = []

@@ -305,6 +305,11 @@ class MixedPlan:
                    adapters=adapters, sizes=[counts[a] for a in adapters])
 
 
+# Invariant mode, sampling: above this many gathered B elements (adapters × out × r) the adapters
+# run one by one instead of in one bmm over gathered weights (the lm_head's B is large).
+_INVARIANT_GATHER_ELEMENTS = 1 << 25
+
+
 def _add_lora_invariant(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch) -> Tensor:
     """add_lora in batch-invariant mode: each adapter's tokens through invariant.matmul (TILE-row
     products at a fixed rank), so a token's delta never depends on the batch. With autograd on, an
@@ -321,6 +326,22 @@ def _add_lora_invariant(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraB
             members.setdefault(a, []).append(i)
     xf = torch.cat([x.reshape(n, fi), x.new_zeros(1, fi)])  # row n: the zero row padding tiles read
     yf = y.reshape(n, out)
+    if not aligned and len(members) > 1 and len(members) * out * A.shape[1] <= _INVARIANT_GATHER_ELEMENTS:
+        # sampling, several adapters: every adapter's tokens in whole tiles of one bmm, each tile
+        # with its adapter's A/B gathered (the same [TILE, in] × [in, r] products as one by one)
+        idx, tile_adapter = [], []
+        for a, rows_of_a in members.items():
+            mine = [i * T + t for i in rows_of_a for t in range(min(lengths[i], T))]
+            pad = -len(mine) % invariant.TILE
+            idx.extend(mine + [n] * pad)
+            tile_adapter.extend([a] * ((len(mine) + pad) // invariant.TILE))
+        index = torch.tensor(idx, device=y.device)
+        which = torch.tensor(tile_adapter, device=y.device)
+        xt = xf.index_select(0, index).view(len(tile_adapter), invariant.TILE, fi)
+        xa = torch.bmm(xt, A.index_select(0, which).transpose(1, 2)) * batch.scale[which].to(x.dtype)[:, None, None]
+        delta = torch.bmm(xa, B.index_select(0, which).transpose(1, 2)).view(-1, out)
+        real = index < n
+        return yf.index_add_(0, index[real], delta[real]).view(rows, T, out)
     for a, rows_of_a in members.items():
         idx: list[int] = []
         for i in rows_of_a:
