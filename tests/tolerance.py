@@ -13,10 +13,11 @@ is largest), depth the number of layers, and SAFETY a fixed margin for what √n
 (softmax and RMSNorm amplifying an input error, the log of a sum). For relative comparisons (whole
 gradient tensors, by norm) the bound is the same without the magnitude.
 
-The margin was set once from the drift measured under MKL_CBWR=COMPATIBLE / AVX2 / AVX512 and
-OMP_NUM_THREADS=1 / 2 (the worst seen sits at about a tenth of the bound) and leaves every real bug
-the tests look for (a wrong adapter, a wrong scale, a missed row: differences of 1e-3 and more)
-far above it. Exact equality is asserted only where the code guarantees it (batch-invariant mode).
+The margin was set once: the largest drift reported from other machines (1.9e-5 on a tiny MoE's
+logits, AMD EPYC AVX2 and AVX-512) sits at about a quarter of that model's bound (6.9e-5 at
+|logit| ≤ 1), the suites pass under MKL_CBWR=COMPATIBLE / AVX2 and OMP_NUM_THREADS=1 / 2, and every
+real bug the tests look for (a wrong adapter, a wrong scale, a missed row: differences of 1e-3 and
+more) stays an order of magnitude above it. Exact equality is asserted only where the code guarantees it (batch-invariant mode).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-SAFETY = 16.0
+SAFETY = 32.0
 
 
 def unit_roundoff(dtype: torch.dtype = torch.float32) -> float:
