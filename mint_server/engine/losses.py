@@ -169,7 +169,6 @@ class TargetLogprobs(torch.autograd.Function):
             ctx.save_for_backward(x, targets, None)
             return invariant.log_softmax(x).gather(-1, targets)
         lse = torch.logsumexp(x, -1, keepdim=True)
-        ctx.in_dtype = logits.dtype
         ctx.save_for_backward(x, targets, lse)
         return x.gather(-1, targets) - lse
 
