@@ -12,12 +12,11 @@ from tinker import types
 from mint_server.model import invariant
 from mint_server.model.config import ModelConfig
 from mint_server.model.loader import load_model
-from mint_server.model.lora import LoraBank
 from tests.engine.helpers import AdapterRegistry, TrainRequest, make_residency
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.engine.test_sampling import drain, make_sampler, prompt_of
 from tests.engine.test_training import sft_datums
-from tests.model.test_parity import random_adapter
+from tests.model.test_parity import mixed_batch, random_adapter
 
 
 @pytest.fixture(autouse=True)
@@ -35,11 +34,7 @@ def model(request):
 
 
 def test_a_row_alone_equals_the_row_in_a_mixed_batch(model):
-    bank = LoraBank(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
-    for slot, rank in zip([0, 1, 3, 5], [2, 8, 4, 1], strict=True):
-        bank.write(slot, random_adapter(model.config, rank, seed=slot).weights, rank, alpha=8.0)
-    row_slots = [3, -1, 0, 5, 1, 3, -1, 0]
-    tokens = torch.randint(0, model.config.vocab_size, (len(row_slots), 21), generator=torch.Generator().manual_seed(4))
+    bank, row_slots, tokens = mixed_batch(model)
     with torch.no_grad():
         mixed = model(tokens, lora=bank.batch(row_slots))
         for i, slot in enumerate(row_slots):

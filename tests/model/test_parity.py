@@ -73,13 +73,19 @@ def test_lora_logits_match_peft(fixture, request, tmp_path):
     for_model(model.config).check(ours, ref, "LoRA logits vs PEFT")
 
 
-def test_mixed_batch_rows_equal_rows_alone(tiny_qwen3):
-    model = load_model(tiny_qwen3, device="cpu")
+def mixed_batch(model) -> tuple[LoraBank, list[int], torch.Tensor]:
+    """A bank of four adapters of ranks 1..8 and eight rows over them and the bare base."""
     bank = LoraBank(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
     for slot, rank in zip([0, 1, 3, 5], [2, 8, 4, 1], strict=True):
         bank.write(slot, random_adapter(model.config, rank, seed=slot).weights, rank, alpha=8.0)
     row_slots = [3, -1, 0, 5, 1, 3, -1, 0]
     tokens = torch.randint(0, model.config.vocab_size, (len(row_slots), 21), generator=torch.Generator().manual_seed(4))
+    return bank, row_slots, tokens
+
+
+def test_mixed_batch_rows_equal_rows_alone(tiny_qwen3):
+    model = load_model(tiny_qwen3, device="cpu")
+    bank, row_slots, tokens = mixed_batch(model)
     with torch.no_grad():
         mixed = model(tokens, lora=bank.batch(row_slots))
         for i, slot in enumerate(row_slots):
