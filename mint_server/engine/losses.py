@@ -166,17 +166,18 @@ class TargetLogprobs(torch.autograd.Function):
         x = logits.float()
         ctx.in_dtype = logits.dtype
         if invariant.enabled():  # the sampler's function (row-wise log-softmax): equal logprobs bitwise
-            ctx.save_for_backward(x, targets, None)
-            return invariant.log_softmax(x).gather(-1, targets)
+            logp = invariant.log_softmax(x)
+            ctx.save_for_backward(logp, targets, None)  # backward's softmax is exp(logp): no second pass
+            return logp.gather(-1, targets)
         lse = torch.logsumexp(x, -1, keepdim=True)
         ctx.save_for_backward(x, targets, lse)
         return x.gather(-1, targets) - lse
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        x, targets, lse = ctx.saved_tensors
+        x, targets, lse = ctx.saved_tensors  # invariant mode: x is already log_softmax(logits), lse None
         # d/dx of Σ_k g_k·(x[t_k] − lse) = scatter(g) − softmax(x)·Σ_k g_k
-        p = invariant.softmax_from_log(invariant.log_softmax(x)) if lse is None else x.sub_(lse).exp_()
+        p = invariant.softmax_from_log(x) if lse is None else x.sub_(lse).exp_()
         p = p.mul_(-grad.sum(-1, keepdim=True))
         p.scatter_add_(-1, targets, grad)
         return p.to(ctx.in_dtype), None

@@ -180,7 +180,7 @@ class LoraBatch:
     # Batch-invariant mode: each row's real length (its later positions are padding); the tiles of an
     # adapter's tokens start at each of its rows, so its gradient sums are the same in any batch.
     row_lengths: list[int] | None = None
-    row_list: list[int] = field(default_factory=list)
+    row_list: list[int] = field(init=False, default_factory=list)  # rows as a Python list
 
     def __post_init__(self) -> None:
         rows = self.row_list = self.rows.tolist()
