@@ -11,6 +11,7 @@ Adapter ids are opaque strings chosen by the engine. `None` as an adapter means 
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,6 +31,30 @@ if TYPE_CHECKING:  # the jobs module imports this one for EngineError
         TrainJob,
     )
     from mint_server.engine.settings import EngineLimits, EngineSettings
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class of sample work (lower runs first): interactive serving (the OpenAI face) ahead
+    of RL rollouts (the Tinker sampler) ahead of sweeps and evals. A request may lower its own."""
+
+    INTERACTIVE = 0
+    ROLLOUT = 1
+    BATCH = 2
+
+    @classmethod
+    def lowered(cls, name: str | None, default: Priority) -> Priority:
+        """`name` ("interactive" | "rollout" | "batch"), never above `default`; EngineError names the
+        field for anything else or for a raise."""
+        if name is None:
+            return default
+        try:
+            wanted = cls[str(name).upper()]
+        except KeyError:
+            raise EngineError(f"priority: must be one of interactive, rollout, batch; got {name!r}") from None
+        if wanted < default:
+            raise EngineError(f"priority: this request may lower its priority below {default.name.lower()} "
+                              f"but not raise it; got {name!r}")
+        return wanted
 
 
 # Streaming: (sample index, token id, raw logprob, top) called on the engine's worker thread as each
@@ -76,14 +101,16 @@ class Engine(Protocol):
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
-                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> SampleJob:
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       priority: Priority = Priority.ROLLOUT) -> SampleJob:
         """`stop_at_eos` keeps EOS as a stop next to stop strings (OpenAI's `stop`; Tinker's explicit
         stop list replaces EOS). `top_logprobs` (≤ limits.max_top_logprobs) reports that many
         alternatives per sampled token (`SampledSequence.topk_logprobs_np`, and to `on_token`);
         the penalties are OpenAI's, shaping the draw only (reported logprobs stay the raw model's).
         Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
         ...
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob: ...
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+                      priority: Priority = Priority.ROLLOUT) -> SampleJob: ...
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
         """A forward_backward with a loss compiled by `engine.custom_loss.compile_loss`."""
         ...

@@ -23,7 +23,7 @@ from typing import Any
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
-from mint_server.engine.interface import EngineError, TokenCallback
+from mint_server.engine.interface import EngineError, Priority, TokenCallback
 from mint_server.engine.losses import (
     KLRow,
     LossSpec,
@@ -118,6 +118,7 @@ class SampleJob:
     record: bool = False  # keep sampling logprobs by sequence id (record_stability_info)
     score_only: bool = False
     key: str = ""  # whose work this is: admission is fair across keys
+    priority: Priority = Priority.ROLLOUT
     # Streaming: on_token sees each token as it is drawn (on the worker thread); setting `cancel`
     # stops the job at the sampler's next step, frees its KV and fails its future (SampleCancelled).
     on_token: TokenCallback | None = dataclasses.field(default=None, compare=False)
@@ -216,7 +217,7 @@ class Preparer:
         self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
         stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
+        presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT,
     ) -> SampleJob:
         prompt = self._prompt(prompt_tokens, room=1)
         lim = self.limits
@@ -240,15 +241,16 @@ class Preparer:
             adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
-            top_logprobs=top_logprobs, record=bool(record), key=key,
+            top_logprobs=top_logprobs, record=bool(record), key=key, priority=Priority(priority),
         )
 
-    def score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
+    def score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+              priority: Priority = Priority.ROLLOUT) -> SampleJob:
         """SamplingClient.compute_logprobs: logprob of every token given the ones before."""
         prompt = self._prompt(tokens, room=0)
         params = SampleParams(max_tokens=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=StopCondition())
         return SampleJob(adapter=adapter, prompt=prompt, num_samples=1, params=params, sequence_ids=(),
-                         prompt_logprobs=True, score_only=True, key=key)
+                         prompt_logprobs=True, score_only=True, key=key, priority=Priority(priority))
 
     def _prompt(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         lim = self.limits
@@ -352,14 +354,16 @@ class JobParsing:
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
-                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0) -> SampleJob:
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       priority: Priority = Priority.ROLLOUT) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
                                    topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos,
                                    top_logprobs=top_logprobs, frequency_penalty=frequency_penalty,
-                                   presence_penalty=presence_penalty)
+                                   presence_penalty=presence_penalty, priority=priority)
 
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "") -> SampleJob:
-        return self.prepare.score(adapter, tokens, key=key)
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+                      priority: Priority = Priority.ROLLOUT) -> SampleJob:
+        return self.prepare.score(adapter, tokens, key=key, priority=priority)
 
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
         return self.prepare.custom(datums, loss)

@@ -28,8 +28,23 @@ class EngineSettings:
     kv_budget_mb: float | None = None
     # Longest sequence, for training and sampling alike; None: the model's own context.
     max_context: int | None = None
-    # Tokens one sampler step may prefill (admission budget; keeps a cold wave from stalling decode).
-    max_step_tokens: int = 16384
+    # Tokens one engine step may run: decode rows (one each) plus chunks of prefill (engine/scheduler.py).
+    # A longer prompt is prefilled in chunks over several steps, beside everyone's decode rows.
+    max_step_tokens: int = 2048
+    # Fair shares (engine/scheduler.py): while a key that is served less than the busiest one has rows
+    # in a step, the step is sized so that it costs at most max_slowdown × what that key's own rows
+    # alone would cost. Step cost is modelled as step_overhead_tokens + tokens (the overhead is the
+    # weights' read, in token-equivalents); None: measured at start-up.
+    max_slowdown: float = 2.0
+    step_overhead_tokens: int | None = None
+    # Sample requests one API key may have queued or running at once; past it the service answers
+    # 429 with Retry-After (the SDKs retry), so a flood queues at its sender, not in the engine.
+    max_queued_per_key: int = 512
+    # Training beside serving: a forward_backward runs in slices of at most this many padded tokens
+    # (gradient accumulation: the result equals one pass) while sampling work waits, and the sampler
+    # gets sample_steps_per_slice steps between two slices.
+    train_slice_tokens: int = 1024
+    sample_steps_per_slice: int = 2
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
     # Training memory, whatever the fused batch: a pass with at least this many padded tokens
@@ -63,11 +78,18 @@ class EngineSettings:
     def check(self) -> None:
         """ValueError naming the first field out of range."""
         positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_step_tokens", "max_fused_tokens",
-                    "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp")
+                    "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp",
+                    "max_queued_per_key", "train_slice_tokens", "sample_steps_per_slice")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.max_slowdown, int | float) and math.isfinite(self.max_slowdown)
+                and self.max_slowdown >= 1):
+            raise ValueError(f"max_slowdown must be a number >= 1, got {self.max_slowdown!r}")
+        if self.step_overhead_tokens is not None and (
+                not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0):
+            raise ValueError(f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
         if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
