@@ -29,7 +29,7 @@ from mint_server.api.settings import Settings
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.records import Revision
-from mint_server.engine.interface import Engine, EngineError
+from mint_server.engine.interface import Engine, EngineError, Priority
 from mint_server.engine.residency import AdapterSource
 from mint_server.model.config import ModelConfig
 
@@ -315,15 +315,21 @@ class Core:
 
     def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput,
                    num_samples: int, params: types.SamplingParams, prompt_logprobs: bool = False,
-                   topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0) -> Any:
-        """Parse a sample request (EngineError naming the field); fair admission is keyed by owner."""
+                   topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0,
+                   priority: str | None = None) -> Any:
+        """Parse a sample request (EngineError naming the field); fair admission is keyed by owner.
+        Tinker sampling is rollout work unless the request lowers it (`priority`: "batch")."""
         try:
             tokens = prompt.to_ints()
         except ValueError:
             raise InvalidInput("prompt: only token chunks are supported") from None
+        try:
+            klass = Priority.lowered(priority, Priority.ROLLOUT)
+        except EngineError as e:
+            raise InvalidInput(f"X-Mint-Priority header: {str(e).partition(': ')[2]}") from None
         return self.engine.prepare_sample(source, tokens, num_samples, params, prompt_logprobs,
                                           topk_prompt_logprobs, record=record, key=owner,
-                                          top_logprobs=top_logprobs)
+                                          top_logprobs=top_logprobs, priority=klass)
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
         """Accept any name of the served base model: its hub id, its short name or its checkpoint dir.

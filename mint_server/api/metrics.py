@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mint_server.engine.interface import Priority
+
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -54,10 +56,21 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry,
         )
         self.sampler_totals = {
-            kind: Counter(f"mint_sampler_{kind}", f"Sampler {kind} in decode and prefill forwards", ["phase"],
+            kind: Counter(f"mint_sampler_{kind}", f"Sampler {kind} of its steps, by phase", ["phase"],
                           registry=self.registry)
-            for kind in ("seconds", "tokens", "forwards")
+            for kind in ("seconds", "tokens", "forwards", "rows")
         }
+        self.step_tokens = Counter("mint_step_tokens", "Tokens the engine's steps ran: decode, prefill, training",
+                                   ["kind"], registry=self.registry)
+        token_buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.latency = {
+            kind: Histogram(f"mint_{kind}_seconds", text, ["priority"], buckets=token_buckets, registry=self.registry)
+            for kind, text in (("time_to_first_token", "Submit to a request's first sampled token"),
+                               ("inter_token", "Between one sequence's consecutive tokens"),
+                               ("queue_wait", "Submit to admission (KV reserved, prefill scheduled)"))
+        }
+        self.key_tokens = Gauge("mint_key_tokens_served", "Tokens served per API key (owner id prefix): fair shares",
+                                ["key"], registry=self.registry)
         self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
                                registry=self.registry)
         self.streams = Gauge("mint_openai_streams", "OpenAI-face responses in flight", registry=self.registry)
@@ -97,6 +110,16 @@ class Metrics:
                 if delta > 0:
                     self.sampler_totals[kind].labels(phase).inc(delta)
                 self._seen[(f"sampler_{kind}", phase)] = total
+        for kind, total in r.get("step_tokens", {}).items():
+            delta = total - self._seen.get(("step_tokens", kind), 0)
+            if delta > 0:
+                self.step_tokens.labels(kind).inc(delta)
+            self._seen[("step_tokens", kind)] = total
+        names = {"ttft": "time_to_first_token", "itl": "inter_token", "queue": "queue_wait"}
+        for priority, kind, seconds in r.get("latencies", ()):
+            self.latency[names[kind]].labels(Priority(priority).name.lower()).observe(seconds)
+        for key, tokens in r.get("served", {}).items():
+            self.key_tokens.labels(key[:12] or "-").set(tokens)
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])
 

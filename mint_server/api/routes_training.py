@@ -141,7 +141,9 @@ async def get_sampler(sampler_id: str, request: Request, p: Principal = Depends(
 
 @router.post("/asample", openapi_extra=body_doc(types.SampleRequest))
 async def asample(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
-    return _future(service(request).sampling.asample(p, await parse(request, types.SampleRequest)))
+    # X-Mint-Priority: a rollout may lower its own scheduling class ("batch": sweeps, evals)
+    return _future(service(request).sampling.asample(p, await parse(request, types.SampleRequest),
+                                                     priority=request.headers.get("x-mint-priority")))
 
 
 # --- mindlab-toolkit extensions ------------------------------------------------------------------

@@ -88,7 +88,7 @@ class SamplingService:
         s = self.sampler(p, sampler_id)
         return types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path)
 
-    def asample(self, p: Principal, req: types.SampleRequest) -> types.UntypedAPIFuture:
+    def asample(self, p: Principal, req: types.SampleRequest, priority: str | None = None) -> types.UntypedAPIFuture:
         self.core.check_accepting()
         if req.sampling_session_id is None:
             raise InvalidInput("sampling_session_id is required (create one with create_sampling_session)")
@@ -106,7 +106,7 @@ class SamplingService:
         job = self.core.sample_job(
             p.owner, source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
             req.topk_prompt_logprobs, record=bool(req.record_stability_info),
-            top_logprobs=req.topk_sample_logprobs,
+            top_logprobs=req.topk_sample_logprobs, priority=priority,
         )
         if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
             raise Busy("too many sample requests in flight; retry shortly")

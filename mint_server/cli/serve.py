@@ -69,6 +69,10 @@ def engine_settings(
     checkpoint_from_tokens: int | None = None,
     logits_chunk_mb: float | None = None,
     batch_invariant: bool | None = None,
+    max_slowdown: float | None = None,
+    step_overhead_tokens: int | None = None,
+    train_slice_tokens: int | None = None,
+    sample_steps_per_slice: int | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -81,7 +85,9 @@ def engine_settings(
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
              "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp,
              "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb,
-             "batch_invariant": batch_invariant}
+             "batch_invariant": batch_invariant, "max_slowdown": max_slowdown,
+             "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
+             "sample_steps_per_slice": sample_steps_per_slice}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -163,8 +169,27 @@ def register(app: typer.Typer) -> None:
         ),
         max_step_tokens: int = typer.Option(
             None, "--max-step-tokens",
-            help=f"Prompt tokens one sampler step may prefill [default: {_default('max_step_tokens')}]; keeps a wave of "
-            "new requests from stalling running ones.",
+            help=f"Tokens one engine step may run, decode rows and prefill chunks together [default: "
+            f"{_default('max_step_tokens')}]; a longer prompt is prefilled in chunks beside running streams.",
+        ),
+        max_slowdown: float = typer.Option(
+            None, "--max-slowdown",
+            help=f"While a lighter key (or a higher priority class) has work in a step, the step costs at most this "
+            f"many times that work alone [default: {_default('max_slowdown')}]; see docs/engine.md (scheduler).",
+        ),
+        step_overhead_tokens: int = typer.Option(
+            None, "--step-overhead-tokens",
+            help="A step's fixed cost in token-equivalents, for the scheduler's cost model [default: measured at "
+            "start-up].",
+        ),
+        train_slice_tokens: int = typer.Option(
+            None, "--train-slice-tokens",
+            help=f"While sampling work waits, a training pass runs in micro-batches of at most this many padded "
+            f"tokens with sampler steps between them [default: {_default('train_slice_tokens')}].",
+        ),
+        sample_steps_per_slice: int = typer.Option(
+            None, "--sample-steps-per-slice",
+            help=f"Sampler steps between two training slices [default: {_default('sample_steps_per_slice')}].",
         ),
         max_fused_tokens: int = typer.Option(
             None, "--max-fused-tokens",
@@ -235,7 +260,9 @@ def register(app: typer.Typer) -> None:
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
                                      max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb,
-                                     batch_invariant)
+                                     batch_invariant, max_slowdown=max_slowdown,
+                                     step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
+                                     sample_steps_per_slice=sample_steps_per_slice)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -920,7 +920,7 @@ class FleetEngine(JobParsing):
             r.step_sum += sum(fresh["step_seconds"])
         total: dict[str, Any] = {"resident": Counter(), "loads": Counter(), "evictions": Counter(),
                                  "load_seconds": [], "step_seconds": [], "waiting_for_adapter": 0,
-                                 "kv_blocks_in_use": 0, "sampler": {}}
+                                 "kv_blocks_in_use": 0, "sampler": {}, "latencies": []}
         for r in self._replicas:
             rep = r.report
             _add_cumulative(total, r.retired)
@@ -933,7 +933,8 @@ class FleetEngine(JobParsing):
                 total["kv_blocks_in_use"] += rep["kv_blocks_in_use"]
             total["load_seconds"] += rep["load_seconds"]
             total["step_seconds"] += rep["step_seconds"]
-            rep["load_seconds"], rep["step_seconds"] = [], []  # handed over once
+            total["latencies"] += rep.get("latencies", [])
+            rep["load_seconds"], rep["step_seconds"], rep["latencies"] = [], [], []  # handed over once
         return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}
 
     def affinity(self) -> dict[str, float]:

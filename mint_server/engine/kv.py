@@ -51,6 +51,10 @@ class BlockPool:
         for b in blocks:
             self._refs[b] += 1
 
+    def exclusive(self, blocks: list[int]) -> int:
+        """How many of these blocks releasing them would free (no other table uses them)."""
+        return sum(1 for b in blocks if self._refs[b] == 1)
+
     def release(self, blocks: list[int]) -> None:
         """One table stops using these blocks; a block is free again when no table uses it."""
         for b in blocks:

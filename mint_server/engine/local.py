@@ -125,12 +125,15 @@ class LocalEngine(JobParsing):
             kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(local_config(cfg, s.tp), self.dtype)),
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
-            max_step_tokens=s.max_step_tokens,
+            max_step_tokens=s.max_step_tokens, max_slowdown=s.max_slowdown,
+            step_overhead_tokens=s.step_overhead_tokens if s.step_overhead_tokens is not None else 0,
         )
+        if s.step_overhead_tokens is None:
+            self.sampler.scheduler.overhead_tokens = self.sampler.measure_overhead()
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False
         self._paused = False
-        self.stats = {"train_passes": 0, "fused_requests": 0, "ops": 0, "sample_steps": 0}
+        self.stats = {"train_passes": 0, "fused_requests": 0, "ops": 0, "sample_steps": 0, "train_tokens": 0}
         self.step_seconds: list[float] = []  # drained by the service's metrics
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
         self._worker.start()
@@ -239,10 +242,8 @@ class LocalEngine(JobParsing):
         """Stop a submitted sample: dropped if still queued, else its rows end and free their KV."""
         if future.cancel():  # not yet handed to the sampler: the worker drops it
             return
-        try:
-            self._op(lambda _a: self.sampler.cancel(future), on_device=False)
-        except EngineError:  # shutting down: the sampler fails it anyway
-            pass
+        self.sampler.cancel(future)  # applied at the sampler's next step, with every other cancel
+        self._wake()
 
     def queue_position(self, future: Future) -> tuple[int, int] | None:
         """(requests ahead of it, requests waiting in all) while `future`'s work still waits for the
@@ -268,7 +269,11 @@ class LocalEngine(JobParsing):
         waiting = waiting_work + sum(1 for a in self.sampler.waiting_adapters() if a.slot is None)
         return {"resident": counts, "loads": dict(stats.loads), "evictions": dict(stats.evictions),
                 "load_seconds": loads, "step_seconds": steps, "waiting_for_adapter": waiting,
-                "kv_blocks_in_use": self.sampler.kv_blocks_in_use, "sampler": self.sampler.totals()}
+                "kv_blocks_in_use": self.sampler.kv_blocks_in_use, "sampler": self.sampler.totals(),
+                "latencies": self.sampler.drain_latencies(), "served": self.sampler.scheduler.shares(),
+                "step_tokens": {"decode": float(self.sampler.stats.decode_tokens),
+                                "prefill": float(self.sampler.stats.prefill_tokens),
+                                "training": float(self.stats["train_tokens"])}}
 
     # --- queue ----------------------------------------------------------------------------------
     def _submit(self, work: _Work) -> Future:
@@ -432,12 +437,15 @@ class LocalEngine(JobParsing):
         for w in work:
             w.future.set_running_or_notify_cancel()
         try:
-            results = self.trainer.run([w.train for w in work])  # type: ignore[misc]
+            between = self._sample_between if self.sampler.has_ready_work() else None
+            results = self.trainer.run([w.train for w in work], between,  # type: ignore[misc]
+                                       slice_tokens=self.settings.train_slice_tokens)
         except Exception as e:  # noqa: BLE001 - the whole pass failed: every caller sees why
             log.exception("fused training pass failed")
             results = [e] * len(work)
         self.stats["train_passes"] += 1
         self.stats["fused_requests"] += len(work)
+        self.stats["train_tokens"] += sum(w.train.tokens for w in work)  # type: ignore[union-attr]
         for w, r in zip(work, results, strict=True):
             for a in w.resolved or ():
                 if a is not None:
@@ -447,6 +455,18 @@ class LocalEngine(JobParsing):
                 w.future.set_exception(r)
             else:
                 w.future.set_result(r)
+
+    def _sample_between(self) -> None:
+        """Between a training pass's micro-batches: a few sampler steps, so decoding streams keep
+        going while another key trains (the pass's adapters stay in their slots meanwhile)."""
+        for _ in range(self.settings.sample_steps_per_slice):
+            if not self.sampler.has_ready_work():
+                return
+            try:
+                self.sampler.step()
+                self.stats["sample_steps"] += 1
+            except Exception:  # a bug in a step must not fail the training pass; requests see it
+                log.exception("sampler step failed")
 
     def _run_op(self, w: _Work) -> None:
         if w.op is None or not w.future.set_running_or_notify_cancel():

@@ -157,29 +157,46 @@ class PromptScores:
     topk_ids: np.ndarray  # [P, k] int32; row 0 is the SDK's "nothing here" sentinel
     topk_logprobs: np.ndarray  # [P, k] float32
 
+    @classmethod
+    def empty(cls, n: int, k: int) -> PromptScores:
+        return cls(np.full(n, np.nan, dtype=np.float32), np.zeros((n, k), dtype=np.int32),
+                   np.full((n, k), MASK_LOGPROB, dtype=np.float32))
+
+    def fill(self, start: int, piece: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Scores of the prompt positions start.. (score_targets of them, each scoring the next token)."""
+        lps, ids, tops = piece
+        n = min(len(lps), len(self.logprobs) - start - 1)
+        k = self.topk_ids.shape[1]
+        self.logprobs[start + 1 : start + 1 + n] = lps[:n]
+        self.topk_ids[start + 1 : start + 1 + n] = ids[:n, :k]
+        self.topk_logprobs[start + 1 : start + 1 + n] = tops[:n, :k]
+
     def topk(self, k: int) -> TopkLogprobs:
         return TopkLogprobs(token_ids=self.topk_ids[:, :k].copy(), logprobs=self.topk_logprobs[:, :k].copy())
 
 
-def score_prompt(
-    logits_of: Callable[[Tensor], Tensor], hidden: Tensor, prompt: Sequence[int], k: int, chunk: int = 512
-) -> PromptScores:
-    """Prompt logprobs (and the top-k at each position) from the prompt's hidden states [P, hidden].
-
-    `logits_of` maps hidden [1, n, hidden] to logits [1, n, V]. Chunked so a long prompt never holds
-    a [P, V] float32 logits matrix at once.
-    """
-    n = len(prompt)
+def score_targets(
+    logits_of: Callable[[Tensor], Tensor], hidden: Tensor, targets: Sequence[int], k: int, chunk: int = 512
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Logprob of targets[i] (and the top-k) from hidden states [n, hidden] of n consecutive positions;
+    NaN (and no top-k) where targets[i] < 0. `logits_of` maps [1, m, hidden] to [1, m, V]; chunked so
+    a long prompt never holds an [n, V] float32 logits matrix at once."""
+    n = len(targets)
     lps = np.full(n, np.nan, dtype=np.float32)
     ids = np.zeros((n, k), dtype=np.int32)
     tops = np.full((n, k), MASK_LOGPROB, dtype=np.float32)
-    targets = torch.tensor(list(prompt[1:]), device=hidden.device)
-    for start in range(0, n - 1, chunk):
-        stop = min(start + chunk, n - 1)
+    scored = [i for i, t in enumerate(targets) if t >= 0]
+    if not scored:
+        return lps, ids, tops
+    stop_at = scored[-1] + 1  # targets are set on a prefix of the positions (all but the prompt's last)
+    want = torch.tensor([max(t, 0) for t in targets[:stop_at]], device=hidden.device)
+    for start in range(0, stop_at, chunk):
+        stop = min(start + chunk, stop_at)
         logp = torch.log_softmax(logits_of(hidden[None, start:stop])[0].float(), dim=-1)
-        lps[start + 1 : stop + 1] = logp.gather(1, targets[start:stop, None]).squeeze(1).cpu().numpy()
+        lps[start:stop] = logp.gather(1, want[start:stop, None]).squeeze(1).cpu().numpy()
         if k:
             v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            tops[start + 1 : stop + 1, : v.shape[1]] = v.cpu().numpy()
-            ids[start + 1 : stop + 1, : i.shape[1]] = i.cpu().numpy()
-    return PromptScores(lps, ids, tops)
+            tops[start:stop, : v.shape[1]] = v.cpu().numpy()
+            ids[start:stop, : i.shape[1]] = i.cpu().numpy()
+    lps[[i for i in range(stop_at) if targets[i] < 0]] = np.nan
+    return lps, ids, tops

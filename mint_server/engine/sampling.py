@@ -1,42 +1,39 @@
-"""Continuous-batching sampler: many requests, many LoRA adapters, one forward per decode step.
+"""Continuous-batching sampler: many requests, many LoRA adapters, one ragged forward per step.
 
 The engine worker hands it parsed `SampleJob`s (`submit`, see `jobs.Preparer`) and calls `step`
-whenever `has_work()`. Each step
-  1. decodes one token for every running sequence in a single forward — each row on its own adapter
-     (or the base) through `bank.batch(row_slots)` — and finishes the rows that stopped;
-  2. admits queued work whose adapter is in a device slot, while the KV budget, the batch-row cap
-     and the step's token budget allow. Admission is fair across keys (tenants): the key with the
-     fewest KV blocks in use goes first, first come first served within a key; the first request
-     that does not fit stops admission, so a large request is never starved by a stream of small
-     ones from a key that already holds more. Requests whose adapter is still loading wait without
-     holding anyone up (cold loads are the residency manager's scheduled work);
-  3. prefills what it admitted in one forward: one prompt row per (adapter, prompt), however many
-     samples and identical requests it serves, then forks the samples off it and draws each one's
-     first token.
-Prefill and decode run as two forwards because padding every decode row to the longest prompt
-would cost far more than the second launch.
+whenever `has_ready_work()`. Each step
+  1. drops cancelled work — every cancel that arrived since the last step, at once — and frees its KV;
+  2. asks the `Scheduler` (pure policy) for a step plan over everything it holds: running decode rows
+     (one token each), prompts being prefilled (a chunk each), preempted rows and queued requests
+     waiting for KV. The plan fills the step's token budget by priority class and fair share across
+     keys, admits what fits and names the rows to preempt;
+  3. swaps the preempted rows' KV out to host memory (they resume later from exactly that KV),
+     admits — reserves KV for prompt + max_tokens of each admitted sample, so an admitted sequence
+     never waits for memory — and swaps resumed rows back in;
+  4. runs the plan as one forward over a ragged batch (`executor`): decode rows and prefill chunks
+     together, each row on its own adapter; then draws the decode rows' next tokens and, where a
+     prompt's last chunk ran, forks its samples off it and draws their first tokens.
 
-KV memory is the paged `KVCache`: a fixed pool of `kv_budget_tokens` positions, so short sequences
-leave room for more of them.
-Admission reserves each sample's blocks for prompt + max_tokens up front, so a running sequence
-never waits for memory and nothing is ever preempted. Forked samples share the prompt's full blocks
-and copy only its last, partly filled one.
+A prompt row is shared by every admitted sample and every identical (adapter, prompt) request that
+joins it while it is still being prefilled; forked samples share the prompt's full KV blocks and
+copy only its last, partly filled one. Requests whose adapter is still loading wait without holding
+anyone up (cold loads are the residency manager's scheduled work, `waiting_adapters` its wants).
 
 Each sample draws from its own generator seeded from (request seed, sample index), and the token
-math is row-wise, so the same request and seed give the same tokens whatever else is in the batch.
-Reported logprobs are the raw model's (see `sampler_ops`). A request holds a reference on its
-adapter from submit until it finishes (the adapter is not dropped, even if released meanwhile) and
-a pin from admission (its slot is not evicted while rows read it).
+math is row-wise, so the same request and seed give the same tokens whatever else is in the batch,
+preempted or not. Reported logprobs are the raw model's (see `sampler_ops`). A request holds a
+reference on its adapter from submit until it finishes (the adapter is not dropped, even if released
+meanwhile) and a pin from admission (its slot is not evicted while rows read it).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,21 +43,15 @@ import torch
 from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
-from mint_server.engine.interface import EngineError, TopLogprobs
+from mint_server.engine.executor import Executor, StepBatch
+from mint_server.engine.interface import EngineError, Priority, TopLogprobs
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
-from mint_server.engine.sampler_ops import (
-    PromptScores,
-    choose_tokens,
-    penalties,
-    sample_seed,
-    score_prompt,
-    uniforms,
-)
-from mint_server.model.lora import LoraBatch
-from mint_server.model.transformer import CacheView, KVCache, Transformer
+from mint_server.engine.sampler_ops import PromptScores, choose_tokens, penalties, sample_seed, uniforms
+from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler
+from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +74,16 @@ class SampleFuture(Future):
 @dataclass
 class SamplerStats:
     steps: int = 0
-    prefill_forwards: int = 0
-    prefill_rows: int = 0  # prompt rows actually run (after sharing)
-    prefill_tokens: int = 0  # real (unpadded) prompt tokens run
-    prefill_s: float = 0.0
-    decode_forwards: int = 0
+    forwards: int = 0
+    prompt_rows: int = 0  # prompt rows prefilled (after sharing)
+    prefill_tokens: int = 0  # prompt tokens run
+    prefill_chunks: int = 0  # prefill pieces run (a prompt longer than a step's budget takes several)
     decode_tokens: int = 0
-    decode_s: float = 0.0
+    step_s: float = 0.0  # in the forwards
     peak_rows: int = 0
+    peak_step_tokens: int = 0
+    preempted: int = 0  # rows swapped out to make room
+    resumed: int = 0
 
 
 @dataclass(eq=False)
@@ -98,11 +91,14 @@ class _Request:
     future: Future
     adapter: Adapter | None
     job: SampleJob
+    arrival: int
+    submitted: float  # perf_counter at submit (queue wait and time to first token)
     started: bool = False
     pinned: bool = False
     closed: bool = False
     admitted: int = 0
     finished: int = 0
+    first_token: bool = False
     cache_hit: bool = False  # its prefill was another request's
     scores: PromptScores | None = None
     results: list[types.SampledSequence | None] = field(default_factory=list)
@@ -118,6 +114,19 @@ class _Request:
     @property
     def cancelled(self) -> bool:
         return self.job.cancel is not None and self.job.cancel.is_set()
+
+    # what the scheduler reads (scheduler.Work)
+    @property
+    def key(self) -> str:
+        return self.job.key
+
+    @property
+    def policy(self) -> str:
+        return "" if self.adapter is None else self.adapter.id
+
+    @property
+    def priority(self) -> int:
+        return int(self.job.priority)
 
     # the job's fields, read often
     @property
@@ -147,7 +156,8 @@ class _Request:
 
 @dataclass(eq=False)
 class _Row:
-    """One running sample: its blocks, how many positions of them are filled, what it drew so far."""
+    """One running sample: its blocks, how many positions of them are filled, what it drew so far.
+    Preempted, its KV waits in host memory under `swapped` and `blocks` is empty."""
 
     request: _Request
     index: int  # sample index within the request
@@ -157,6 +167,30 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[TopLogprobs] = field(default_factory=list)  # per token, when the job asked for top_logprobs
+    swapped: int | None = None  # its host copy's handle while preempted
+    reserve: int = 0  # blocks it takes back when resumed
+    last_token_at: float = 0.0
+    done: bool = False
+    pool: BlockPool | None = None  # for held_blocks
+
+    # scheduler.Work
+    key = property(lambda self: self.request.key)
+    policy = property(lambda self: self.request.policy)
+    priority = property(lambda self: self.request.priority)
+    arrival = property(lambda self: self.request.arrival)
+    running = property(lambda self: self.swapped is None)
+    pending = 1
+    ready = True
+    preemptible = True
+    held_rows = 1
+
+    @property
+    def held_blocks(self) -> int:
+        assert self.pool is not None
+        return self.pool.exclusive(self.blocks)
+
+    def fit(self, free_blocks: int, free_rows: int) -> Fit:
+        return Fit(1, self.reserve, 1) if self.reserve <= free_blocks and free_rows >= 1 else NO_FIT
 
 
 @dataclass(eq=False)
@@ -168,17 +202,69 @@ class _Member:
 
 @dataclass(eq=False)
 class _Group:
-    """One prompt row of a prefill, serving every admitted sample with this adapter and prompt."""
+    """One prompt being prefilled (in chunks), serving every admitted sample with this adapter and
+    prompt; its samples fork off it when its last chunk has run."""
 
     slot: int
     prompt: tuple[int, ...]
     blocks: list[int]  # the prompt's blocks (the last one partly filled unless the prompt fills it)
     members: list[_Member] = field(default_factory=list)
     requests: list[_Request] = field(default_factory=list)
+    computed: int = 0  # prompt positions already in the cache
+    score_k: int = -1  # top-k of the prompt scores its chunks compute (-1: none wanted)
+    scores: PromptScores | None = None
 
     @property
     def has_sampler(self) -> bool:
         return any(not m.request.score_only for m in self.members)
+
+    @property
+    def sampler_members(self) -> int:
+        return sum(1 for m in self.members if not m.request.score_only)
+
+    # scheduler.Work: it holds KV and runs until its prompt is in; never preempted (it would lose
+    # its chunks), so admission reserves what it needs up front
+    key = property(lambda self: self.requests[0].key)
+    policy = property(lambda self: self.requests[0].policy)
+    priority = property(lambda self: min(r.priority for r in self.requests))
+    arrival = property(lambda self: self.requests[0].arrival)
+    running = True
+    ready = True
+    preemptible = False
+    held_blocks = 0
+    held_rows = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.prompt) - self.computed
+
+    def fit(self, free_blocks: int, free_rows: int) -> Fit:
+        return NO_FIT
+
+
+@dataclass(eq=False)
+class _Waiting:
+    """A queued request as the scheduler sees it: no KV yet; `fit` asks the sampler what admitting
+    more of its samples would take."""
+
+    request: _Request
+    sampler: Sampler
+    running = False
+    preemptible = False
+    held_blocks = 0
+    held_rows = 0
+    key = property(lambda self: self.request.key)
+    policy = property(lambda self: self.request.policy)
+    priority = property(lambda self: self.request.priority)
+    arrival = property(lambda self: self.request.arrival)
+    ready = property(lambda self: self.request.ready)
+
+    @property
+    def pending(self) -> int:
+        return len(self.request.prompt)
+
+    def fit(self, free_blocks: int, free_rows: int) -> Fit:
+        return self.sampler._fit(self.request, free_blocks, free_rows)
 
 
 class Sampler:
@@ -191,15 +277,16 @@ class Sampler:
         records: SamplingRecords | None = None,
         block_size: int = 16,
         max_batch_rows: int = 256,
-        max_step_tokens: int = 16384,
+        max_step_tokens: int = 2048,
+        max_slowdown: float = 2.0,
+        step_overhead_tokens: int = 0,
         dedupe_prompts: bool = True,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
 
-        max_batch_rows caps the running sequences; max_step_tokens caps one prefill's padded tokens
-        (rows × longest prompt), so admitting a burst never stalls the running batch for long (a
-        longer prompt still runs, alone). dedupe_prompts shares one prefill among identical
-        (adapter, prompt) requests admitted together (off only to measure what that saves).
+        max_batch_rows caps the sequences holding KV; max_step_tokens, max_slowdown and
+        step_overhead_tokens are the scheduler's (see scheduler.py). dedupe_prompts shares one
+        prefill among identical (adapter, prompt) requests (off only to measure what that saves).
         """
         if kv_budget_tokens < max_seq_len or max_seq_len < 2:
             raise ValueError("kv_budget_tokens must hold one sequence of max_seq_len ≥ 2")
@@ -207,50 +294,60 @@ class Sampler:
         cfg = model.config
         self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
-        self.max_prefill_tokens = max_step_tokens
         self.dedupe_prompts = dedupe_prompts
-        weight = model.embed_tokens.weight
-        self.device = weight.device
-        # tensor-parallel: every rank holds the same blocks of its own KV heads (tp_runner's ops)
-        self.runner = registry.runner
-        if self.runner is not None:
-            self.runner.call("make_cache", num_blocks=blocks_for(kv_budget_tokens, block_size) + 1,
-                             block_size=block_size)
-            self.cache = self.runner.shard.cache
-        else:
-            self.cache = KVCache(cfg, blocks_for(kv_budget_tokens, block_size) + 1, block_size,
-                                 self.device, weight.dtype)
+        self.device = model.embed_tokens.weight.device
+        self.executor = Executor(model, registry.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
+                                 block_size, runner=registry.runner)
+        self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
+        self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens)
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
-        self._lock = threading.Lock()  # guards _queue: has_work/queued are read from other threads
+        self._lock = threading.Lock()  # guards _queue, _cancels: has_work/queued/cancel come from other threads
+        self._cancels: set[Future] = set()
         self._rows: list[_Row] = []
-        self._prefilling: list[_Group] = []
-        self._rows_by_key: dict[str, int] = {}  # running sequences per key (fair admission)
+        self._groups: list[_Group] = []
+        self._arrivals = itertools.count()
+        self._handles = itertools.count(1)
+        # (priority, "ttft" | "itl" | "queue", seconds), drained by `drain_latencies` for /metrics
+        self._latencies: deque[tuple[int, str, float]] = deque(maxlen=100_000)  # nobody drains: keep the newest
 
-    # --- submission (the engine worker) ---------------------------------------------------------
+    # --- submission and queries (any thread) ----------------------------------------------------
     def submit(self, job: SampleJob, adapter: Adapter | None, future: Future | None = None) -> SampleFuture | Future:
         """Queue a parsed job on `adapter` (None: the base), whose reference the caller took and
         the request now owns. The future's result is a SampleResponse (or, for a score-only job,
         the prompt's logprobs); a SampleFuture knows its sequence ids from the start."""
         if future is None:
             future = SampleFuture(list(job.sequence_ids))
-        self._enqueue(_Request(future=future, adapter=adapter, job=job,
-                               results=[None] * (0 if job.score_only else job.num_samples)))
+        req = _Request(future=future, adapter=adapter, job=job, arrival=next(self._arrivals),
+                       submitted=time.perf_counter(), results=[None] * (0 if job.score_only else job.num_samples))
+        with self._lock:
+            self._queue.append(req)
         return future
 
+    def cancel(self, future: Future) -> None:
+        """Stop the request behind `future` (any thread): at the next step its queued samples are
+        dropped, its rows end, their KV returns to the pool and its future fails."""
+        with self._lock:
+            self._cancels.add(future)
+
     def has_work(self) -> bool:
-        return bool(self._rows) or bool(self._queue)
+        return bool(self._rows or self._groups or self._queue or self._cancels)
 
     def has_ready_work(self) -> bool:
-        """Running rows, or queued requests whose adapter is on the device."""
-        return bool(self._rows) or any(r.ready or r.cancelled for r in list(self._queue))
+        """Something a step would do: rows or prompts running, cancels to apply, or queued
+        requests whose adapter is on the device."""
+        if self._rows or self._groups or self._cancels:
+            return True
+        return any(r.ready or r.cancelled for r in list(self._queue))
 
     def waiting_adapters(self, limit: int | None = None) -> list[Adapter]:
         """Adapters that queued requests need, most urgent first (the residency manager's wants): in
-        the order admission will take them, so a quiet key's adapter is not loaded behind a storm."""
+        the order the scheduler will take them, so a quiet key's adapter is not loaded behind a storm."""
+        served = self.scheduler.served
         with self._lock:
-            out = [r.adapter for r in self._fair_order(self._queue) if r.adapter is not None]
+            order = sorted(self._queue, key=lambda r: (r.priority, served.get(r.key, 0.0), r.arrival))
+        out = [r.adapter for r in order if r.adapter is not None]
         return out if limit is None else list(dict.fromkeys(out))[:limit]
 
     def fail_waiting(self, adapter: Adapter, exc: BaseException) -> None:
@@ -261,33 +358,84 @@ class Sampler:
         for r in failed:
             self._fail(r, exc)
 
+    def queue_index(self, future: Future) -> tuple[int | None, int]:
+        """(its index among the requests not yet admitted, or None; how many of those there are)."""
+        with self._lock:
+            waiting = [r.future for r in self._queue if r.admitted == 0]
+        return (waiting.index(future) if future in waiting else None), len(waiting)
+
     def totals(self) -> dict[str, dict[str, float]]:
-        """Cumulative seconds and tokens of the decode and prefill forwards (for /metrics)."""
+        """Cumulative figures of the step forwards (for /metrics)."""
         s = self.stats
-        return {"seconds": {"decode": s.decode_s, "prefill": s.prefill_s},
+        return {"seconds": {"step": s.step_s},
                 "tokens": {"decode": float(s.decode_tokens), "prefill": float(s.prefill_tokens)},
-                "forwards": {"decode": float(s.decode_forwards), "prefill": float(s.prefill_forwards)}}
+                "forwards": {"step": float(s.forwards)},
+                "rows": {"preempted": float(s.preempted), "resumed": float(s.resumed)}}
+
+    def drain_latencies(self) -> list[tuple[int, str, float]]:
+        out = []
+        while self._latencies:  # popleft is atomic: the worker may append meanwhile
+            out.append(self._latencies.popleft())
+        return out
 
     @property
     def kv_blocks_in_use(self) -> int:
         return self.pool.used
 
-    def _enqueue(self, request: _Request) -> None:
-        with self._lock:
-            self._queue.append(request)
+    def measure_overhead(self, probe_tokens: int = 128, repeats: int = 3) -> int:
+        """A step's fixed cost in token-equivalents (the scheduler's latency model: cost ∝ overhead +
+        tokens), from base-model steps of 1 and 1 + probe_tokens tokens on scratch blocks. Measured at
+        start-up because it is the machine's: ~the weights' read over one token's compute."""
+        n = min(probe_tokens + 1, self.max_seq_len)
+        blocks = self.pool.alloc(blocks_for(n, self.block_size))
+
+        def seconds(tokens: int) -> float:
+            batch = StepBatch([0] * tokens, list(range(tokens)), [tokens], [-1], [blocks], [0])
+            times = []
+            for _ in range(repeats + 1):  # the first one warms up
+                t0 = time.perf_counter()
+                self.executor.step(batch)
+                times.append(time.perf_counter() - t0)
+            return sorted(times[1:])[repeats // 2]
+
+        try:
+            one, many = seconds(1), seconds(n)
+        finally:
+            self.pool.release(blocks)
+        per_token = max((many - one) / (n - 1), 1e-9)
+        overhead = int(max(0.0, one / per_token - 1))
+        return min(overhead, self.scheduler.max_step_tokens)
 
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:
-        """Decode one token for every running sequence, then admit and prefill queued work."""
+        """One scheduled step: cancels, plan, preempt, admit, one forward, tokens."""
         self.stats.steps += 1
         try:
             self._drop_cancelled()
-            if self._rows:
-                self._decode()
-            self._admit()
-            if self._prefilling:
-                self._prefill(self._prefilling)
-            self._prefilling = []
+            waiting = self._start_waiting()
+            items: list[Any] = [*self._rows, *self._groups, *waiting]
+            if not items:
+                return
+            free_rows = self.max_batch_rows - sum(1 for r in self._rows if r.running) - \
+                sum(g.sampler_members for g in self._groups)
+            plan = self.scheduler.plan(items, self.pool.available, free_rows)
+            for row in plan.preempt:
+                self._swap_out(row)
+            runs: list[tuple[_Row | _Group, int]] = []
+            seen: set[int] = set()
+            for item, n in plan.run:
+                if isinstance(item, _Waiting):
+                    group = self._admit(item.request, plan.admit[id(item)])
+                    if group is None or id(group) in seen:
+                        continue
+                    item, n = group, min(n, group.pending)
+                elif isinstance(item, _Row) and item.swapped is not None:
+                    self._swap_in(item)
+                if id(item) not in seen and n > 0:
+                    seen.add(id(item))
+                    runs.append((item, n))
+            if runs:
+                self._run(runs)
         except BaseException as exc:  # fail what was in flight (rows share tensors), keep the queue
             self._fail_in_flight(exc)
             raise
@@ -300,238 +448,252 @@ class Sampler:
         for r in queued:
             self._fail(r, exc)
 
-    def _drop_cancelled(self) -> None:
-        """Stop the rows and queued work of cancelled jobs; their blocks go back to the pool."""
+    def _start_waiting(self) -> list[_Waiting]:
+        """Queued requests the scheduler may admit (their futures now running); drops the ones
+        whose future was cancelled before they started."""
+        out = []
         with self._lock:
-            gone = [r for r in self._queue if r.cancelled]
-            if gone:
-                self._queue = deque(r for r in self._queue if not r.cancelled)
-        if any(r.request.cancelled for r in self._rows):
-            keep = []
-            for row in self._rows:
-                if row.request.cancelled:
-                    self.pool.release(row.blocks)
-                    self._count_rows(row.request.job.key, -1)
-                    gone.append(row.request)
-                else:
-                    keep.append(row)
-            self._rows = keep
-        for req in set(gone):
-            self._fail(req, SampleCancelled("the request was cancelled"))
-
-    def _count_rows(self, key: str, delta: int) -> None:
-        left = self._rows_by_key.get(key, 0) + delta
-        if left:
-            self._rows_by_key[key] = left
-        else:
-            self._rows_by_key.pop(key, None)
-
-    def _admit(self) -> None:
-        """Take queued work whose adapter is on the device while its KV blocks, batch rows and the
-        step's token budget fit; reserve its blocks now. Keys with fewer running sequences go first.
-
-        The groups to prefill go to self._prefilling as they form, so a failure finds them.
-        """
-        bs = self.block_size
-        groups: dict[tuple, _Group] = {}
-        free, rows, longest = self.pool.available, len(self._rows), 0
-        # The step's token budget: running rows decode one token each, prefills get the rest (at
-        # least one group, so a prompt longer than the budget still runs, alone).
-        budget = self.max_prefill_tokens - rows
-        with self._lock:
-            for req in self._admission_order():
-                if not req.started:
+            for req in list(self._queue):
+                if not req.started and (req.ready or req.future.cancelled()):
                     if not req.future.set_running_or_notify_cancel():  # cancelled while queued
                         self._queue.remove(req)
                         self._close(req)
                         continue
                     req.started = True
-                n = len(req.prompt)
-                key = (req.slot, req.prompt) if self.dedupe_prompts else (req.slot, req.prompt, id(req))
-                group = groups.get(key)
-                # Prompts are right-padded to the longest, so the prefill's cost is rows × longest.
-                if group is None and groups and (len(groups) + 1) * max(longest, n) > budget:
-                    break
-                new_blocks = 0 if group else blocks_for(n, bs)
-                if req.score_only:
-                    take = 1 if new_blocks <= free else 0
-                    own = reuse = 0
-                else:
-                    own = blocks_for(n + req.params.max_tokens, bs) - n // bs
-                    # The group's first sample takes over the prompt's partly filled last block.
-                    reuse = 1 if n % bs and (group is None or not group.has_sampler) else 0
-                    take = min(req.num_samples - req.admitted, self.max_batch_rows - rows,
-                               (free - new_blocks + reuse) // own)
-                if take <= 0:
-                    break
-                if group is None:
-                    group = groups[key] = _Group(req.slot, req.prompt, self.pool.alloc(new_blocks))
-                    self._prefilling.append(group)
-                    longest = max(longest, n)
-                elif req not in group.requests:
-                    req.cache_hit = True
-                if req not in group.requests:
-                    group.requests.append(req)
-                if req.adapter is not None and not req.pinned:
-                    self.registry.pin(req.adapter)
-                    req.pinned = True
-                for _ in range(take):
-                    first = reuse and not group.has_sampler
-                    group.members.append(_Member(req, req.admitted, self.pool.alloc(own - first)))
-                    req.admitted += 1
-                free -= new_blocks + take * own - reuse
-                if not req.score_only:
-                    rows += take
-                    self._rows_by_key[req.job.key] = self._rows_by_key.get(req.job.key, 0) + take
-                if req.admitted < req.num_samples:
-                    break  # it keeps its place: the rest of its samples come next
+                if not req.ready:
+                    continue
+                out.append(_Waiting(req, self))
+        return out
+
+    def _drop_cancelled(self) -> None:
+        """Everything of the jobs cancelled since the last step stops now; their blocks go back."""
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            queued = [r for r in self._queue if r.cancelled or r.future in cancels]
+            for r in queued:
+                self._queue.remove(r)
+        gone = {id(r): r for r in queued}
+        for r in self._rows:
+            if r.request.cancelled or r.request.future in cancels:
+                gone[id(r.request)] = r.request
+        for g in self._groups:
+            for r in g.requests:
+                if r.cancelled or r.future in cancels:
+                    gone[id(r)] = r
+        if not gone:
+            return
+        keep, dropped_handles = [], []
+        for row in self._rows:
+            if id(row.request) in gone:
+                self.pool.release(row.blocks)
+                if row.swapped is not None:
+                    dropped_handles.append(row.swapped)
+            else:
+                keep.append(row)
+        self._rows = keep
+        self.executor.drop_swapped(dropped_handles)
+        for g in list(self._groups):
+            members = [m for m in g.members if id(m.request) in gone]
+            for m in members:
+                self.pool.release(m.own_blocks)
+            g.members = [m for m in g.members if id(m.request) not in gone]
+            g.requests = [r for r in g.requests if id(r) not in gone]
+            if not g.requests:
+                self.pool.release(g.blocks)
+                self._groups.remove(g)
+        for r in gone.values():
+            exc = SampleCancelled("the request was cancelled") if r.cancelled else \
+                EngineError("sample request was cancelled")
+            self._fail(r, exc)
+
+    # --- admission -------------------------------------------------------------------------------
+    def _joinable(self, req: _Request) -> _Group | None:
+        """A prompt row still being prefilled that `req` can share (same adapter and prompt, and the
+        prompt scores it wants are or will be computed)."""
+        if not self.dedupe_prompts:
+            return None
+        for g in self._groups:
+            if g.slot == req.slot and g.prompt == req.prompt and (
+                    not req.wants_scores or g.computed == 0 or g.score_k >= req.topk_prompt_logprobs):
+                return g
+        return None
+
+    def _fit(self, req: _Request, free_blocks: int, free_rows: int) -> Fit:
+        """What admitting the rest of `req`'s samples (as many as fit) would take now."""
+        bs, n = self.block_size, len(req.prompt)
+        group = self._joinable(req)
+        new_blocks = 0 if group else blocks_for(n, bs)
+        if req.score_only:
+            return Fit(1, new_blocks) if new_blocks <= free_blocks else NO_FIT
+        own = blocks_for(n + req.params.max_tokens, bs) - n // bs
+        # The group's first sample takes over the prompt's partly filled last block.
+        reuse = 1 if n % bs and (group is None or not group.has_sampler) else 0
+        left = req.num_samples - req.admitted
+        take = min(left, free_rows, (free_blocks - new_blocks + reuse) // own)
+        if take <= 0:
+            return NO_FIT
+        return Fit(take, new_blocks + take * own - reuse, take, take == left)
+
+    def _admit(self, req: _Request, fit: Fit) -> _Group | None:
+        """Reserve `fit`'s samples of `req` on a (new or shared) prompt row; None if none fit."""
+        if fit.take == 0:
+            return None
+        bs, n = self.block_size, len(req.prompt)
+        group = self._joinable(req)
+        if group is None:
+            group = _Group(req.slot, req.prompt, self.pool.alloc(blocks_for(n, bs)))
+            self._groups.append(group)
+            self.stats.prompt_rows += 1
+        elif req not in group.requests:
+            req.cache_hit = True
+        if req not in group.requests:
+            group.requests.append(req)
+        if req.wants_scores:  # the group has computed nothing yet, or already scores this top-k (_joinable)
+            group.score_k = max(group.score_k, req.topk_prompt_logprobs)
+        if req.adapter is not None and not req.pinned:
+            self.registry.pin(req.adapter)
+            req.pinned = True
+        if req.admitted == 0:
+            self._latencies.append((req.priority, "queue", time.perf_counter() - req.submitted))
+        if req.score_only:
+            group.members.append(_Member(req, 0, []))
+            req.admitted = 1
+        else:
+            own = blocks_for(n + req.params.max_tokens, bs) - n // bs
+            for _ in range(fit.take):
+                first = 1 if n % bs and not group.has_sampler else 0
+                group.members.append(_Member(req, req.admitted, self.pool.alloc(own - first)))
+                req.admitted += 1
+        if req.admitted >= req.num_samples or req.score_only:
+            with self._lock:
                 self._queue.remove(req)
+        return group
 
-    def _admission_order(self) -> list[_Request]:
-        """Queued requests whose adapter is in a slot (or that were cancelled), in fair order."""
-        return self._fair_order(r for r in self._queue if r.ready or not r.started and r.future.cancelled())
+    # --- preemption ------------------------------------------------------------------------------
+    def _swap_out(self, row: _Row) -> None:
+        handle = next(self._handles)
+        self.executor.swap_out(handle, row.blocks)
+        row.reserve = len(row.blocks)
+        self.pool.release(row.blocks)
+        row.blocks, row.swapped = [], handle
+        self.stats.preempted += 1
 
-    def _fair_order(self, requests: Iterable[_Request]) -> list[_Request]:
-        """Keys with the fewest running sequences first, arrival order within a key."""
-        by_key: dict[str, list[_Request]] = {}
-        for req in requests:
-            by_key.setdefault(req.job.key, []).append(req)
-        keys = sorted(by_key, key=lambda k: self._rows_by_key.get(k, 0))  # stable: first arrival breaks ties
-        return [req for k in keys for req in by_key[k]]
+    def _swap_in(self, row: _Row) -> None:
+        assert row.swapped is not None
+        row.blocks = self.pool.alloc(row.reserve)
+        self.executor.swap_in(row.swapped, row.blocks)
+        row.swapped = None
+        self.stats.resumed += 1
 
-    def _prefill(self, groups: list[_Group]) -> None:
+    # --- the forward -----------------------------------------------------------------------------
+    def _run(self, runs: list[tuple[_Row | _Group, int]]) -> None:
         t0 = time.perf_counter()
-        bs, dev = self.block_size, self.device
-        lengths = [len(g.prompt) for g in groups]
-        width = max(lengths)
-        tokens = torch.tensor([list(g.prompt) + [0] * (width - len(g.prompt)) for g in groups], device=dev)
-        positions = torch.arange(width, device=dev).expand(len(groups), width)
-        table = self._table([g.blocks for g in groups], blocks_for(width, bs))
-        if self.runner is not None:
-            logits = self._prefill_tp(groups, tokens, positions, table, lengths)
-            return self._after_prefill(groups, lengths, logits, t0)
-        lora = self._lora([g.slot for g in groups])
-        with torch.no_grad():
-            hidden = self.model.hidden_states(tokens, positions, lora, CacheView(self.cache, table, positions))
-            last = hidden[torch.arange(len(groups), device=dev), torch.tensor(lengths, device=dev) - 1]
-            logits = self.model.logits(last[:, None], lora)[:, 0]
-            for i, g in enumerate(groups):
-                wanting = [r for r in g.requests if r.wants_scores]
-                if wanting:
-                    k = max(r.topk_prompt_logprobs for r in wanting)
-                    one = self._lora([g.slot])
-                    scores = score_prompt(lambda h, one=one: self.model.logits(h, one), hidden[i, : lengths[i]],
-                                          g.prompt, k)
-                    for r in wanting:
-                        r.scores = scores
-        self._after_prefill(groups, lengths, logits, t0)
-
-    def _prefill_tp(self, groups: list[_Group], tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
-                    lengths: list[int]) -> torch.Tensor:
-        """The prefill forward on every tensor-parallel rank (tp_runner.prefill), prompt scores included;
-        returns the last-position logits."""
-        scoring = []
-        for i, g in enumerate(groups):
-            wanting = [r for r in g.requests if r.wants_scores]
-            if wanting:
-                scoring.append((i, g.slot, g.prompt, max(r.topk_prompt_logprobs for r in wanting)))
-        logits, scores = self.runner.call(
-            "prefill", tokens=tokens.cpu(), positions=positions.cpu(), table=table.cpu(), slots=[g.slot for g in groups],
-            lengths=lengths, scoring=scoring)
-        for i, g in enumerate(groups):
+        batch = StepBatch([], [], [], [], [], [])
+        decoding: list[_Row] = []
+        finishing: list[_Group] = []  # prompts whose last chunk runs now
+        scored: list[tuple[_Group, int]] = []  # (group, first position) per scoring entry
+        decode_tokens = prefill_tokens = 0
+        for item, n in runs:
+            seg = len(batch.lengths)
+            if isinstance(item, _Row):
+                batch.tokens.append(item.tokens[-1])
+                batch.positions.append(item.length)
+                batch.lengths.append(1)
+                batch.slots.append(item.request.slot)
+                batch.tables.append(item.blocks)
+                batch.logits_at.append(seg)
+                decoding.append(item)
+                decode_tokens += 1
+            else:
+                a, plen = item.computed, len(item.prompt)
+                batch.tokens.extend(item.prompt[a : a + n])
+                batch.positions.extend(range(a, a + n))
+                batch.lengths.append(n)
+                batch.slots.append(item.slot)
+                batch.tables.append(item.blocks)
+                if item.score_k >= 0:
+                    targets = [item.prompt[p + 1] if p + 1 < plen else -1 for p in range(a, a + n)]
+                    batch.scoring.append((seg, targets, item.score_k))
+                    scored.append((item, a))
+                if a + n == plen:
+                    finishing.append(item)
+                    if item.has_sampler:
+                        batch.logits_at.append(seg)
+                prefill_tokens += n
+            self.scheduler.charge(item.key, item.policy, n)
+        result = self.executor.step(batch)
+        for (g, a), piece in zip(scored, result.scores, strict=True):
+            if g.scores is None or g.scores.topk_ids.shape[1] != g.score_k:  # first chunk (a == 0)
+                g.scores = PromptScores.empty(len(g.prompt), g.score_k)
+            g.scores.fill(a, piece)
+        for item, n in runs:
+            if isinstance(item, _Group):
+                item.computed += n
+            else:
+                item.length += 1
+        # logits rows: decode rows first (in run order), then finishing prompts, as laid out above
+        logits_of_seg = dict(zip(batch.logits_at, range(len(batch.logits_at)), strict=True))
+        rows, index = list(decoding), [logits_of_seg[i] for i, (it, _) in enumerate(runs) if isinstance(it, _Row)]
+        seg_of = {id(it): i for i, (it, _) in enumerate(runs)}
+        copies: list[tuple[int, int]] = []
+        for g in finishing:
             for r in g.requests:
                 if r.wants_scores:
-                    r.scores = scores[i]
-        return logits
-
-    def _after_prefill(self, groups: list[_Group], lengths: list[int], logits: torch.Tensor, t0: float) -> None:
-        """Fork the samples off their prompt rows and draw each one's first token."""
-        dev = self.device
-        rows, row_group, copies = self._fork(groups)
-        if self.runner is not None:
-            if copies:
-                self.runner.call("copy_blocks", src=[s for s, _ in copies], dst=[d for _, d in copies])
-        else:
-            self.cache.copy_blocks([s for s, _ in copies], [d for _, d in copies])
+                    r.scores = g.scores
+            self._groups.remove(g)
+            forked = self._fork(g, copies)
+            if forked:
+                rows += forked
+                index += [logits_of_seg[seg_of[id(g)]]] * len(forked)
+        self.executor.copy_blocks([s for s, _ in copies], [d for _, d in copies])
         if rows:
-            self._advance(rows, logits[torch.tensor(row_group, device=dev)])
-        for g in groups:
+            self._advance(rows, result.logits[torch.tensor(index, device=result.logits.device)])
+        for g in finishing:
             for r in g.requests:
                 if r.score_only:
                     self._respond(r)
+        self._rows = [r for r in self._rows if not r.done]
         s = self.stats
-        s.prefill_forwards += 1
-        s.prefill_rows += len(groups)
-        s.prefill_tokens += sum(lengths)
-        s.prefill_s += time.perf_counter() - t0
+        s.forwards += 1
+        s.decode_tokens += decode_tokens
+        s.prefill_tokens += prefill_tokens
+        s.prefill_chunks += len(runs) - len(decoding)
+        s.peak_step_tokens = max(s.peak_step_tokens, decode_tokens + prefill_tokens)
+        s.peak_rows = max(s.peak_rows, sum(1 for r in self._rows if r.running))
+        s.step_s += time.perf_counter() - t0
 
-    def _fork(self, groups: list[_Group]) -> tuple[list[_Row], list[int], list[tuple[int, int]]]:
-        """Turn each group's sampling members into rows over the prompt's blocks.
+    def _fork(self, g: _Group, copies: list[tuple[int, int]]) -> list[_Row]:
+        """Turn the group's sampling members into rows over the prompt's blocks.
 
         Full prompt blocks are shared (reference-counted); the partly filled last one goes to the
         first sample and is copied for the others, whose own next tokens would otherwise collide in it.
         """
-        bs = self.block_size
+        bs, n = self.block_size, len(g.prompt)
+        full, partial = g.blocks[: n // bs], g.blocks[n // bs :]
         rows: list[_Row] = []
-        row_group: list[int] = []
-        copies: list[tuple[int, int]] = []
-        for gi, g in enumerate(groups):
-            n = len(g.prompt)
-            full, partial = g.blocks[: n // bs], g.blocks[n // bs :]
-            samplers = [m for m in g.members if not m.request.score_only]
-            for j, m in enumerate(samplers):
-                if j == 0:
-                    blocks = full + partial + m.own_blocks  # takes over the group's references
-                else:
-                    self.pool.share(full)
-                    blocks = full + m.own_blocks
-                    if partial:
-                        copies.append((partial[0], m.own_blocks[0]))
-                p = m.request.params
-                gen = None
-                if p.temperature > 0:
-                    gen = torch.Generator().manual_seed(sample_seed(p.seed, m.index))
-                rows.append(_Row(m.request, m.index, blocks, n, gen))
-                row_group.append(gi)
-            if not samplers:
-                self.pool.release(g.blocks)
-        return rows, row_group, copies
-
-    def _decode(self) -> None:
-        t0 = time.perf_counter()
-        rows, dev = self._rows, self.device
-        positions = torch.tensor([[r.length] for r in rows], device=dev)
-        tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=dev)
-        width = blocks_for(max(r.length for r in rows) + 1, self.block_size)
-        table = self._table([r.blocks for r in rows], width)
-        if self.runner is not None:
-            logits = self.runner.call("decode", tokens=tokens.cpu(), positions=positions.cpu(), table=table.cpu(),
-                                      slots=[r.request.slot for r in rows])
-        else:
-            with torch.no_grad():
-                logits = self.model(tokens, positions, self._lora([r.request.slot for r in rows]),
-                                    CacheView(self.cache, table, positions))[:, 0]
-        for r in rows:
-            r.length += 1
-        self._rows = []
-        self._advance(rows, logits)
-        self.stats.decode_forwards += 1
-        self.stats.decode_tokens += len(rows)
-        self.stats.decode_s += time.perf_counter() - t0
-
-    def _table(self, block_lists: list[list[int]], width: int) -> torch.Tensor:
-        pad = KVCache.SCRATCH
-        return torch.tensor([b[:width] + [pad] * (width - len(b[:width])) for b in block_lists], device=self.device)
-
-    def _lora(self, slots: list[int]) -> LoraBatch | None:
-        if all(s < 0 for s in slots):
-            return None
-        return self.registry.bank.batch(slots, self.device)
+        samplers = [m for m in g.members if not m.request.score_only]
+        for j, m in enumerate(samplers):
+            if j == 0:
+                blocks = full + partial + m.own_blocks  # takes over the group's references
+            else:
+                self.pool.share(full)
+                blocks = full + m.own_blocks
+                if partial:
+                    copies.append((partial[0], m.own_blocks[0]))
+            p = m.request.params
+            gen = None
+            if p.temperature > 0:
+                gen = torch.Generator().manual_seed(sample_seed(p.seed, m.index))
+            rows.append(_Row(m.request, m.index, blocks, n, gen, pool=self.pool))
+        if not samplers:
+            self.pool.release(g.blocks)
+        self._rows += rows
+        return rows
 
     # --- choosing tokens and finishing ----------------------------------------------------------
     def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """Draw each row's next token from its logits [len(rows), V]; keep it running or finish it."""
-        dev = self.device
+        dev = logits.device
         params = [r.request.params for r in rows]
         penalty = None
         if any(p.penalized for p in params):
@@ -550,31 +712,36 @@ class Sampler:
         top_ids = top_lps = None
         if chosen.top_ids is not None and chosen.top_logprobs is not None:
             top_ids, top_lps = chosen.top_ids.tolist(), chosen.top_logprobs.tolist()
+        now = time.perf_counter()
         for j, (r, t, lp) in enumerate(zip(rows, chosen.tokens.tolist(), chosen.logprobs.tolist(), strict=True)):
+            req = r.request
+            if not req.first_token:
+                req.first_token = True
+                self._latencies.append((req.priority, "ttft", now - req.submitted))
+            elif r.tokens:
+                self._latencies.append((req.priority, "itl", now - r.last_token_at))
+            r.last_token_at = now
             r.tokens.append(t)
             r.logprobs.append(lp)
             top = None
-            if (k := r.request.job.top_logprobs) and top_ids is not None and top_lps is not None:
+            if (k := req.job.top_logprobs) and top_ids is not None and top_lps is not None:
                 top = list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
                 r.top.append(top)
-            if r.request.job.on_token is not None:
+            if req.job.on_token is not None:
                 try:
-                    r.request.job.on_token(r.index, t, lp, top)
+                    req.job.on_token(r.index, t, lp, top)
                 except Exception:  # a listener's bug must not fail the batch; the future still answers
                     log.exception("token callback failed")
-            p = r.request.params
+            p = req.params
             if p.stop.hit(r.tokens):
                 self._finish(r, "stop")
             elif len(r.tokens) >= p.max_tokens:
                 self._finish(r, "length")
-            else:
-                self._rows.append(r)
-        self.stats.peak_rows = max(self.stats.peak_rows, len(self._rows))
 
     def _finish(self, row: _Row, reason: types.StopReason) -> None:
         self.pool.release(row.blocks)
+        row.done = True
         req = row.request
-        self._count_rows(req.job.key, -1)
         tokens = np.asarray(row.tokens, dtype=np.int32)
         logprobs = np.asarray(row.logprobs, dtype=np.float32)
         sid = req.job.sequence_ids[row.index]
@@ -623,44 +790,17 @@ class Sampler:
         if not req.future.done():
             req.future.set_exception(exc)
 
-    def cancel(self, future: Future) -> bool:
-        """Stop the request behind `future` (worker thread, between steps): its queued samples are
-        dropped, its running rows end and their KV blocks return to the pool. False if unknown
-        (already finished)."""
-        with self._lock:
-            req = next((r for r in self._queue if r.future is future), None)
-            if req is not None:
-                self._queue.remove(req)
-        if req is None:
-            req = next((row.request for row in self._rows if row.request.future is future), None)
-        if req is None:
-            return False
-        kept = []
-        for row in self._rows:
-            if row.request is not req:
-                kept.append(row)
-                continue
-            self.pool.release(row.blocks)
-            self._rows_by_key[req.job.key] -= 1
-            if not self._rows_by_key[req.job.key]:
-                del self._rows_by_key[req.job.key]
-        self._rows = kept
-        self._fail(req, EngineError("sample request was cancelled"))
-        return True
-
-    def queue_index(self, future: Future) -> tuple[int | None, int]:
-        """(its index among the requests not yet admitted, or None; how many of those there are)."""
-        with self._lock:
-            waiting = [r.future for r in self._queue if r.admitted == 0]
-        return (waiting.index(future) if future in waiting else None), len(waiting)
-
     def _fail_in_flight(self, exc: BaseException) -> None:
         failed = {r.request for r in self._rows}
-        failed.update(req for g in self._prefilling for req in g.requests)
+        failed.update(req for g in self._groups for req in g.requests)
         with self._lock:
             self._queue = deque(r for r in self._queue if r not in failed)
         for req in failed:
             self._fail(req, exc)
         # Everything holding blocks was in flight, so the whole pool is free again.
-        self._rows, self._prefilling, self._rows_by_key = [], [], {}
+        self.executor.drop_swapped([r.swapped for r in self._rows if r.swapped is not None])
+        self._rows, self._groups = [], []
         self.pool = BlockPool(self.cache.num_blocks)
+
+
+__all__ = ["Priority", "SampleCancelled", "SampleFuture", "Sampler", "SamplerStats"]

@@ -37,14 +37,11 @@ class EngineSettings:
     # weights' read, in token-equivalents); None: measured at start-up.
     max_slowdown: float = 2.0
     step_overhead_tokens: int | None = None
-    # Sample requests one API key may have queued or running at once; past it the service answers
-    # 429 with Retry-After (the SDKs retry), so a flood queues at its sender, not in the engine.
-    max_queued_per_key: int = 512
     # Training beside serving: a forward_backward runs in slices of at most this many padded tokens
     # (gradient accumulation: the result equals one pass) while sampling work waits, and the sampler
     # gets sample_steps_per_slice steps between two slices.
-    train_slice_tokens: int = 1024
-    sample_steps_per_slice: int = 2
+    train_slice_tokens: int = 512
+    sample_steps_per_slice: int = 4
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
     # Training memory, whatever the fused batch: a pass with at least this many padded tokens
@@ -79,7 +76,7 @@ class EngineSettings:
         """ValueError naming the first field out of range."""
         positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_step_tokens", "max_fused_tokens",
                     "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp",
-                    "max_queued_per_key", "train_slice_tokens", "sample_steps_per_slice")
+                    "train_slice_tokens", "sample_steps_per_slice")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -36,13 +36,14 @@ import torch.distributed as dist
 from tinker import types
 from torch import Tensor
 
+from mint_server.engine import executor
 from mint_server.engine.interface import EngineError
 from mint_server.engine.optim import Pairs, adamw_step, dimuon_step
 from mint_server.engine.residency import AdamState
 from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.model import tp as tpmod
 from mint_server.model.lora import LoraBank
-from mint_server.model.transformer import CacheView, KVCache
+from mint_server.model.transformer import KVCache
 
 log = logging.getLogger(__name__)
 OPS: dict[str, Callable[..., Any]] = {}
@@ -86,6 +87,7 @@ class Shard:
         self._records: dict[str, Record] = {}
         self.pass_state: tuple[Tensor, Any] | None = None  # (logprobs, leaves) between forward and backward
         self.pending: dict[str, Pairs] = {}  # gradients of the current pass, committed at its end
+        self.swapped: dict[int, dict[str, Tensor]] = {}  # preempted sequences' KV (executor.swap_out)
 
     def record(self, aid: str) -> Any:
         if self._resolve is not None:
@@ -389,39 +391,5 @@ def make_cache(sh: Shard, num_blocks: int, block_size: int) -> None:
     sh.cache = KVCache(cfg, num_blocks, block_size, sh.device, sh.dtype)
 
 
-def _lora(sh: Shard, slots: list[int]) -> Any:
-    return None if all(s < 0 for s in slots) else sh.bank.batch(slots, sh.device)
-
-
-@op
-def prefill(sh: Shard, tokens: Tensor, positions: Tensor, table: Tensor, slots: list[int], lengths: list[int],
-            scoring: list[tuple[int, int, tuple[int, ...], int]]) -> tuple[Tensor, dict[int, Any]]:
-    """The sampler's prefill forward: last-position logits per row, and prompt scores for `scoring`
-    entries (row, slot, prompt, top-k)."""
-    from mint_server.engine.sampler_ops import score_prompt
-
-    dev = sh.device
-    tokens, positions, table = tokens.to(dev), positions.to(dev), table.to(dev)
-    lora = _lora(sh, slots)
-    scores = {}
-    with torch.no_grad():
-        hidden = sh.model.hidden_states(tokens, positions, lora, CacheView(sh.cache, table, positions))
-        last = hidden[torch.arange(len(slots), device=dev), torch.tensor(lengths, device=dev) - 1]
-        logits = sh.model.logits(last[:, None], lora)[:, 0]
-        for i, slot, prompt, k in scoring:
-            one = _lora(sh, [slot])
-            scores[i] = score_prompt(lambda h, one=one: sh.model.logits(h, one), hidden[i, : lengths[i]], prompt, k)
-    return logits, scores
-
-
-@op
-def decode(sh: Shard, tokens: Tensor, positions: Tensor, table: Tensor, slots: list[int]) -> Tensor:
-    dev = sh.device
-    tokens, positions, table = tokens.to(dev), positions.to(dev), table.to(dev)
-    with torch.no_grad():
-        return sh.model(tokens, positions, _lora(sh, slots), CacheView(sh.cache, table, positions))[:, 0]
-
-
-@op
-def copy_blocks(sh: Shard, src: list[int], dst: list[int]) -> None:
-    sh.cache.copy_blocks(src, dst)  # type: ignore[union-attr]
+# the sampler's step, block copies and swaps: the executor's ops, the same functions on every rank
+OPS.update(executor.OPS)

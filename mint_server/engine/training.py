@@ -16,7 +16,7 @@ own room (`reverse_kl.py`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,12 +94,20 @@ class Trainer:
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
 
     # --- forward / forward_backward -------------------------------------------------------------
-    def run(self, jobs: Sequence[TrainJob]) -> list[Output | Exception]:
+    def run(self, jobs: Sequence[TrainJob], between: Callable[[], None] | None = None,
+            slice_tokens: int | None = None) -> list[Output | Exception]:
         """Run requests of any adapters fused: one pass for the backward ones, one for forward-only.
 
         Each request gets its own result or exception. A request that fails validation fails
         alone; adapter gradients are committed only after the whole pass succeeded.
+        between: called after every micro-batch but the last (the engine runs sampler steps there,
+        so a long pass does not stall decoding); micro-batches are then at most slice_tokens padded
+        tokens. The gradients accumulate over them, equal to one pass's up to float rounding (not
+        bitwise, so batch-invariant mode keeps its own split).
         """
+        budget = self.max_tokens_per_pass
+        if between is not None and slice_tokens and not invariant.enabled():
+            budget = min(budget or slice_tokens, slice_tokens)
         results: list[Output | Exception | None] = [None] * len(jobs)
         groups: dict[bool, list[tuple[int, _Prepared]]] = {True: [], False: []}
         for i, job in enumerate(jobs):
@@ -111,7 +119,7 @@ class Trainer:
             if not items:
                 continue
             try:
-                outs = self._pass([p for _, p in items], backward)
+                outs = self._pass([p for _, p in items], backward, budget, between)
             except Exception as e:  # e.g. out of memory: those requests fail, no adapter changed
                 outs = [e] * len(items)
             for (i, _), out in zip(items, outs, strict=True):
@@ -128,7 +136,8 @@ class Trainer:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         return adapter
 
-    def _pass(self, preps: list[_Prepared], backward: bool) -> list[Output | Exception]:
+    def _pass(self, preps: list[_Prepared], backward: bool, budget: int | None = None,
+              between: Callable[[], None] | None = None) -> list[Output | Exception]:
         rows = [Row(r, d, len(dat.tokens)) for r, p in enumerate(preps) for d, dat in enumerate(p.datums)]
         logprobs: dict[tuple[int, int], np.ndarray] = {}
         losses: dict[tuple[int, int], np.ndarray] = {}
@@ -136,9 +145,12 @@ class Trainer:
         pending: dict[str, Pairs] = {}
         runner = self.registry.runner
         try:
-            for mb in self.plan(rows):
+            batches = self.plan(rows, budget)
+            for i, mb in enumerate(batches):
                 grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
                 accumulate(pending, grads)
+                if between is not None and i + 1 < len(batches):
+                    between()
         except BaseException:
             if runner is not None:  # every rank drops the pass's gradients
                 runner.call("train_commit", keep=False)
@@ -161,9 +173,10 @@ class Trainer:
                                metrics={"loss:sum": loss_sum[r]}))
         return outs
 
-    def plan(self, rows: list[Row]) -> list[list[Row]]:
-        """Micro-batches within the token budget; longest rows first so rows of like length pad together."""
-        budget = self.max_tokens_per_pass
+    def plan(self, rows: list[Row], budget: int | None = None) -> list[list[Row]]:
+        """Micro-batches within the token budget (default max_tokens_per_pass); longest rows first so
+        rows of like length pad together."""
+        budget = budget or self.max_tokens_per_pass
         if budget is None or len(rows) * max(r.length for r in rows) <= budget:
             return [rows]
         batches: list[list[Row]] = [[]]

@@ -253,6 +253,7 @@ class DeepseekBlock(nn.Module):
 
 
 class DeepseekTransformer(Transformer):
+    ragged = False  # MLA's latent store reads per query row: the executor runs its steps per segment kind
     def __init__(self, cfg: ModelConfig) -> None:
         if cfg.mla is None:
             raise ValueError("DeepseekTransformer needs a DeepSeek (MLA) config")

@@ -131,6 +131,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.pools.values())
 
+    def save_blocks(self, blocks: list[int]) -> dict[str, Tensor]:
+        """A host copy of these blocks in every layer (a preempted sequence's KV, swapped out)."""
+        dev = next(iter(self.pools.values())).device
+        idx = torch.tensor(blocks, device=dev, dtype=torch.long)
+        return {name: p[:, idx].to("cpu", copy=True) for name, p in self.pools.items()}
+
+    def load_blocks(self, saved: dict[str, Tensor], blocks: list[int]) -> None:
+        """Put a save_blocks copy back, into these (newly allocated) blocks."""
+        dev = next(iter(self.pools.values())).device
+        idx = torch.tensor(blocks, device=dev, dtype=torch.long)
+        for name, p in self.pools.items():
+            p[:, idx] = saved[name].to(dev)
+
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy block src[i] into dst[i] in every layer (forking a partly filled prompt block)."""
         if dst:
@@ -184,9 +197,9 @@ class CacheView:
             B, H, T, D = k.shape
             ck.view(-1, H, D).index_copy_(0, self.write_flat, k.transpose(1, 2).reshape(B * T, H, D))
             cv.view(-1, H, D).index_copy_(0, self.write_flat, v.transpose(1, 2).reshape(B * T, H, D))
-            return self._read(ck), self._read(cv)
-        ck[self.write_block, self.write_offset] = k.transpose(1, 2)
-        cv[self.write_block, self.write_offset] = v.transpose(1, 2)
+        else:
+            ck[self.write_block, self.write_offset] = k.transpose(1, 2)
+            cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         return self._read(ck), self._read(cv)
 
     def store(self, pool: str, layer: int, x: Tensor) -> Tensor:
@@ -197,11 +210,96 @@ class CacheView:
         return c[self.table].flatten(1, 2)[:, : self.kv_len]
 
     def _read(self, c: Tensor) -> Tensor:
+        return read_blocks(c, self.table, self.kv_len)
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
+        """Store this forward's k, v [B, Hkv, T, D] and attend q [B, H, T, D] to each row's keys."""
+        k, v = self.update(layer, k, v)
+        if invariant.enabled():
+            return invariant.attention(q, k, v, self.positions, scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+
+
+def read_blocks(c: Tensor, table: Tensor, kv_len: int) -> Tensor:
+    """Each table row's first kv_len positions of pool c [blocks, positions, H, D] → [rows, H, kv_len, D]."""
+    rows = table.shape[0]
+    if kernels.fast():  # index_select dispatches less than tensor __getitem__
+        blocks = c.index_select(0, table.flatten())
+        return blocks.view(rows, -1, *c.shape[2:])[:, :kv_len].transpose(1, 2)
+    return c[table].flatten(1, 2)[:, :kv_len].transpose(1, 2)
+
+
+class RaggedView(CacheView):
+    """One step of many sequences packed as one ragged batch: token i is batch row i ([N, 1] tokens),
+    so every projection, LoRA delta and MLP runs once over all of them, whatever their lengths.
+
+    segments: (first row, length, block-table row) of each sequence's consecutive tokens, in row
+    order. Attention runs per kind of segment: all length-1 segments (decode rows) as one batch of
+    single queries; each longer one (a prefill chunk) as one causal run of its queries against its
+    own blocks, which already hold this forward's keys (they are written before they are read), so
+    a chunk that starts mid-prompt sees the earlier chunks' keys. block_table [S, n]: one row per
+    segment. Only the standard attention path reads it; MLA's store/mask are per query row.
+    """
+
+    def __init__(self, cache: KVCache, block_table: Tensor, positions: Tensor,
+                 segments: list[tuple[int, int, int]]) -> None:
+        dev = positions.device
+        self.cache, self.positions = cache, positions  # positions [N, 1]
+        bs = cache.block_size
+        row_of = torch.tensor([t for _, n, t in segments for _ in range(n)], device=dev)
+        token_table = block_table[row_of]  # [N, n]
+        self.kv_len = int(positions.max()) + 1
+        self.write_block = token_table.gather(1, positions // bs)
+        self.write_offset = positions % bs
+        self.write_flat = (self.write_block * bs + self.write_offset).flatten() if kernels.fast() else None
+        singles = [(s, t) for s, n, t in segments if n == 1]
+        self.single_rows = torch.tensor([s for s, _ in singles], device=dev)
+        self.single_positions = positions[self.single_rows] if singles else positions[:0]
+        self.single_len = int(self.single_positions.max()) + 1 if singles else 0
+        rows = torch.tensor([t for _, t in singles], device=dev, dtype=torch.long)
+        self.single_table = block_table[rows, : -(-self.single_len // bs)]  # only the blocks attention reads
+        keys = torch.arange(self.single_len, device=dev)
+        self.single_mask = keys[None, None, None, :] <= self.single_positions[:, None, :, None]
+        self.runs = [(s, n, block_table[t : t + 1]) for s, n, t in segments if n > 1]  # cut to kv_len when read
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError("a ragged step stores through attention()")
+
+    def store(self, pool: str, layer: int, x: Tensor) -> Tensor:
+        raise NotImplementedError("MLA runs its steps per segment kind (its model has ragged = False)")
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
+        ck, cv = self.cache.k[layer], self.cache.v[layer]
+        N, Hkv, _, D = k.shape
         if self.write_flat is not None:
-            rows = self.table.shape[0]
-            blocks = c.index_select(0, self.table.flatten())
-            return blocks.view(rows, -1, *c.shape[2:])[:, : self.kv_len].transpose(1, 2)
-        return c[self.table].flatten(1, 2)[:, : self.kv_len].transpose(1, 2)
+            ck.view(-1, Hkv, D).index_copy_(0, self.write_flat, k.reshape(N, Hkv, D))
+            cv.view(-1, Hkv, D).index_copy_(0, self.write_flat, v.reshape(N, Hkv, D))
+        else:
+            ck[self.write_block, self.write_offset] = k.transpose(1, 2)
+            cv[self.write_block, self.write_offset] = v.transpose(1, 2)
+        out = q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])
+        if self.single_len:
+            rows = self.single_rows
+            ks, vs = read_blocks(ck, self.single_table, self.single_len), read_blocks(cv, self.single_table, self.single_len)
+            if invariant.enabled():
+                out[rows] = invariant.attention(q[rows], ks, vs, self.single_positions, scale)
+            else:
+                out[rows] = F.scaled_dot_product_attention(q[rows], ks, vs, attn_mask=self.single_mask, enable_gqa=gqa)
+        for start, n, table in self.runs:
+            pos = self.positions[start : start + n, 0]
+            first, kv_len = int(pos[0]), int(pos[-1]) + 1
+            qr = q[start : start + n, :, 0].transpose(0, 1)[None]  # [1, H, n, D]
+            table = table[:, : -(-kv_len // ck.shape[1])]
+            kr, vr = read_blocks(ck, table, kv_len), read_blocks(cv, table, kv_len)
+            if invariant.enabled():
+                y = invariant.attention(qr, kr, vr, pos[None], scale)
+            elif first == 0:  # the whole prefix is this run: plain causal attention
+                y = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=gqa)
+            else:
+                mask = torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None]
+                y = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask[None, None], enable_gqa=gqa)
+            out[start : start + n, :, 0] = y[0].transpose(0, 1)
+        return out
 
 
 class Attention(nn.Module):
@@ -237,18 +335,12 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv
-        if invariant.enabled():
-            if cache is None:
-                positions = torch.arange(T, device=x.device).expand(B, T)
-            else:
-                positions = cache.positions
-                k, v = cache.update(self.layer, k, v)
-            y = invariant.attention(q, k, v, positions, 1 / math.sqrt(self.head_dim))
-        elif cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        if cache is not None:
+            y = cache.attention(self.layer, q, k, v, 1 / math.sqrt(self.head_dim), gqa)
+        elif invariant.enabled():
+            y = invariant.attention(q, k, v, torch.arange(T, device=x.device).expand(B, T), 1 / math.sqrt(self.head_dim))
         else:
-            k, v = cache.update(self.layer, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=cache.mask, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         out = project(self.o_proj, y, lora, "o_proj", self.layer, tp)
         return out if tp is None else tp.reduce(out)
@@ -312,6 +404,7 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     tp: TP | None = None  # set by tp.shard_model: vocab-parallel embedding and lm_head
+    ragged = True  # its attention takes a RaggedView (a step's sequences packed as one batch)
     vocab_start = 0  # first vocabulary row this rank holds
 
     def __init__(self, cfg: ModelConfig, block: type[nn.Module] | None = None) -> None:

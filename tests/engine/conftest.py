@@ -19,6 +19,21 @@ def sampling_qwen3_dir(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("sampling-qwen3"), "qwen3", tie=True)
 
 
+@pytest.fixture(scope="module")
+def model(sampling_llama_dir):
+    """The sampler tests' model (test modules with their own `model` override it)."""
+    from mint_server.model.loader import load_model
+
+    return load_model(sampling_llama_dir, device="cpu")
+
+
+@pytest.fixture
+def registry(model):
+    from tests.engine.helpers import make_residency
+
+    return make_residency(model.config, num_slots=6, max_rank=8)
+
+
 # --- training -----------------------------------------------------------------------------------
 
 

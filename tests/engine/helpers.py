@@ -49,7 +49,7 @@ class SamplerHarness:
 
     def __init__(self, model: Any, registry: Residency, *, kv_slots: int = 8, max_seq_len: int = 96,
                  records: Any = None, tokenizer: Any = None, decode: Any = None, max_num_samples: int = 1024,
-                 max_prefill_tokens: int = 16384, **sampler_kw: Any) -> None:
+                 max_step_tokens: int = 16384, **sampler_kw: Any) -> None:
         self.registry = registry
         self.prep = preparer(model.config, records=records, tokenizer=tokenizer, max_context=max_seq_len,
                              max_num_samples=max_num_samples, max_rank=registry.bank.max_rank)
@@ -60,7 +60,7 @@ class SamplerHarness:
 
             self.prep.eos = StopCondition(token_ids=frozenset(sampler_kw.pop("eos_token_ids")))
         self.sampler = Sampler(model, registry, kv_budget_tokens=kv_slots * max_seq_len, max_seq_len=max_seq_len,
-                               records=records, max_step_tokens=max_prefill_tokens, **sampler_kw)
+                               records=records, max_step_tokens=max_step_tokens, **sampler_kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)

@@ -18,16 +18,6 @@ from tests.tolerance import for_model
 
 
 @pytest.fixture(scope="module")
-def model(sampling_llama_dir):
-    return load_model(sampling_llama_dir, device="cpu")
-
-
-@pytest.fixture
-def registry(model):
-    return make_residency(model.config, num_slots=6, max_rank=8)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(sampling_llama_dir):
     from transformers import AutoTokenizer
 
@@ -96,7 +86,7 @@ def test_greedy_matches_transformers_peft_in_one_mixed_batch(fixture, request, t
     sampler = make_sampler(ours, reg)
     futures = [sampler.submit(a, p, 1, params(max_tokens=16)) for a, p in zip(adapters, prompts, strict=True)]
     drain(sampler)
-    assert sampler.stats.prefill_forwards == 1 and sampler.stats.decode_forwards == 15  # all three together
+    assert sampler.stats.forwards == 16 and sampler.stats.prompt_rows == 3  # all three together
     got = [f.result().sequences[0].tokens for f in futures]
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -161,7 +151,7 @@ def test_first_token_frequencies_match_the_models_filtered_softmax(model, regist
     f = sampler.submit(None, prompt, draws, params(temperature=temperature, top_k=top_k, top_p=top_p, seed=9,
                                                   max_tokens=1))
     drain(sampler)
-    assert sampler.stats.prefill_rows == 1
+    assert sampler.stats.prompt_rows == 1
     freq = np.bincount([s.tokens[0] for s in f.result().sequences], minlength=model.config.vocab_size) / draws
 
     from tests.engine.test_sampling_ops import filtered_softmax
@@ -278,7 +268,7 @@ def test_shared_prefill_for_samples_and_identical_prompts(model, registry):
     twin = sampler.submit(aid, prompt, 1, params(max_tokens=10))
     base = sampler.submit(None, prompt, 1, params(max_tokens=10))  # same prompt, other adapter: own prefill
     drain(sampler)
-    assert sampler.stats.prefill_rows == 2 and sampler.stats.prefill_tokens == 26
+    assert sampler.stats.prompt_rows == 2 and sampler.stats.prefill_tokens == 26
     (one,) = solo(model, registry, aid, prompt, params(max_tokens=10))
     assert [s.tokens for s in n4.result().sequences] == [one] * 4
     assert twin.result().sequences[0].tokens == one
@@ -363,7 +353,7 @@ def test_a_request_cancelled_while_queued_is_dropped(model, registry):
     f: Future = sampler.submit(aid, [5, 6, 7], 1, params())
     assert registry.get(aid).refs == 1 and f.cancel()
     drain(sampler)
-    assert registry.get(aid).refs == 0 and sampler.stats.prefill_forwards == 0
+    assert registry.get(aid).refs == 0 and sampler.stats.forwards == 0
 
 
 def test_submit_from_many_threads_while_the_worker_steps(model, registry):
@@ -394,16 +384,17 @@ def test_submit_from_many_threads_while_the_worker_steps(model, registry):
     assert registry.get(aid).refs == 0
 
 
-def test_prefill_budget_splits_a_burst_and_tiny_temperatures_are_greedy(model, registry):
+def test_step_budget_chunks_prompts_beside_decode_and_tiny_temperatures_are_greedy(model, registry):
     prompts = [prompt_of(400 + i, 8) for i in range(3)] + [prompt_of(404, 30)]
     p = params(max_tokens=5)
-    sampler = make_sampler(model, registry, max_prefill_tokens=20)
+    sampler = make_sampler(model, registry, max_step_tokens=20)
     futures = [sampler.submit(None, pr, 1, p) for pr in prompts]
     futures.append(sampler.submit(None, prompts[0], 1, params(max_tokens=5, temperature=1e-9, seed=1)))
     drain(sampler)
-    # 2 × 8 fit in 20 padded tokens; the third 8 waits a step; the 30-token prompt runs alone (over
-    # budget), and the greedy repeat of the first prompt after it.
-    assert sampler.stats.prefill_forwards == 4 and sampler.stats.prefill_rows == 5
+    # No step carries more than 20 tokens (decode rows and prompt chunks together): the 30-token
+    # prompt is prefilled in pieces, next to the others' decode rows, and still gives its tokens.
+    s = sampler.stats
+    assert s.peak_step_tokens <= 20 and s.prefill_chunks > s.prompt_rows and s.prefill_tokens == 4 * 8 + 30
     for pr, f in zip(prompts, futures, strict=False):
         assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
     assert futures[-1].result().sequences[0].tokens == futures[0].result().sequences[0].tokens

@@ -36,6 +36,8 @@ class _Sampling(_Body):
     user: str | None = None  # accepted and ignored
     return_tokens_as_token_ids: bool = False  # extension (vLLM's): logprob tokens as "token_id:N"
     ignore_eos: bool = False  # extension (vLLM's): run to max_tokens or a stop string (benchmarks)
+    # extension: scheduling class, "interactive" (the default here) or lowered to "rollout" / "batch"
+    priority: str | None = None
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

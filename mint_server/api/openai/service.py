@@ -33,7 +33,7 @@ from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_re
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.errors import CatalogError
-from mint_server.engine.interface import EngineError, TokenCallback, TopLogprobs
+from mint_server.engine.interface import EngineError, Priority, TokenCallback, TopLogprobs
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.residency import AdapterSource
 from mint_server.serving.chat import ChatError, ChatTemplate, ToolCall, ToolCallGate
@@ -212,7 +212,8 @@ class OpenAIService:
         try:
             return self.engine.prepare_sample(
                 target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
-                frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0)
+                frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
         except EngineError as e:
             field = str(e).partition(":")[0]
             raise OpenAIError(400, str(e), field if field in _ENGINE_FIELDS else None) from None
@@ -557,7 +558,7 @@ class OpenAIService:
 
 
 # Engine fields a refusal may name; the face's own names for them are the same.
-_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty")
+_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "priority")
 
 
 def _tool_call(t: ToolCall) -> dict[str, Any]:

@@ -1,0 +1,191 @@
+"""The sampler's model runner: one step's plan in, logits and prompt scores out.
+
+The sampler (scheduling, token choice, bookkeeping) describes a step as a `StepBatch` — pieces of
+sequences packed back to back: decode rows of one token and prefill chunks of many, each with its
+adapter slot and KV blocks — and the executor runs it as one forward over that ragged batch
+(`RaggedView`), every row on its own adapter through the one `add_lora`. The same op functions run
+on one device or on every tensor-parallel rank: `Executor` calls them directly, or through the
+tensor-parallel `Runner` (tp_runner registers them as its ops), so nothing above this seam knows
+how many ranks there are.
+
+Preempted sequences swap their KV out to host memory and back in (`swap_out` / `swap_in`): a
+resumed sequence continues from exactly the KV it had, so its tokens are those of an uninterrupted
+run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mint_server.engine.sampler_ops import score_targets
+from mint_server.model.lora import LoraBank, LoraBatch
+from mint_server.model.transformer import CacheView, KVCache, RaggedView, Transformer
+
+
+@dataclass
+class StepBatch:
+    """One step's work, packed: segment i is lengths[i] consecutive tokens of one sequence."""
+
+    tokens: list[int]
+    positions: list[int]  # each token's absolute position in its sequence
+    lengths: list[int]
+    slots: list[int]  # per segment: its adapter's bank slot (-1: the base)
+    tables: list[list[int]]  # per segment: its sequence's KV blocks (covering its last position)
+    logits_at: list[int]  # segments whose last token's next-token logits the step returns, in order
+    scoring: list[tuple[int, list[int], int]] = field(default_factory=list)  # (segment, targets, top-k)
+
+    @property
+    def starts(self) -> list[int]:
+        out, at = [], 0
+        for n in self.lengths:
+            out.append(at)
+            at += n
+        return out
+
+
+@dataclass
+class StepResult:
+    logits: Tensor  # [len(logits_at), vocab]
+    scores: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # per scoring entry: score_targets' arrays
+
+
+class RankState(Protocol):
+    """What the ops read of one rank: the local sampler state or tp_runner's Shard."""
+
+    model: Transformer
+    bank: LoraBank
+    device: torch.device
+    cache: KVCache | None
+    swapped: dict[int, dict[str, Tensor]]
+
+
+@dataclass
+class LocalRank:
+    model: Transformer
+    bank: LoraBank
+    device: torch.device
+    cache: KVCache | None
+    swapped: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+
+def lora_for(bank: LoraBank, slots: list[int], device: torch.device) -> LoraBatch | None:
+    return None if all(s < 0 for s in slots) else bank.batch(slots, device)
+
+
+def _hidden(st: RankState, b: StepBatch) -> Tensor:
+    """Final hidden states [N, hidden] of every packed token."""
+    dev, cache = st.device, st.cache
+    assert cache is not None
+    tokens = torch.tensor(b.tokens, device=dev)[:, None]
+    positions = torch.tensor(b.positions, device=dev)[:, None]
+    width = max(len(t) for t in b.tables)
+    table = torch.tensor([t + [KVCache.SCRATCH] * (width - len(t)) for t in b.tables], device=dev)
+    starts = b.starts
+    if st.model.ragged:
+        token_slots = [s for s, n in zip(b.slots, b.lengths, strict=True) for _ in range(n)]
+        segments = [(a, n, i) for i, (a, n) in enumerate(zip(starts, b.lengths, strict=True))]
+        view = RaggedView(cache, table, positions, segments)
+        return st.model.hidden_states(tokens, positions, lora_for(st.bank, token_slots, dev), view)[:, 0]
+    # Per segment kind: all decode rows as one [rows, 1] batch, each chunk as one [1, n] row.
+    out = torch.empty(len(b.tokens), st.model.config.hidden_size, device=dev, dtype=st.model.embed_tokens.weight.dtype)
+    singles = [i for i, n in enumerate(b.lengths) if n == 1]
+    if singles:
+        rows = torch.tensor([starts[i] for i in singles], device=dev)
+        pos = positions[rows]
+        h = st.model.hidden_states(tokens[rows], pos, lora_for(st.bank, [b.slots[i] for i in singles], dev),
+                                   CacheView(cache, table[singles], pos))
+        out[rows] = h[:, 0]
+    for i, n in enumerate(b.lengths):
+        if n > 1:
+            a = starts[i]
+            pos = positions[a : a + n, 0][None]
+            h = st.model.hidden_states(tokens[a : a + n, 0][None], pos, lora_for(st.bank, [b.slots[i]], dev),
+                                       CacheView(cache, table[i : i + 1], pos))
+            out[a : a + n] = h[0]
+    return out
+
+
+# --- the ops (run on every rank) -------------------------------------------------------------------
+def step(st: RankState, batch: StepBatch) -> StepResult:
+    """One forward over the packed batch: next-token logits of `logits_at`, prompt scores of `scoring`."""
+    dev, model = st.device, st.model
+    with torch.no_grad():
+        hidden = _hidden(st, batch)
+        starts = batch.starts
+        ends = [starts[i] + batch.lengths[i] - 1 for i in batch.logits_at]
+        if ends:
+            last = hidden[torch.tensor(ends, device=dev)][:, None]
+            logits = model.logits(last, lora_for(st.bank, [batch.slots[i] for i in batch.logits_at], dev))[:, 0]
+        else:
+            logits = hidden.new_empty(0, model.config.vocab_size)
+        scores = []
+        for i, targets, k in batch.scoring:
+            one = lora_for(st.bank, [batch.slots[i]], dev)
+            piece = hidden[starts[i] : starts[i] + batch.lengths[i]]
+            scores.append(score_targets(lambda h, one=one: model.logits(h, one), piece, targets, k))
+    return StepResult(logits, scores)
+
+
+def copy_blocks(st: RankState, src: list[int], dst: list[int]) -> None:
+    assert st.cache is not None
+    st.cache.copy_blocks(src, dst)
+
+
+def swap_out(st: RankState, handle: int, blocks: list[int]) -> None:
+    assert st.cache is not None
+    st.swapped[handle] = st.cache.save_blocks(blocks)
+
+
+def swap_in(st: RankState, handle: int, blocks: list[int]) -> None:
+    assert st.cache is not None
+    st.cache.load_blocks(st.swapped.pop(handle), blocks)
+
+
+def drop_swapped(st: RankState, handles: list[int]) -> None:
+    for h in handles:
+        st.swapped.pop(h, None)
+
+
+OPS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (step, copy_blocks, swap_out, swap_in, drop_swapped)}
+
+
+class Executor:
+    """Runs the sampler's ops on this process's model, or on every tensor-parallel rank via `runner`."""
+
+    def __init__(self, model: Transformer, bank: LoraBank, device: torch.device, num_blocks: int, block_size: int,
+                 runner: Any = None) -> None:
+        self.runner = runner
+        if runner is not None:
+            runner.call("make_cache", num_blocks=num_blocks, block_size=block_size)
+            self.cache: KVCache = runner.shard.cache
+        else:
+            self.cache = KVCache(model.config, num_blocks, block_size, device, model.embed_tokens.weight.dtype)
+            self.rank = LocalRank(model, bank, device, self.cache)
+
+    def call(self, name: str, **inputs: Any) -> Any:
+        if self.runner is not None:
+            return self.runner.call(name, **inputs)
+        return OPS[name](self.rank, **inputs)
+
+    def step(self, batch: StepBatch) -> StepResult:
+        return self.call("step", batch=batch)
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        if dst:
+            self.call("copy_blocks", src=src, dst=dst)
+
+    def swap_out(self, handle: int, blocks: list[int]) -> None:
+        self.call("swap_out", handle=handle, blocks=blocks)
+
+    def swap_in(self, handle: int, blocks: list[int]) -> None:
+        self.call("swap_in", handle=handle, blocks=blocks)
+
+    def drop_swapped(self, handles: list[int]) -> None:
+        if handles:
+            self.call("drop_swapped", handles=handles)

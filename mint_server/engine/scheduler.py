@@ -1,0 +1,247 @@
+"""The scheduler: every engine step, turn the sampler's queues into a step plan. Pure policy.
+
+No tensors and no model here: the sampler (the executor) describes its work as `Work` items —
+running sequences that hold KV and waiting ones that do not — and gets back a `StepPlan`: which
+items run how many tokens this step (a decode row one, a prefill a chunk of its prompt), which
+waiting items to admit (reserve KV for), and which running items to preempt first (free their KV and
+requeue them; they are recomputed when readmitted). The sampler runs the plan as one forward over a
+ragged batch and reports what each key was served with `charge`.
+
+Policy, in order:
+1. **Priorities.** Lower `priority` first (interactive < rollout < batch): a class's work is planned
+   before any of the next class's.
+2. **Fair shares** (virtual token counters, after "Fairness in Serving LLMs"): within a class every
+   key with running work first gets one item (a decode row or a prefill chunk), so no active key
+   skips a step; then the key with the fewest tokens served goes next, one item at a time, counting the tokens planned in this
+   step, so a key with one request gets its turn whatever another key queues; within a key, the
+   policy (adapter) served least, then arrival order. A key that becomes active starts at the least
+   count among the active keys (no credit hoarded while idle).
+3. **Budget.** A step runs at most `max_step_tokens`. A prompt longer than what is left is prefilled
+   in chunks over several steps (chunked prefill), beside everyone's decode rows.
+4. **Latency bound.** Step cost is modelled as `overhead + tokens` (the weights' read, in
+   token-equivalents, plus the tokens' compute). While a light key (fewer runnable tokens than the
+   heaviest) or a higher priority class has work in the step, the step is capped so it costs at most
+   `max_slowdown` × what that work alone would cost: a quiet key's 8-token request is not stuck in
+   200-row steps of a flood; the flood gets the rest of the budget, and all of it when the quiet key is
+   gone.
+5. **Admission and preemption.** Waiting work is admitted when its KV blocks and rows fit. When they
+   do not and running items of more-served keys (or of a lower class) hold KV, the most-served of
+   those are preempted until it fits. The first waiting item that cannot be admitted even so stops
+   admission for the step, so a large request is never starved by a stream of small ones.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What admitting a waiting item now would take: `take` of its samples (0: it does not fit),
+    the KV blocks and batch rows they reserve, and whether that is all of them."""
+
+    take: int
+    blocks: int = 0
+    rows: int = 0
+    complete: bool = True
+
+
+NO_FIT = Fit(0, complete=False)
+
+
+class Work(Protocol):
+    """What the scheduler reads of one unit of sample work (the sampler's rows and prompt groups)."""
+
+    key: str  # the API key whose work it is
+    policy: str  # its adapter ("" for the base)
+    priority: int  # lower first
+    arrival: int  # submission order
+    running: bool  # holds KV blocks (else waiting)
+
+    @property
+    def pending(self) -> int:
+        """Tokens it still has to run before it yields its next logits (1 for a decode row)."""
+        ...
+
+    @property
+    def ready(self) -> bool:
+        """Its adapter is in a device slot (waiting work that is not ready is skipped)."""
+        ...
+
+    @property
+    def preemptible(self) -> bool: ...
+
+    @property
+    def held_blocks(self) -> int:
+        """KV blocks freed if it is preempted."""
+        ...
+
+    @property
+    def held_rows(self) -> int: ...
+
+    def fit(self, free_blocks: int, free_rows: int) -> Fit:
+        """What admitting it with this much room would take."""
+        ...
+
+
+@dataclass
+class StepPlan:
+    run: list[tuple[Work, int]] = field(default_factory=list)  # (item, tokens this step), in plan order
+    admit: dict[int, Fit] = field(default_factory=dict)  # id(item) → what it takes (admitted this step)
+    preempt: list[Work] = field(default_factory=list)  # running items to preempt before the step
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.run)
+
+
+@dataclass
+class Scheduler:
+    max_step_tokens: int
+    max_slowdown: float = 2.0
+    overhead_tokens: int = 0
+    served: dict[str, float] = field(default_factory=dict)  # key → tokens served (virtual counter)
+    served_policy: dict[tuple[str, str], float] = field(default_factory=dict)
+    tokens_by_key: dict[str, float] = field(default_factory=dict)  # what each key was actually served
+    _active: set[str] = field(default_factory=set)
+    _active_policies: set[tuple[str, str]] = field(default_factory=set)
+
+    def charge(self, key: str, policy: str, tokens: float) -> None:
+        """Count tokens served to a key (and its policy): prefill, decode or training."""
+        self.served[key] = self.served.get(key, 0.0) + tokens
+        self.tokens_by_key[key] = self.tokens_by_key.get(key, 0.0) + tokens
+        self.served_policy[key, policy] = self.served_policy.get((key, policy), 0.0) + tokens
+
+    def shares(self) -> dict[str, float]:
+        """Tokens served per key since start (for /metrics)."""
+        return dict(self.tokens_by_key)
+
+    def plan(self, work: Sequence[Work], free_blocks: int, free_rows: int) -> StepPlan:
+        plan = StepPlan()
+        self._activate(work)
+        candidates = [w for w in work if w.running or w.ready]
+        if not candidates:
+            return plan
+        budget = min(float(self.max_step_tokens), self._cap(candidates))
+        planned: dict[str, float] = {}
+        preempted: set[int] = set()
+        admitting = True
+        for cls in sorted({w.priority for w in candidates}):
+            queues = self._queues(w for w in candidates if w.priority == cls)
+            # First one running item of every key (least served first): no active key skips a step.
+            first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
+            while queues and budget >= 1:
+                if first:
+                    key = first.popleft()
+                else:
+                    key = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k))
+                item = queues[key].pop(0)
+                if not queues[key]:
+                    del queues[key]
+                if id(item) in preempted:
+                    continue
+                if not item.running:
+                    if not admitting:
+                        continue
+                    fit = item.fit(free_blocks, free_rows)
+                    if fit.take == 0:
+                        victims = self._victims(item, work, preempted, free_blocks, free_rows)
+                        if victims is None:
+                            admitting = False  # nothing smaller overtakes it this step
+                            continue
+                        for v in victims:
+                            preempted.add(id(v))
+                            plan.preempt.append(v)
+                            free_blocks += v.held_blocks
+                            free_rows += v.held_rows
+                        for w, n in plan.run:
+                            if id(w) in preempted:
+                                budget += n
+                                planned[w.key] -= n
+                        plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
+                        fit = item.fit(free_blocks, free_rows)
+                    plan.admit[id(item)] = fit
+                    free_blocks -= fit.blocks
+                    free_rows -= fit.rows
+                    admitting = fit.complete
+                n = min(item.pending, int(budget))
+                plan.run.append((item, n))
+                budget -= n
+                planned[key] = planned.get(key, 0.0) + n
+        return plan
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _activate(self, work: Sequence[Work]) -> None:
+        """Virtual-counter lift: a key (or a key's policy) that (re)appears starts at the least count
+        among the active ones, so nobody hoards credit while idle."""
+        keys = {w.key for w in work}
+        policies = {(w.key, w.policy) for w in work}
+        staying = self._active & keys
+        if staying:
+            floor = min(self.served.get(k, 0.0) for k in staying)
+            for k in keys - staying:
+                self.served[k] = max(self.served.get(k, 0.0), floor)
+        staying_p = self._active_policies & policies
+        for kp in policies - staying_p:
+            peers = [self.served_policy.get(p, 0.0) for p in staying_p if p[0] == kp[0]]
+            if peers:
+                self.served_policy[kp] = max(self.served_policy.get(kp, 0.0), min(peers))
+        self._active, self._active_policies = keys, policies
+        if len(self.served_policy) > 4 * len(policies) + 1024:  # forget idle ones (lifted on return)
+            self.served = {k: v for k, v in self.served.items() if k in keys}
+            self.served_policy = {kp: v for kp, v in self.served_policy.items() if kp in policies}
+
+    def _queues(self, items: Iterable[Work]) -> dict[str, list[Work]]:
+        """Per key, its items in order: running before waiting (they hold KV), then the policy served
+        least, then arrival."""
+        out: dict[str, list[Work]] = {}
+        for w in items:
+            out.setdefault(w.key, []).append(w)
+        for key, q in out.items():
+            q.sort(key=lambda w: (not w.running, self.served_policy.get((key, w.policy), 0.0), w.arrival))
+        return out
+
+    def _cap(self, items: Sequence[Work]) -> float:
+        """The latency bound (4. above): the most tokens a step may carry given who is in it."""
+        demand: dict[tuple[int, str], int] = {}
+        for w in items:
+            demand[w.priority, w.key] = demand.get((w.priority, w.key), 0) + w.pending
+        top = min(p for p, _ in demand)
+        heaviest = max(demand.values())
+        lower_classes = any(p > top for p, _ in demand)
+        protected = [d for (p, _), d in demand.items() if d < heaviest or (lower_classes and p == top)]
+        if not protected:
+            return math.inf
+        o, s = self.overhead_tokens, self.max_slowdown
+        return max(min(s * (o + d) - o for d in protected), float(sum(protected)))
+
+    def _victims(self, item: Work, work: Sequence[Work], preempted: set[int], free_blocks: int,
+                 free_rows: int) -> list[Work] | None:
+        """Running items to preempt so `item` fits: of lower classes or of more-served keys, the least
+        entitled first (lowest class, most served, latest arrival); None if that cannot make room."""
+        mine = self.served.get(item.key, 0.0)
+        rows: dict[str, int] = {}
+        for w in work:
+            if w.running:
+                rows[w.key] = rows.get(w.key, 0) + 1
+
+        def ahead(key: str) -> bool:  # served more, or as much (a key that just arrived) with more rows
+            theirs = self.served.get(key, 0.0)
+            return theirs > mine or (theirs == mine and rows.get(key, 0) > rows.get(item.key, 0) + 1)
+
+        pool = [w for w in work if w.running and w.preemptible and id(w) not in preempted
+                and (w.priority > item.priority or (w.priority == item.priority and w.key != item.key
+                                                     and ahead(w.key)))]
+        pool.sort(key=lambda w: (-w.priority, -self.served.get(w.key, 0.0), -rows.get(w.key, 0), -w.arrival))
+        chosen: list[Work] = []
+        for w in pool:
+            chosen.append(w)
+            free_blocks += w.held_blocks
+            free_rows += w.held_rows
+            if item.fit(free_blocks, free_rows).take > 0:
+                return chosen
+        return None

@@ -1,0 +1,142 @@
+"""The scheduler as pure policy: plans over plain work items, no model, no tensors."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from mint_server.engine.interface import Priority
+from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Item:
+    key: str
+    pending: int = 1
+    running: bool = True
+    priority: int = Priority.ROLLOUT
+    policy: str = ""
+    blocks: int = 1  # held when running, needed when waiting
+    ready: bool = True
+    preemptible: bool = True
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+
+    @property
+    def held_blocks(self) -> int:
+        return self.blocks if self.running else 0
+
+    @property
+    def held_rows(self) -> int:
+        return 1 if self.running else 0
+
+    def fit(self, free_blocks: int, free_rows: int) -> Fit:
+        return Fit(1, self.blocks, 1) if self.blocks <= free_blocks and free_rows >= 1 else NO_FIT
+
+
+def keys_of(plan) -> list[str]:
+    return [w.key for w, _ in plan.run]
+
+
+def test_the_least_served_key_goes_first_and_turns_alternate():
+    s = Scheduler(max_step_tokens=4, overhead_tokens=100)  # the latency cap does not bind
+    a = [Item("a") for _ in range(6)]
+    b = [Item("b") for _ in range(6)]
+    s.plan([*a, *b], 100, 100)  # both keys become active at the same count
+    s.charge("a", "", 10)
+    plan = s.plan([*a, *b], 100, 100)
+    # one row of each active key first (b, the least served, ahead), then b while it is below a's count
+    assert keys_of(plan) == ["b", "a", "b", "b"]
+    s.charge("b", "", 10)
+    assert keys_of(s.plan([*a, *b], 100, 100)) == ["a", "b", "a", "b"]  # equal counts: one item each in turn
+
+
+def test_a_key_returning_from_idle_starts_at_the_active_minimum():
+    s = Scheduler(max_step_tokens=8)
+    busy = [Item("busy") for _ in range(4)]
+    s.plan(busy, 100, 100)
+    s.charge("busy", "", 1000)
+    s.plan(busy, 100, 100)
+    newcomer = Item("new")
+    s.plan([*busy, newcomer], 100, 100)
+    assert s.served["new"] == s.served["busy"]  # no credit for having been away: it does not starve "busy"
+
+
+def test_priority_classes_run_in_order_whatever_the_counts():
+    s = Scheduler(max_step_tokens=3, overhead_tokens=10)  # the latency cap (12 tokens) does not bind
+    batch = [Item("x", priority=Priority.BATCH) for _ in range(3)]
+    rollout = [Item("y", priority=Priority.ROLLOUT) for _ in range(3)]
+    interactive = Item("z", priority=Priority.INTERACTIVE)
+    s.plan([*batch, *rollout, interactive], 100, 100)
+    s.charge("z", "", 10_000)  # the most served key, but the top class
+    plan = s.plan([*batch, *rollout, interactive], 100, 100)
+    assert [w for w, _ in plan.run][:1] == [interactive] and keys_of(plan) == ["z", "y", "y"]
+
+
+def test_a_long_prompt_is_chunked_to_the_step_budget():
+    s = Scheduler(max_step_tokens=20)
+    rows = [Item("a") for _ in range(5)]
+    prompt = Item("a", pending=100, running=False, blocks=7)
+    plan = s.plan([*rows, prompt], 100, 100)
+    assert plan.tokens == 20 and dict((id(w), n) for w, n in plan.run)[id(prompt)] == 15
+    assert id(prompt) in plan.admit
+
+
+def test_a_light_key_caps_the_step_at_max_slowdown_of_its_own_cost():
+    # cost ∝ overhead + tokens: the quiet key's step alone costs 10 + 1; with slowdown 2 the step may
+    # carry 2 · 11 − 10 = 12 tokens, so 11 of the flood's 100 rows run beside it.
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, overhead_tokens=10)
+    flood = [Item("flood") for _ in range(100)]
+    quiet = Item("quiet")
+    plan = s.plan([*flood, quiet], 1000, 1000)
+    assert quiet in [w for w, _ in plan.run] and plan.tokens == 12
+    assert s.plan(flood, 1000, 1000).tokens == 100  # alone, the flood gets the whole budget
+
+
+def test_preemption_takes_the_most_served_keys_rows_for_a_less_served_waiting_one():
+    s = Scheduler(max_step_tokens=64, overhead_tokens=100)
+    heavy_old = [Item("heavy", blocks=2) for _ in range(3)]
+    heavy_new = [Item("heavy", blocks=2) for _ in range(2)]
+    medium = [Item("medium", blocks=2)]
+    waiting = Item("quiet", running=False, blocks=4)
+    work = [*heavy_old, *heavy_new, *medium, waiting]
+    s.plan(work, 0, 100)
+    s.charge("heavy", "", 500)
+    s.charge("medium", "", 100)
+    plan = s.plan(work, 0, 100)  # the pool is full
+    assert plan.preempt == heavy_new[::-1]  # the most served key's latest rows, just enough of them
+    assert id(waiting) in plan.admit and waiting in [w for w, _ in plan.run]
+    assert not set(map(id, plan.preempt)) & {id(w) for w, _ in plan.run}
+
+
+def test_no_preemption_for_a_more_served_key_or_within_a_key_and_the_queue_holds_its_order():
+    s = Scheduler(max_step_tokens=64, overhead_tokens=100)
+    quiet_rows = [Item("quiet", blocks=2) for _ in range(2)]
+    big_wait = Item("heavy", running=False, blocks=4)
+    small_wait = Item("heavy", running=False, blocks=1)
+    own_rows = [Item("heavy", blocks=1)]
+    work = [*quiet_rows, *own_rows, big_wait, small_wait]
+    s.plan(work, 0, 100)
+    s.charge("heavy", "", 500)
+    plan = s.plan(work, 0, 100)
+    assert plan.preempt == [] and plan.admit == {}
+    # a small request behind the big one does not overtake it, even with room for it
+    plan = s.plan(work, 2, 100)
+    assert plan.admit == {}
+
+
+def test_lower_classes_are_preempted_for_a_higher_one():
+    s = Scheduler(max_step_tokens=64)
+    batch_rows = [Item("a", blocks=3, priority=Priority.BATCH) for _ in range(2)]
+    interactive = Item("a", running=False, blocks=3, priority=Priority.INTERACTIVE)
+    plan = s.plan([*batch_rows, interactive], 0, 100)
+    assert len(plan.preempt) == 1 and id(interactive) in plan.admit
+
+
+def test_waiting_work_whose_adapter_is_loading_is_skipped_not_blocking():
+    s = Scheduler(max_step_tokens=64)
+    cold = Item("a", running=False, ready=False)
+    warm = Item("a", running=False)
+    plan = s.plan([cold, warm], 10, 10)
+    assert [w for w, _ in plan.run] == [warm]
