@@ -115,8 +115,7 @@ def measured(engine: Any, run: Any) -> dict[str, float]:
     after = totals()
     out["server_cpu_s"] = time.process_time() - cpu0
     out["forward_s"] = sum(after["seconds"].values()) - sum(before["seconds"].values())
-    out["prefill_forwards"] = after["forwards"]["prefill"] - before["forwards"]["prefill"]
-    out["decode_forwards"] = after["forwards"]["decode"] - before["forwards"]["decode"]
+    out["forwards"] = after["forwards"]["step"] - before["forwards"]["step"]
     out["outside_forward_s"] = out["wall_s"] - out["forward_s"]
     return out
 
@@ -227,7 +226,7 @@ def main() -> None:
                               "client_nice": args.client_nice}  # fmt: skip
     for side, runs in (("face", face_runs), ("engine", engine_runs)):
         for key in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "tokens_per_s", "wall_s", "forward_s",
-                    "outside_forward_s", "server_cpu_s", "client_cpu_s", "prefill_forwards", "decode_forwards"):
+                    "outside_forward_s", "server_cpu_s", "client_cpu_s", "forwards"):
             if key not in runs[0]:
                 continue
             result[f"{side}_{key}"] = med(runs, key)

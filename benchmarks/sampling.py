@@ -282,7 +282,7 @@ def main() -> None:
         rates = run_interleaved(samplers, workloads, batch, args.new_tokens)
         for k, rate in rates.items():
             st = samplers[k].stats
-            report(**{f"tok_s_{k}": rate, f"decode_tok_s_{k}": st.decode_tokens / st.decode_s})
+            report(**{f"tok_s_{k}": rate, f"decode_tok_s_{k}": st.decode_tokens / st.step_s})
         report(ratio_b_over_a=rates["b_distinct_adapters"] / rates["a_one_adapter"])
         if hf is not None:
             peft_tokens = args.peft_new_tokens or args.new_tokens
@@ -305,11 +305,11 @@ def main() -> None:
              args.e_new_tokens)
     report(**{
         "e_prompt_len": args.e_prompt_len,
-        "e_prefill_s_shared": shared.stats.prefill_s, "e_prefill_s_separate": separate.stats.prefill_s,
+        "e_step_s_shared": shared.stats.step_s, "e_step_s_separate": separate.stats.step_s,
         "e_prefill_tokens_shared": shared.stats.prefill_tokens,
         "e_prefill_tokens_separate": separate.stats.prefill_tokens,
         "e_kv_blocks_peak_shared": shared.pool.peak_used, "e_kv_blocks_peak_separate": separate.pool.peak_used,
-        "ratio_e_prefill": shared.stats.prefill_s / separate.stats.prefill_s,
+        "ratio_e_step_s": shared.stats.step_s / separate.stats.step_s,
     })
 
     if args.profile:

@@ -123,7 +123,7 @@ def bench_sampling(server: LiveServer, base: str, n: int, max_tokens: int, singl
     after = engine.sampler.totals()
     eng = burst(direct)
     decode_rate = ((after["tokens"]["decode"] - before["tokens"]["decode"])
-                   / max(after["seconds"]["decode"] - before["seconds"]["decode"], 1e-9))
+                   / max(after["seconds"]["step"] - before["seconds"]["step"], 1e-9))
     single_sdk, single_eng = [], []
     for _ in range(single):  # alternate, so a noisy neighbour slows both sides alike
         single_sdk.append(seconds(lambda: via_sdk(prompts[0])) / max_tokens)

@@ -169,8 +169,9 @@ def register(app: typer.Typer) -> None:
         ),
         max_step_tokens: int = typer.Option(
             None, "--max-step-tokens",
-            help=f"Tokens one engine step may run, decode rows and prefill chunks together [default: "
-            f"{_default('max_step_tokens')}]; a longer prompt is prefilled in chunks beside running streams.",
+            help="Tokens one engine step may run, decode rows and prefill chunks together [default: 4 × the "
+            "measured step overhead, within 128..8192]; a longer prompt is prefilled in chunks beside running "
+            "streams, and new work waits at most one step.",
         ),
         max_slowdown: float = typer.Option(
             None, "--max-slowdown",

@@ -87,7 +87,12 @@ class LocalEngine(JobParsing):
 
         self.settings = s = settings or EngineSettings()
         s.check()
-        torch.set_num_threads(s.intra_op_threads())
+        # Tensor math runs on the worker thread, with its own OpenMP team of intra_op_threads (set
+        # there): a second team on the constructing thread makes libgomp throttle its spin-waits
+        # once it counts more threads than cores, and every op of a step then waits for a futex
+        # wake-up (measured: one decode step 32 → 57 ms on 2 cores). So this thread — and the
+        # loaders — compute single-threaded.
+        torch.set_num_threads(1)
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
@@ -125,11 +130,9 @@ class LocalEngine(JobParsing):
             kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(local_config(cfg, s.tp), self.dtype)),
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
-            max_step_tokens=s.max_step_tokens, max_slowdown=s.max_slowdown,
-            step_overhead_tokens=s.step_overhead_tokens if s.step_overhead_tokens is not None else 0,
+            max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
+            step_overhead_tokens=s.step_overhead_tokens or 0,
         )
-        if s.step_overhead_tokens is None:
-            self.sampler.scheduler.overhead_tokens = self.sampler.measure_overhead()
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False
         self._paused = False
@@ -344,7 +347,20 @@ class LocalEngine(JobParsing):
             self._queue.remove(first_op)
         return [], first_op
 
+    def _calibrate(self) -> None:
+        """The scheduler's cost model is this machine's: measured on the worker, before any step."""
+        s = self.settings
+        if s.step_overhead_tokens is None:
+            cost = self.sampler.measure_costs()
+            self.sampler.scheduler.cost = cost
+            self.sampler.scheduler.max_step_tokens = s.step_tokens(round(cost(0, 0)))
+
     def _loop(self) -> None:
+        torch.set_num_threads(self.settings.intra_op_threads())  # this thread's OpenMP team (see __init__)
+        try:
+            self._calibrate()
+        except Exception:  # noqa: BLE001 - the defaults stand; serving goes on
+            log.exception("measuring the step costs failed")
         while True:
             with self._cv:
                 while self._running and (self._paused or not self._has_work()):

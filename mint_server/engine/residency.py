@@ -138,7 +138,9 @@ class Residency:
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]  # per engine: ids from two engines never collide
-        self._pool = ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="mint-loader")
+        # single-threaded math: no OpenMP team beside the engine worker's (see LocalEngine.__init__)
+        self._pool = ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="mint-loader",
+                                        initializer=torch.set_num_threads, initargs=(1,))
         self._on_loaded = on_loaded or (lambda: None)
         self._fresh: set[str] = set()  # brought into a slot for the step about to run
         self._loading: set[Adapter] = set()  # store → host reads in flight

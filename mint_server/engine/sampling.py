@@ -50,7 +50,7 @@ from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import PromptScores, choose_tokens, penalties, sample_seed, uniforms
-from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler
+from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class _Row:
     priority = property(lambda self: self.request.priority)
     arrival = property(lambda self: self.request.arrival)
     running = property(lambda self: self.swapped is None)
+    decoding = True
     pending = 1
     ready = True
     preemptible = True
@@ -229,6 +230,7 @@ class _Group:
     priority = property(lambda self: min(r.priority for r in self.requests))
     arrival = property(lambda self: self.requests[0].arrival)
     running = True
+    decoding = False
     ready = True
     preemptible = False
     held_blocks = 0
@@ -250,6 +252,7 @@ class _Waiting:
     request: _Request
     sampler: Sampler
     running = False
+    decoding = False
     preemptible = False
     held_blocks = 0
     held_rows = 0
@@ -382,15 +385,17 @@ class Sampler:
     def kv_blocks_in_use(self) -> int:
         return self.pool.used
 
-    def measure_overhead(self, probe_tokens: int = 128, repeats: int = 3) -> int:
-        """A step's fixed cost in token-equivalents (the scheduler's latency model: cost ∝ overhead +
-        tokens), from base-model steps of 1 and 1 + probe_tokens tokens on scratch blocks. Measured at
-        start-up because it is the machine's: ~the weights' read over one token's compute."""
-        n = min(probe_tokens + 1, self.max_seq_len)
-        blocks = self.pool.alloc(blocks_for(n, self.block_size))
+    def measure_costs(self, probe_tokens: int = 64, repeats: int = 3) -> StepCost:
+        """The scheduler's cost model on this machine, from base-model steps on scratch blocks: a
+        prompt of 1 and of 1 + probe_tokens tokens (a prefill token's cost, the unit), and decode
+        batches of 1, 2, 4 … 64 rows (small batches cost more per row than big ones). Measured at
+        start-up: the weights' read against the compute is the machine's."""
+        n = max(2, min(probe_tokens + 1, self.max_seq_len, self.pool.available - 2))
+        prompt_blocks = self.pool.alloc(blocks_for(n, self.block_size))
+        row_blocks = self.pool.alloc(2)
+        position = min(2 * self.block_size - 1, 31)  # decode rows a little into their context
 
-        def seconds(tokens: int) -> float:
-            batch = StepBatch([0] * tokens, list(range(tokens)), [tokens], [-1], [blocks], [0])
+        def seconds(batch: StepBatch) -> float:
             times = []
             for _ in range(repeats + 1):  # the first one warms up
                 t0 = time.perf_counter()
@@ -398,13 +403,23 @@ class Sampler:
                 times.append(time.perf_counter() - t0)
             return sorted(times[1:])[repeats // 2]
 
+        def decode(k: int) -> float:
+            return seconds(StepBatch([0] * k, [position] * k, [1] * k, [-1] * k, [row_blocks] * k, list(range(k))))
+
         try:
-            one, many = seconds(1), seconds(n)
+            one = seconds(StepBatch([0], [0], [1], [-1], [prompt_blocks], [0]))
+            prompt = seconds(StepBatch([0] * n, list(range(n)), [n], [-1], [prompt_blocks], [0]))
+            sizes = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= self.max_batch_rows]
+            times = [decode(k) for k in sizes]
         finally:
-            self.pool.release(blocks)
-        per_token = max((many - one) / (n - 1), 1e-9)
-        overhead = int(max(0.0, one / per_token - 1))
-        return min(overhead, self.scheduler.max_step_tokens)
+            self.pool.release(prompt_blocks + row_blocks)
+        unit = max((prompt - one) / (n - 1), 1e-9)
+        if len(sizes) < 2:
+            return StepCost.linear(max(0.0, one / unit - 1))
+        costs = [max(t / unit, 1.0) for t in times]
+        for i in range(1, len(costs)):  # noise must not make a bigger batch cheaper
+            costs[i] = max(costs[i], costs[i - 1] + 1e-3)
+        return StepCost(tuple(sizes), tuple(costs))
 
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:

@@ -19,7 +19,8 @@ Policy, in order:
 3. **Budget.** A step runs at most `max_step_tokens`. A prompt longer than what is left is prefilled
    in chunks over several steps (chunked prefill), beside everyone's decode rows.
 4. **Latency bound.** Step cost is modelled as `overhead + tokens` (the weights' read, in
-   token-equivalents, plus the tokens' compute). While a light key (fewer runnable tokens than the
+   token-equivalents, plus the tokens' compute; `StepCost`, measured at start-up, since a few
+   decode rows cost more per row than many). While a light key (fewer runnable tokens than the
    heaviest) or a higher priority class has work in the step, the step is capped so it costs at most
    `max_slowdown` × what that work alone would cost: a quiet key's 8-token request is not stuck in
    200-row steps of a flood; the flood gets the rest of the budget, and all of it when the quiet key is
@@ -61,6 +62,7 @@ class Work(Protocol):
     priority: int  # lower first
     arrival: int  # submission order
     running: bool  # holds KV blocks (else waiting)
+    decoding: bool  # a decode row (one token, its logits and its draw), else prefill tokens
 
     @property
     def pending(self) -> int:
@@ -99,16 +101,45 @@ class StepPlan:
         return sum(n for _, n in self.run)
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """A step's cost in prefill-token units: `decode[i]` for a step of `rows[i]` decode rows (measured
+    at start-up: small batches cost more per row than big ones), linear between the points and
+    beyond the last, plus one unit per prefill token. A step of prefill alone costs the one-row step
+    less a row, plus its tokens."""
+
+    rows: tuple[int, ...] = (1, 2)
+    decode: tuple[float, ...] = (1.0, 2.0)
+
+    @classmethod
+    def linear(cls, overhead: float, row: float = 1.0) -> StepCost:
+        return cls((1, 2), (overhead + row, overhead + 2 * row))
+
+    def at(self, k: float) -> float:
+        xs, ys = self.rows, self.decode
+        i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= k), len(xs) - 1)))
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (k - x0) / (x1 - x0)
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        return (self.at(rows) if rows else self.at(1) - 1) + tokens
+
+
 @dataclass
 class Scheduler:
     max_step_tokens: int
     max_slowdown: float = 2.0
-    overhead_tokens: int = 0
+    overhead_tokens: int = 0  # the cost model when `cost` is not given: StepCost.linear(overhead_tokens)
+    cost: StepCost | None = None
     served: dict[str, float] = field(default_factory=dict)  # key → tokens served (virtual counter)
     served_policy: dict[tuple[str, str], float] = field(default_factory=dict)
     tokens_by_key: dict[str, float] = field(default_factory=dict)  # what each key was actually served
     _active: set[str] = field(default_factory=set)
     _active_policies: set[tuple[str, str]] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.cost is None:
+            self.cost = StepCost.linear(self.overhead_tokens)
 
     def charge(self, key: str, policy: str, tokens: float) -> None:
         """Count tokens served to a key (and its policy): prefill, decode or training."""
@@ -126,7 +157,9 @@ class Scheduler:
         candidates = [w for w in work if w.running or w.ready]
         if not candidates:
             return plan
-        budget = min(float(self.max_step_tokens), self._cap(candidates))
+        tokens_left = self.max_step_tokens
+        allowed = self._cap(candidates)  # the step's cost bound (StepCost units)
+        rows = tokens = 0  # decode rows and prefill tokens planned so far
         planned: dict[str, float] = {}
         preempted: set[int] = set()
         admitting = True
@@ -134,7 +167,7 @@ class Scheduler:
             queues = self._queues(w for w in candidates if w.priority == cls)
             # First one running item of every key (least served first): no active key skips a step.
             first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
-            while queues and budget >= 1:
+            while queues and tokens_left >= 1 and self._room(rows, tokens, allowed, False) >= 1:
                 if first:
                     key = first.popleft()
                 else:
@@ -142,7 +175,7 @@ class Scheduler:
                 item = queues[key].pop(0)
                 if not queues[key]:
                     del queues[key]
-                if id(item) in preempted:
+                if id(item) in preempted or self._room(rows, tokens, allowed, item.decoding) < 1:
                     continue
                 if not item.running:
                     if not admitting:
@@ -160,7 +193,8 @@ class Scheduler:
                             free_rows += v.held_rows
                         for w, n in plan.run:
                             if id(w) in preempted:
-                                budget += n
+                                rows, tokens = (rows - 1, tokens) if w.decoding else (rows, tokens - n)
+                                tokens_left += n
                                 planned[w.key] -= n
                         plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
                         fit = item.fit(free_blocks, free_rows)
@@ -168,9 +202,10 @@ class Scheduler:
                     free_blocks -= fit.blocks
                     free_rows -= fit.rows
                     admitting = fit.complete
-                n = min(item.pending, int(budget))
+                n = min(item.pending, tokens_left, self._room(rows, tokens, allowed, item.decoding))  # ≥ 1
                 plan.run.append((item, n))
-                budget -= n
+                rows, tokens = (rows + 1, tokens) if item.decoding else (rows, tokens + n)
+                tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
         return plan
 
@@ -205,19 +240,31 @@ class Scheduler:
             q.sort(key=lambda w: (not w.running, self.served_policy.get((key, w.policy), 0.0), w.arrival))
         return out
 
+    def _room(self, rows: int, tokens: int, allowed: float, decoding: bool) -> int:
+        """How many tokens one more item may run within `allowed`: a decode row its one or none, a
+        prefill the prompt tokens that fit."""
+        assert self.cost is not None
+        if decoding:
+            return 1 if self.cost(rows + 1, tokens) <= allowed else 0
+        left = allowed - self.cost(rows, tokens)
+        return self.max_step_tokens if math.isinf(left) else max(0, math.floor(left))
+
     def _cap(self, items: Sequence[Work]) -> float:
         """The latency bound (4. above): the most tokens a step may carry given who is in it."""
-        demand: dict[tuple[int, str], int] = {}
+        demand: dict[tuple[int, str], tuple[int, int]] = {}  # (class, key) → (decode rows, prefill tokens)
         for w in items:
-            demand[w.priority, w.key] = demand.get((w.priority, w.key), 0) + w.pending
+            r, t = demand.get((w.priority, w.key), (0, 0))
+            demand[w.priority, w.key] = (r + 1, t) if w.decoding else (r, t + w.pending)
+        assert self.cost is not None
+        costs = {k: self.cost(*d) for k, d in demand.items()}
         top = min(p for p, _ in demand)
-        heaviest = max(demand.values())
+        heaviest = max(costs.values())
         lower_classes = any(p > top for p, _ in demand)
-        protected = [d for (p, _), d in demand.items() if d < heaviest or (lower_classes and p == top)]
+        protected = [k for k, c in costs.items() if c < heaviest or (lower_classes and k[0] == top)]
         if not protected:
             return math.inf
-        o, s = self.overhead_tokens, self.max_slowdown
-        return max(min(s * (o + d) - o for d in protected), float(sum(protected)))
+        together = self.cost(sum(demand[k][0] for k in protected), sum(demand[k][1] for k in protected))
+        return max(min(self.max_slowdown * costs[k] for k in protected), together)
 
     def _victims(self, item: Work, work: Sequence[Work], preempted: set[int], free_blocks: int,
                  free_rows: int) -> list[Work] | None:

@@ -29,13 +29,14 @@ class EngineSettings:
     # Longest sequence, for training and sampling alike; None: the model's own context.
     max_context: int | None = None
     # Tokens one engine step may run: decode rows (one each) plus chunks of prefill (engine/scheduler.py).
-    # A longer prompt is prefilled in chunks over several steps, beside everyone's decode rows.
-    max_step_tokens: int = 2048
+    # A longer prompt is prefilled in chunks over several steps, beside everyone's decode rows. It
+    # bounds how long new work waits for the step in flight; None: step_tokens(overhead) below.
+    max_step_tokens: int | None = None
     # Fair shares (engine/scheduler.py): while a key that is served less than the busiest one has rows
     # in a step, the step is sized so that it costs at most max_slowdown × what that key's own rows
     # alone would cost. Step cost is modelled as step_overhead_tokens + tokens (the overhead is the
     # weights' read, in token-equivalents); None: measured at start-up.
-    max_slowdown: float = 2.0
+    max_slowdown: float = 1.5
     step_overhead_tokens: int | None = None
     # Training beside serving: a forward_backward runs in slices of at most this many padded tokens
     # (gradient accumulation: the result equals one pass) while sampling work waits, and the sampler
@@ -74,7 +75,7 @@ class EngineSettings:
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
-        positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_step_tokens", "max_fused_tokens",
+        positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_fused_tokens",
                     "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp",
                     "train_slice_tokens", "sample_steps_per_slice")
         for name in positive:
@@ -84,6 +85,8 @@ class EngineSettings:
         if not (isinstance(self.max_slowdown, int | float) and math.isfinite(self.max_slowdown)
                 and self.max_slowdown >= 1):
             raise ValueError(f"max_slowdown must be a number >= 1, got {self.max_slowdown!r}")
+        if self.max_step_tokens is not None and (not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
+            raise ValueError(f"max_step_tokens must be a positive integer, got {self.max_step_tokens!r}")
         if self.step_overhead_tokens is not None and (
                 not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0):
             raise ValueError(f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
@@ -114,6 +117,15 @@ class EngineSettings:
         if self.kv_budget_mb is None:
             return self.kv_budget_tokens
         return max(1, int(self.kv_budget_mb * 2**20) // bytes_per_token)
+
+    def step_tokens(self, overhead_tokens: int) -> int:
+        """max_step_tokens, or by default 4 × (step overhead + 1) within 128..8192: a full step then
+        costs about 4 empty ones (prefill still runs at 80 % of its rate), so work arriving mid-step
+        waits about two decode steps, whatever the machine (on CPU the overhead is tens of tokens, on
+        a GPU hundreds or more)."""
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        return min(8192, max(128, 4 * (overhead_tokens + 1)))
 
     def intra_op_threads(self) -> int:
         """threads, or the cores given to this process (its CPU affinity) when unset, shared by the

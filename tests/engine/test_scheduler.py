@@ -21,6 +21,7 @@ class Item:
     blocks: int = 1  # held when running, needed when waiting
     ready: bool = True
     preemptible: bool = True
+    decoding: bool = False
     arrival: int = field(default_factory=lambda: next(_arrivals))
 
     @property
