@@ -143,3 +143,52 @@ def test_per_key_pending_limit_429_and_queue_state(server: LiveServer) -> None:
     assert sample(a, sa, 4).status_code == 200  # the same request, resubmitted, is admitted now
     a.close()
     b.close()
+
+
+def test_a_tinker_sample_may_lower_its_priority_by_header_never_raise_it(server: LiveServer) -> None:
+    client = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": KEY_A}, timeout=30)
+    sid = client.post("create_session", json={"tags": [], "user_metadata": None, "sdk_version": "t"}).json()
+    sampler_id = client.post("create_sampling_session", json={
+        "session_id": sid["session_id"], "sampling_session_seq_id": 0, "base_model": BASE}).json()["sampling_session_id"]
+
+    def sample(seq: int, priority: str) -> httpx.Response:
+        return client.post("asample", headers={"X-Mint-Priority": priority}, json={
+            "sampling_session_id": sampler_id, "seq_id": seq, "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]}, "sampling_params": {"max_tokens": 2}})
+
+    raised = sample(1, "interactive")
+    assert raised.status_code == 400 and "X-Mint-Priority" in raised.json()["detail"], raised.text
+    assert sample(2, "soon").status_code == 400
+    lowered = sample(3, "batch")
+    assert lowered.status_code == 200, lowered.text
+    rid = lowered.json()["request_id"]
+    while (out := client.post("retrieve_future", json={"request_id": rid}).json()).get("type") == "try_again":
+        pass
+    assert len(out["sequences"][0]["tokens"]) == 2
+    client.close()
+
+
+def test_the_tinker_sdk_retries_past_the_per_key_limit_and_finishes(server: LiveServer) -> None:
+    """Twice the key's limit of samples at once through the real SDK while the engine is held: three
+    are admitted and the rest get 429 + Retry-After, which the SDK backs off from and resubmits;
+    released, every one returns its tokens."""
+    import tinker
+    from tinker import types
+
+    from mint_server.api.auth import owner_id
+
+    core = server.app.state.service.core
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    sampler = client.create_sampling_client(base_model=BASE)
+    params = types.SamplingParams(max_tokens=3, stop=[])
+    server.engine.pause()
+    try:
+        futures = [sampler.sample(types.ModelInput.from_ints([1, 2, i]), 1, params) for i in range(3, 9)]
+        deadline = time.monotonic() + 60  # a bound on a wait for an event, not a timing
+        while core.pending_by_owner.get(owner_id(KEY_A), 0) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert core.pending_by_owner[owner_id(KEY_A)] == 3 and not any(f.done() for f in futures)
+    finally:
+        server.engine.resume()
+    assert all(len(f.result(timeout=120).sequences[0].tokens) == 3 for f in futures)
+    client.close("success")

@@ -452,6 +452,7 @@ def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
         ("completions", {"model": BASE, "prompt": []}, "prompt", "empty"),
         ("completions", {"model": BASE, "prompt": "x", "stop": [""]}, "stop", "stop"),
         ("completions", {"model": BASE, "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ("completions", {"model": BASE, "prompt": "x", "priority": "urgent"}, "priority", "interactive, rollout, batch"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: dict, param: str, fragment: str) -> None:
@@ -460,6 +461,13 @@ def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: 
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and fragment in error["message"], error
     assert metric(live, "mint_kv_blocks_in_use") == 0
+
+
+def test_a_request_may_lower_its_priority(live: LiveServer, oai: openai.OpenAI) -> None:
+    plain = oai.completions.create(model=BASE, prompt="x", max_tokens=4, temperature=0)
+    low = oai.completions.create(model=BASE, prompt="x", max_tokens=4, temperature=0, extra_body={"priority": "batch"})
+    assert low.choices[0].text == plain.choices[0].text
+    assert 'mint_time_to_first_token_seconds_count{priority="batch"}' in httpx.get(f"{live.url}/metrics").text
 
 
 def test_unknown_fields_are_ignored_and_bodies_must_be_json(live: LiveServer) -> None:
