@@ -28,7 +28,7 @@ test: setup
 # The numerics suites under other CPUs' kernel choices (MKL's code paths, thread counts): a bound
 # that holds only on this machine's MKL path, or a bitwise claim that holds only for its thread
 # split, fails here (docs/numerics.md). .ci/run runs it after `make test`.
-NUMERICS := tests/model tests/moe tests/mla tests/engine/test_sampling.py tests/engine/test_training.py \
+NUMERICS := tests/model tests/moe tests/mla tests/engine/test_sampling.py tests/engine/test_scheduling.py tests/engine/test_training.py \
 	tests/engine/test_invariance.py
 MATRIX := MKL_CBWR=COMPATIBLE MKL_CBWR=AVX2 OMP_NUM_THREADS=1 OMP_NUM_THREADS=2
 test-matrix: setup

@@ -28,6 +28,7 @@ meanwhile) and a pin from admission (its slot is not evicted while rows read it)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -415,11 +416,11 @@ class Sampler:
             self.pool.release(prompt_blocks + row_blocks)
         unit = max((prompt - one) / (n - 1), 1e-9)
         if len(sizes) < 2:
-            return StepCost.linear(max(0.0, one / unit - 1))
+            return dataclasses.replace(StepCost.linear(max(0.0, one / unit - 1)), unit_s=unit)
         costs = [max(t / unit, 1.0) for t in times]
         for i in range(1, len(costs)):  # noise must not make a bigger batch cheaper
             costs[i] = max(costs[i], costs[i - 1] + 1e-3)
-        return StepCost(tuple(sizes), tuple(costs))
+        return StepCost(tuple(sizes), tuple(costs), unit)
 
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:
@@ -636,7 +637,10 @@ class Sampler:
                         batch.logits_at.append(seg)
                 prefill_tokens += n
             self.scheduler.charge(item.key, item.policy, n)
+        t_forward = time.perf_counter()
         result = self.executor.step(batch)
+        self.scheduler.observe(len(decoding), prefill_tokens, len({x for x in batch.slots if x >= 0}),
+                               time.perf_counter() - t_forward)
         for (g, a), piece in zip(scored, result.scores, strict=True):
             if g.scores is None or g.scores.topk_ids.shape[1] != g.score_k:  # first chunk (a == 0)
                 g.scores = PromptScores.empty(len(g.prompt), g.score_k)

@@ -110,6 +110,7 @@ class StepCost:
 
     rows: tuple[int, ...] = (1, 2)
     decode: tuple[float, ...] = (1.0, 2.0)
+    unit_s: float = 0.0  # seconds of one unit on this machine (0: unknown, nothing is learnt online)
 
     @classmethod
     def linear(cls, overhead: float, row: float = 1.0) -> StepCost:
@@ -131,6 +132,9 @@ class Scheduler:
     max_slowdown: float = 2.0
     overhead_tokens: int = 0  # the cost model when `cost` is not given: StepCost.linear(overhead_tokens)
     cost: StepCost | None = None
+    # What each distinct adapter in a step adds (its LoRA products in every layer), learnt from the
+    # steps' times (`observe`): the start-up measurement runs on the base.
+    adapter_cost: float = 0.0
     served: dict[str, float] = field(default_factory=dict)  # key → tokens served (virtual counter)
     served_policy: dict[tuple[str, str], float] = field(default_factory=dict)
     tokens_by_key: dict[str, float] = field(default_factory=dict)  # what each key was actually served
@@ -140,6 +144,16 @@ class Scheduler:
     def __post_init__(self) -> None:
         if self.cost is None:
             self.cost = StepCost.linear(self.overhead_tokens)
+
+    def observe(self, rows: int, tokens: int, adapters: int, seconds: float) -> None:
+        """A step of `rows` decode rows, `tokens` prefill tokens and `adapters` distinct adapters took
+        `seconds`: what the cost model leaves unexplained, per adapter, moves adapter_cost (a running
+        average, so one noisy step moves it little)."""
+        assert self.cost is not None
+        if self.cost.unit_s <= 0 or not adapters:
+            return
+        unexplained = seconds / self.cost.unit_s - self.cost(rows, tokens)
+        self.adapter_cost += 0.1 * (max(0.0, unexplained / adapters) - self.adapter_cost)
 
     def charge(self, key: str, policy: str, tokens: float) -> None:
         """Count tokens served to a key (and its policy): prefill, decode or training."""
@@ -160,6 +174,7 @@ class Scheduler:
         tokens_left = self.max_step_tokens
         allowed = self._cap(candidates)  # the step's cost bound (StepCost units)
         rows = tokens = 0  # decode rows and prefill tokens planned so far
+        policies: set[str] = set()  # distinct adapters planned so far
         planned: dict[str, float] = {}
         preempted: set[int] = set()
         admitting = True
@@ -167,7 +182,7 @@ class Scheduler:
             queues = self._queues(w for w in candidates if w.priority == cls)
             # First one running item of every key (least served first): no active key skips a step.
             first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
-            while queues and tokens_left >= 1 and self._room(rows, tokens, allowed, False) >= 1:
+            while queues and tokens_left >= 1 and self._room(rows, tokens, len(policies), allowed, False) >= 1:
                 if first:
                     key = first.popleft()
                 else:
@@ -175,7 +190,8 @@ class Scheduler:
                 item = queues[key].pop(0)
                 if not queues[key]:
                     del queues[key]
-                if id(item) in preempted or self._room(rows, tokens, allowed, item.decoding) < 1:
+                adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
+                if id(item) in preempted or self._room(rows, tokens, adapters, allowed, item.decoding) < 1:
                     continue
                 if not item.running:
                     if not admitting:
@@ -197,13 +213,17 @@ class Scheduler:
                                 tokens_left += n
                                 planned[w.key] -= n
                         plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
+                        policies = {w.policy for w, _ in plan.run if w.policy}
+                        adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
                         fit = item.fit(free_blocks, free_rows)
                     plan.admit[id(item)] = fit
                     free_blocks -= fit.blocks
                     free_rows -= fit.rows
                     admitting = fit.complete
-                n = min(item.pending, tokens_left, self._room(rows, tokens, allowed, item.decoding))  # ≥ 1
+                n = min(item.pending, tokens_left, self._room(rows, tokens, adapters, allowed, item.decoding))  # ≥ 1
                 plan.run.append((item, n))
+                if item.policy:
+                    policies.add(item.policy)
                 rows, tokens = (rows + 1, tokens) if item.decoding else (rows, tokens + n)
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
@@ -240,30 +260,36 @@ class Scheduler:
             q.sort(key=lambda w: (not w.running, self.served_policy.get((key, w.policy), 0.0), w.arrival))
         return out
 
-    def _room(self, rows: int, tokens: int, allowed: float, decoding: bool) -> int:
-        """How many tokens one more item may run within `allowed`: a decode row its one or none, a
-        prefill the prompt tokens that fit."""
+    def _room(self, rows: int, tokens: int, adapters: int, allowed: float, decoding: bool) -> int:
+        """How many tokens one more item may run within `allowed` (with `adapters` distinct adapters
+        in the step once it is in): a decode row its one or none, a prefill the tokens that fit."""
         assert self.cost is not None
+        extra = self.adapter_cost * adapters
         if decoding:
-            return 1 if self.cost(rows + 1, tokens) <= allowed else 0
-        left = allowed - self.cost(rows, tokens)
+            return 1 if self.cost(rows + 1, tokens) + extra <= allowed else 0
+        left = allowed - self.cost(rows, tokens) - extra
         return self.max_step_tokens if math.isinf(left) else max(0, math.floor(left))
 
     def _cap(self, items: Sequence[Work]) -> float:
         """The latency bound (4. above): the most tokens a step may carry given who is in it."""
         demand: dict[tuple[int, str], tuple[int, int]] = {}  # (class, key) → (decode rows, prefill tokens)
+        adapters: dict[tuple[int, str], set[str]] = {}
         for w in items:
             r, t = demand.get((w.priority, w.key), (0, 0))
             demand[w.priority, w.key] = (r + 1, t) if w.decoding else (r, t + w.pending)
+            if w.policy:
+                adapters.setdefault((w.priority, w.key), set()).add(w.policy)
         assert self.cost is not None
-        costs = {k: self.cost(*d) for k, d in demand.items()}
+        a = self.adapter_cost
+        costs = {k: self.cost(*d) + a * len(adapters.get(k, ())) for k, d in demand.items()}
         top = min(p for p, _ in demand)
         heaviest = max(costs.values())
         lower_classes = any(p > top for p, _ in demand)
         protected = [k for k, c in costs.items() if c < heaviest or (lower_classes and k[0] == top)]
         if not protected:
             return math.inf
-        together = self.cost(sum(demand[k][0] for k in protected), sum(demand[k][1] for k in protected))
+        shared = set().union(*(adapters.get(k, set()) for k in protected))
+        together = self.cost(sum(demand[k][0] for k in protected), sum(demand[k][1] for k in protected)) + a * len(shared)
         return max(min(self.max_slowdown * costs[k] for k in protected), together)
 
     def _victims(self, item: Work, work: Sequence[Work], preempted: set[int], free_blocks: int,

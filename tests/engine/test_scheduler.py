@@ -141,3 +141,20 @@ def test_waiting_work_whose_adapter_is_loading_is_skipped_not_blocking():
     warm = Item("a", running=False)
     plan = s.plan([cold, warm], 10, 10)
     assert [w for w, _ in plan.run] == [warm]
+
+
+def test_distinct_adapters_count_in_the_latency_bound_and_their_cost_is_learnt():
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0))
+    quiet = Item("quiet", decoding=True, policy="q")
+    one_policy = [Item("flood", decoding=True, policy="p") for _ in range(40)]
+    many_policies = [Item("flood", decoding=True, policy=f"p{i}") for i in range(40)]
+    assert len(s.plan([*one_policy, quiet], 1000, 1000).run) == len(s.plan([*many_policies, quiet], 1000, 1000).run)
+    s.cost = StepCost((1, 2), (11.0, 12.0), unit_s=0.001)
+    for _ in range(100):  # steps of 4 rows on 2 adapters that took 25 ms: 25 − 14 = 11 units unexplained
+        s.observe(4, 0, 2, 0.025)
+    assert abs(s.adapter_cost - 5.5) < 0.01
+    same = len(s.plan([*one_policy, quiet], 1000, 1000).run)
+    spread = len(s.plan([*many_policies, quiet], 1000, 1000).run)
+    assert spread < same  # each new adapter costs: fewer rows fit beside the quiet one
