@@ -198,5 +198,4 @@ def score_targets(
             v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
             tops[start:stop, : v.shape[1]] = v.cpu().numpy()
             ids[start:stop, : i.shape[1]] = i.cpu().numpy()
-    lps[[i for i in range(stop_at) if targets[i] < 0]] = np.nan
     return lps, ids, tops
