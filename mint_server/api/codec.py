@@ -13,6 +13,9 @@ import numpy as np
 from pydantic import ValidationError
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types._pydantic_types.datum import (
+    _key_to_type as PLAIN_LIST_DTYPES,  # the SDK's name → dtype table
+)
 from tinker.types._pydantic_types.forward_backward_input import ForwardBackwardInput as WireFwdBwdInput
 from tinker.types._pydantic_types.tensor_data import TensorData as WireTensorData
 
@@ -149,10 +152,13 @@ def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float |
     """`forward_backward_input` / `forward_input` of a 0.22 JSON request."""
     if not isinstance(obj, dict):
         raise DecodeError(f"missing field {field!r}")
+    _check_plain_lists(obj, field)
     try:
         wire = WireFwdBwdInput.model_validate(obj)
     except ValidationError as e:
         raise DecodeError(describe_validation_error(e, prefix=field)) from None
+    except (ValueError, TypeError, KeyError) as e:  # raised by the SDK's own converters: still the input's fault
+        raise DecodeError(f"invalid field {field + '.data'!r}: {e}") from None
     data = [
         types.Datum(
             model_input=d.model_input,
@@ -161,6 +167,23 @@ def fwdbwd_input_from_json(obj: Any, field: str) -> tuple[str, dict[str, float |
         for i, d in enumerate(wire.data)
     ]
     return wire.loss_fn, dict(wire.loss_fn_config) if wire.loss_fn_config else None, data
+
+
+def _check_plain_lists(obj: dict[str, Any], field: str) -> None:
+    """A loss input sent as a plain list takes its dtype from its name (the SDK's table), so only
+    names in that table may be plain lists; any other needs {"data", "dtype"}."""
+    data = obj.get("data")
+    if not isinstance(data, list):
+        return
+    for i, d in enumerate(data):
+        inputs = d.get("loss_fn_inputs") if isinstance(d, dict) else None
+        if not isinstance(inputs, dict):
+            continue
+        for k, v in inputs.items():
+            if isinstance(v, list) and k not in PLAIN_LIST_DTYPES:
+                raise DecodeError(
+                    f"invalid field '{field}.data[{i}].loss_fn_inputs.{k}': a plain list is only accepted for "
+                    f"{sorted(PLAIN_LIST_DTYPES)}; send {{\"data\": [...], \"dtype\": \"float32\"|\"int64\"}}")
 
 
 def describe_validation_error(e: ValidationError, prefix: str = "") -> str:

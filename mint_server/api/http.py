@@ -8,7 +8,6 @@ empty.
 from __future__ import annotations
 
 import asyncio
-import io
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -146,7 +145,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if is_openai_path(request.url.path):
             return openai_exception_response(exc)
-        return error_response(exc.status_code, str(exc.detail))
+        response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+        return response
 
     for exc_type, _status in STATUS_OF:
         app.add_exception_handler(exc_type, handler)
@@ -206,7 +207,8 @@ async def json_body(request: Request) -> dict[str, Any]:
     cached = getattr(request.state, "json_body", None)
     if cached is not None:
         return cached
-    body = await request.body()
+    body = decompress(await request.body(), request.headers.get("content-encoding"),
+                      service(request).core.settings.max_body_bytes)
     try:
         # Big bodies (0.22's JSON forward_backward) are parsed off the event loop.
         obj = (await asyncio.to_thread(jsonsafe.loads, body) if len(body) > 1 << 20 else jsonsafe.loads(body)) if body else {}
@@ -239,22 +241,33 @@ async def parse(request: Request, model: type[M]) -> M:
         raise DecodeError(describe_validation_error(e), model_id=model_id, seq_id=seq_id) from None
 
 
+ZSTD_FEED_BYTES = 1024  # input fed per step: one step can expand to at most ~32 MiB (zstd's 128 KiB blocks)
+
+
 def decompress(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body under its Content-Encoding (zstd or none): 400 for a corrupt or truncated frame,
+    413 once the output passes `limit` (a zip bomb stops there, it is never expanded whole)."""
     if not encoding or encoding == "identity":
         return body
     if encoding != "zstd":
         raise DecodeError(f"unsupported Content-Encoding {encoding!r}; use zstd or none")
-    # Read through a stream so a small body cannot expand past the limit (zip bomb).
-    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+    inflater = zstandard.ZstdDecompressor().decompressobj()
     chunks, total = [], 0
     try:
-        while chunk := reader.read(1 << 20):
+        for start in range(0, len(body), ZSTD_FEED_BYTES):
+            chunk = inflater.decompress(body[start:start + ZSTD_FEED_BYTES])
             total += len(chunk)
             if total > limit:
                 raise BodyTooLarge(f"decompressed request body exceeds the {limit}-byte limit")
             chunks.append(chunk)
+            if inflater.eof:
+                break
     except zstandard.ZstdError as e:
         raise DecodeError(f"body is not valid zstd: {e}") from None
+    if not inflater.eof:
+        raise DecodeError("body is not valid zstd: the frame is truncated")
+    if inflater.unused_data or start + ZSTD_FEED_BYTES < len(body):
+        raise DecodeError("body is not valid zstd: data after the end of the frame")
     return b"".join(chunks)
 
 

@@ -21,6 +21,10 @@ from starlette.responses import JSONResponse
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_DEPTH = 32  # the deepest Tinker body (a datum's tensor inside forward_backward_input) is ~8
+# Free-form fields a body may carry, by top-level name → most bytes of their JSON. They are stored
+# and listed back (sessions, runs, checkpoints, catalog rows), so they are kept small.
+MAX_FIELD_BYTES = {"user_metadata": 64 << 10, "metadata": 64 << 10, "tags": 16 << 10, "display_name": 1 << 10,
+                   "reason": 4 << 10, "detail": 16 << 10}
 
 
 class JSONInputError(ValueError):
@@ -51,10 +55,19 @@ def loads(body: bytes | str) -> Any:
         raise JSONInputError("request body is not valid JSON") from None
     try:
         check_value(obj)
+        if isinstance(obj, dict):
+            check_field_sizes(obj)
     except JSONInputError as e:
         e.document = obj
         raise
     return obj
+
+
+def check_field_sizes(obj: dict[str, Any]) -> None:
+    for name, most in MAX_FIELD_BYTES.items():
+        value = obj.get(name)
+        if value is not None and len(json.dumps(value, ensure_ascii=False).encode()) > most:
+            raise JSONInputError(f"invalid field {name!r}: at most {most} bytes of JSON", name)
 
 
 def _where(path: str) -> str:

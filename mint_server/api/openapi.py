@@ -53,6 +53,38 @@ class CancelFutureBody(BaseModel):
     request_id: str
 
 
+# What any route may answer besides its success, and why (api/http.py's STATUS_OF and the body
+# limits apply to every route). Routes that take no credential never answer 401.
+ERROR_STATUSES = {
+    "400": "Bad input: the message (`detail`) names the field",
+    "401": "Missing, unknown or revoked API key; or a key whose scopes do not cover this route",
+    "404": "Not found (also anything that belongs to another key)",
+    "408": "The request body stalled",
+    "409": "Already exists",
+    "410": "The session has ended",
+    "413": "Request body too large",
+    "429": "Too much work in flight for this key; retry after `Retry-After`",
+    "431": "Request headers too large",
+    "500": "Stored data failed its integrity check (the message names the blob)",
+    "503": "The server is shutting down; retry after `Retry-After`",
+}
+UNAUTHENTICATED = ("/api/v1/healthz", "/metrics", "/api/v1/archives/", "/api/v1/external_weights/")
+ERROR_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
+
+
+def _document_errors(spec: dict[str, Any]) -> None:
+    """Every status a route can return is in its `responses`; FastAPI's 422 is not (we answer 400)."""
+    for path, operations in spec.get("paths", {}).items():
+        for op in operations.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, why in ERROR_STATUSES.items():
+                if status == "401" and path.startswith(UNAUTHENTICATED):
+                    continue
+                responses.setdefault(status, {"description": why,
+                                              "content": {"application/json": {"schema": ERROR_SCHEMA}}})
+
+
 def install(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -60,6 +92,7 @@ def install(app: FastAPI) -> None:
             components = spec.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in _COMPONENTS.items():
                 components.setdefault(name, schema)
+            _document_errors(spec)
             app.openapi_schema = spec
         return app.openapi_schema
 

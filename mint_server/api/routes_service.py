@@ -6,6 +6,7 @@ import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
@@ -75,7 +76,7 @@ async def session_heartbeat(request: Request, p: Principal = Depends(principal))
     return types.SessionHeartbeatResponse().model_dump(mode="json")
 
 
-@router.post("/sessions/{session_id}/finish")
+@router.post("/sessions/{session_id}/finish", status_code=204)
 async def finish_session(session_id: str, request: Request, p: Principal = Depends(principal)) -> Response:
     service(request).finish_session(p, session_id)
     return Response(status_code=204)
@@ -130,7 +131,7 @@ async def retrieve_futures(request: Request, p: Principal = Depends(principal)) 
     return response.model_dump(mode="json")
 
 
-@router.post("/cancel_future", openapi_extra=body_doc(CancelFutureBody))
+@router.post("/cancel_future", status_code=204, openapi_extra=body_doc(CancelFutureBody))
 async def cancel_future(request: Request, p: Principal = Depends(principal)) -> Response:
     body = await json_body(request)
     request_id = body.get("request_id")
@@ -158,7 +159,9 @@ async def _result_response(result: Any, accept: str) -> Response:
 metrics_router = APIRouter()
 
 
-@metrics_router.get("/metrics")
+@metrics_router.get("/metrics", response_class=PlainTextResponse,
+                    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                                     "description": "Prometheus text exposition format 0.0.4"}})
 async def metrics(request: Request) -> Response:
     """Prometheus scrape target; unauthenticated, like /api/v1/healthz, and holds no secrets."""
     return Response(service(request).core.metrics.render(), media_type="text/plain; version=0.0.4")

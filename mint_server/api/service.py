@@ -14,7 +14,7 @@ from mint_server.api.core import Core
 from mint_server.api.extensions import MintService
 from mint_server.api.metrics import Metrics
 from mint_server.api.openai.service import OpenAIService
-from mint_server.api.runs import NotFound, check_project
+from mint_server.api.runs import check_project
 from mint_server.api.sampling import SamplingService
 from mint_server.api.sessions import Session
 from mint_server.api.settings import Settings
@@ -49,11 +49,9 @@ class Service:
         return session.session_id
 
     def finish_session(self, p: Principal, session_id: str) -> None:
-        """Idempotent: finishing an unknown session (e.g. one from before a restart) is a no-op."""
-        try:
-            session = self.core.sessions.get(session_id, p.owner)
-        except NotFound:
-            return
+        """Idempotent for the caller's own sessions; an unknown or another key's session is a 404,
+        like every other cross-tenant call, and nothing changes."""
+        session = self.core.sessions.get(session_id, p.owner)
         if self.core.sessions.close(session):
             self._retire_session(session, "session finished")
 

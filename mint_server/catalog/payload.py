@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mint_server.catalog.blobs import BlobStore, fsync_dir
 from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
 
@@ -114,6 +116,33 @@ def _check_safetensors(path: Path, field: str) -> None:
             ) from None
     if not isinstance(header, dict):
         raise InvalidArgument(f"{field}: {path.name} has a corrupt safetensors header", field=field)
+    _check_finite(path, 8 + header_len, header, field)
+
+
+# Float dtypes as safetensors names them → (unsigned view, exponent mask): a value is NaN or inf
+# exactly when its exponent bits are all ones, whatever the format (bf16 included, which numpy lacks).
+_EXPONENT = {
+    "F64": (np.uint64, 0x7FF0000000000000), "F32": (np.uint32, 0x7F800000),
+    "F16": (np.uint16, 0x7C00), "BF16": (np.uint16, 0x7F80),
+}
+
+
+def _check_finite(path: Path, data_start: int, header: dict[str, Any], field: str) -> None:
+    """Refuse a weights file holding NaN or inf: the catalog never stores an adapter that cannot serve."""
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=data_start) if path.stat().st_size > data_start else None
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict) or info.get("dtype") not in _EXPONENT:
+            continue
+        view, mask = _EXPONENT[info["dtype"]]
+        offsets = info.get("data_offsets")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or data is None or not 0 <= offsets[0] <= offsets[1] <= len(data)
+                or (offsets[1] - offsets[0]) % np.dtype(view).itemsize):
+            raise InvalidArgument(f"{field}: {path.name}: tensor {name!r} has bad data offsets", field=field)
+        bits = data[offsets[0]:offsets[1]].view(view)
+        if np.any((bits & view(mask)) == view(mask)):
+            raise InvalidArgument(f"{field}: {path.name}: tensor {name!r} holds NaN or inf; the catalog stores "
+                                  "finite adapters only", field=field)
 
 
 def lora_config_from_adapter(adapter_config: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from tinker import types
 from mint_server.engine import state_io
 from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import OptimJob
-from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step
+from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step, step_or_rollback
 from mint_server.engine.residency import AdamState, Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.model.config import ModelConfig
@@ -59,19 +59,8 @@ class AdapterState:
             return types.OptimStepResponse(metrics=runner.call(
                 "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
         weights = self._params(a)
-        before = ({t: (x.clone(), y.clone()) for t, (x, y) in weights.items()},
-                  {t: tuple(m.clone() for m in ms) for t, ms in a.optim.moments.items()}, a.optim.step)
         step = dimuon_step if family == "dimuon" else adamw_step
-        metrics = step(weights, a.grads, a.optim, params)  # type: ignore[arg-type]
-        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
-            with torch.no_grad():
-                for t, (x, y) in before[0].items():
-                    weights[t][0].copy_(x)
-                    weights[t][1].copy_(y)
-            a.optim.moments = {t: ms for t, ms in before[1].items()}  # type: ignore[misc]
-            a.optim.step = before[2]
-            raise EngineError("optim_params: this step would make the adapter's weights non-finite (lower the "
-                              "learning rate); the adapter and its gradients are unchanged")
+        metrics = step_or_rollback(step, weights, a.grads, a.optim, params)
         if self.registry.dtype != torch.float32:  # publish the fp32 masters into the bank slot
             with torch.no_grad():
                 for t, (A, B) in self._bank_views(a).items():
@@ -187,9 +176,10 @@ class AdapterState:
                 As.append(A)
                 Bs.append(B * (c * a.scale / scale))
             weights[t] = (torch.cat(As, dim=-2), torch.cat(Bs, dim=-1))
-        if not all(bool(torch.isfinite(x).all()) for pair in weights.values() for x in pair):
+        out = LoraWeights(weights, rank, scale * rank)
+        if out.non_finite_target() is not None:
             raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
-        return self.registry.install(LoraWeights(weights, rank, scale * rank), trainable=trainable).id
+        return self.registry.install(out, trainable=trainable).id
 
 
 def check_family(optimizer: str) -> str:

@@ -273,7 +273,9 @@ class Preparer:
     def _params(self, p: types.SamplingParams, prompt_len: int) -> SampleParams:
         lim = self.limits
         room = lim.max_context - prompt_len
-        max_tokens = room if p.max_tokens is None else p.max_tokens
+        max_tokens = p.max_tokens
+        if max_tokens is None:  # one rule for every face (docs/wire-protocol.md): no open-ended KV reservation
+            raise EngineError(f"sampling_params.max_tokens: required (at most {room} for this prompt)")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise EngineError(f"sampling_params.max_tokens: must be a positive integer, got {p.max_tokens!r}")
         if max_tokens > room:
@@ -290,9 +292,9 @@ class Preparer:
         if not 0 < top_p <= 1:
             raise EngineError(f"sampling_params.top_p: must be in (0, 1], got {p.top_p!r}")
         top_k = p.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1 or top_k > INT64_MAX:
-            raise EngineError(f"sampling_params.top_k: must be -1 or 0 (no limit) or a positive integer, got {top_k!r}")
-        top_k = 0 if top_k <= 0 or top_k >= lim.vocab_size else top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1 or top_k > INT64_MAX:
+            raise EngineError(f"sampling_params.top_k: must be -1 (no limit) or a positive integer, got {top_k!r}")
+        top_k = 0 if top_k == -1 or top_k >= lim.vocab_size else top_k
         seed = p.seed if p.seed is not None else secrets.randbits(63)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= INT64_MAX:
             raise EngineError(f"sampling_params.seed: must be an integer in 0..2^63-1, got {p.seed!r}")
@@ -302,9 +304,13 @@ class Preparer:
         if stop is None:  # the SDK's default: stop at EOS; an explicit list replaces it ([] = never stop)
             return self.eos
         items = [stop] if isinstance(stop, str) else list(stop)
+        lim = self.limits
+        if len(items) > lim.max_stop_sequences:
+            raise EngineError(f"sampling_params.stop: at most {lim.max_stop_sequences} stop sequences, got {len(items)}")
         if all(isinstance(s, str) for s in items):
-            if not all(items):
-                raise EngineError("sampling_params.stop: stop strings must be non-empty")
+            if not all(items) or any(len(s) > lim.max_stop_chars for s in items):
+                raise EngineError(f"sampling_params.stop: stop strings must be non-empty and at most "
+                                  f"{lim.max_stop_chars} characters")
             if items and self.decode is None:
                 raise EngineError("sampling_params.stop: stop strings need a tokenizer, and this engine has none")
             return StopCondition(strings=tuple(items), decode=self.decode)

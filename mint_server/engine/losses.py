@@ -227,6 +227,9 @@ def resolve_config(spec: LossSpec, config: Mapping[str, Any] | None) -> dict[str
         out[key] = float(value)
     if "beta" in out and out["beta"] < 0:
         raise EngineError(f"loss_fn_config.beta must be >= 0, got {out['beta']}")
+    for key in THRESHOLDS:  # bounds on a probability ratio, which is never negative
+        if key in out and out[key] < 0:
+            raise EngineError(f"loss_fn_config.{key} must be >= 0 (it bounds a probability ratio), got {out[key]}")
     if "clip_low_threshold" in out and out["clip_low_threshold"] > out["clip_high_threshold"]:
         raise EngineError("loss_fn_config: clip_low_threshold must not exceed clip_high_threshold")
     return out
@@ -326,6 +329,9 @@ def parse_datum(
                           f"differs from target_tokens {list(inputs['target_tokens'].shape)}")
     if "clip_low_threshold" in inputs or "clip_high_threshold" in inputs:
         lo, hi = inputs.get("clip_low_threshold"), inputs.get("clip_high_threshold")
+        for key, bound in (("clip_low_threshold", lo), ("clip_high_threshold", hi)):
+            if bound is not None and np.any(bound < 0):
+                raise EngineError(f"{where}.loss_fn_inputs.{key}: must be >= 0 (it bounds a probability ratio)")
         if lo is not None and hi is not None and np.any(lo > hi):
             raise EngineError(f"{where}.loss_fn_inputs: clip_low_threshold exceeds clip_high_threshold")
     if spec.name == "stable_reinforce":

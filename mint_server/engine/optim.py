@@ -46,20 +46,51 @@ _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic that pushes all singular val
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A, B)
 
 
+# The documented ranges of the step's hyperparameters (docs/training.md). A learning rate above
+# MAX_LEARNING_RATE is no LoRA schedule anyone runs: 1e30 steps every weight by ~1e30, which stays
+# finite in float32 and poisons the next forward instead.
+MAX_LEARNING_RATE = 10.0
+
+
 def check_adam_params(p: types.AdamParams) -> None:
     """EngineError naming the first AdamParams field outside its range."""
     checks = (
-        ("learning_rate", p.learning_rate >= 0),
-        ("beta1", 0 <= p.beta1 < 1),
-        ("beta2", 0 <= p.beta2 < 1),
-        ("eps", p.eps > 0),  # 0 would divide 0 by 0 where a gradient was never seen
-        ("weight_decay", p.weight_decay >= 0),
-        ("grad_clip_norm", p.grad_clip_norm >= 0),
+        ("learning_rate", 0 <= p.learning_rate <= MAX_LEARNING_RATE, f"in [0, {MAX_LEARNING_RATE:g}]"),
+        ("beta1", 0 <= p.beta1 < 1, "in [0, 1)"),
+        ("beta2", 0 <= p.beta2 < 1, "in [0, 1)"),
+        ("eps", 0 < p.eps <= 1, "in (0, 1]"),  # 0 would divide 0 by 0 where a gradient was never seen
+        ("weight_decay", 0 <= p.weight_decay and p.learning_rate * p.weight_decay <= 1,
+         "≥ 0 with learning_rate × weight_decay ≤ 1 (decay multiplies weights by 1 − lr·wd)"),
+        ("grad_clip_norm", p.grad_clip_norm >= 0, "≥ 0 (0 = no clipping)"),
     )
-    for name, ok in checks:
+    for name, ok, allowed in checks:
         value = getattr(p, name)
         if not (math.isfinite(value) and ok):
-            raise EngineError(f"adam_params.{name}: {value!r} is out of range")
+            raise EngineError(f"adam_params.{name}: {value!r} is out of range; must be {allowed}")
+
+
+def step_or_rollback(step: Callable[..., dict[str, float]], params: Pairs, grads: Pairs, state: AdamState,
+                     hp: Any, agree: Callable[[bool], bool] = lambda ok: ok, **kw: Any) -> dict[str, float]:
+    """Run one optimizer `step` in place; if any new weight or moment is non-finite, put the weights,
+    moments and step count back exactly as they were and raise EngineError (the gradients stay).
+
+    agree: tensor-parallel ranks combine their verdicts (all ranks roll back, or none).
+    """
+    weights = {t: (x.clone(), y.clone()) for t, (x, y) in params.items()}
+    moments = {t: tuple(m.clone() for m in ms) for t, ms in state.moments.items()}
+    step_count = state.step
+    metrics = step(params, grads, state, hp, **kw)
+    finite = all(bool(torch.isfinite(x).all()) for pair in params.values() for x in pair) and all(
+        bool(torch.isfinite(m).all()) for ms in state.moments.values() for m in ms)
+    if agree(finite):
+        return metrics
+    with torch.no_grad():
+        for t, (x, y) in weights.items():
+            params[t][0].copy_(x)
+            params[t][1].copy_(y)
+    state.moments, state.step = moments, step_count  # type: ignore[assignment]
+    raise EngineError("optim_params: this step would make the adapter's weights or optimizer moments non-finite "
+                      "(lower the learning rate, or clip gradients); the adapter and its gradients are unchanged")
 
 
 def grad_norm(grads: Pairs) -> float:
@@ -101,11 +132,13 @@ def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamPara
 
 
 def check_dimuon_params(p: types.DimuonParams) -> None:
-    for name, ok in (("learning_rate", p.learning_rate >= 0), ("beta1", 0 <= p.beta1 < 1),
-                     ("grad_clip_norm", True)):
+    checks = (("learning_rate", 0 <= p.learning_rate <= MAX_LEARNING_RATE, f"in [0, {MAX_LEARNING_RATE:g}]"),
+              ("beta1", 0 <= p.beta1 < 1, "in [0, 1)"),
+              ("grad_clip_norm", p.grad_clip_norm >= 0, "≥ 0 (0 = no clipping)"))
+    for name, ok, allowed in checks:
         value = getattr(p, name)
         if not (math.isfinite(value) and ok):
-            raise EngineError(f"dimuon_params.{name}: {value!r} is out of range")
+            raise EngineError(f"dimuon_params.{name}: {value!r} is out of range; must be {allowed}")
 
 
 def matrix_sign(m: Tensor, wide: bool | None = None, reduce: Callable[[Tensor], Tensor] | None = None) -> Tensor:

@@ -157,9 +157,11 @@ class EngineLimits:
     max_context: int  # prompt + completion when sampling; datum length when training
     max_rank: int
     max_num_samples: int
-    max_top_k: int  # = vocab_size; -1 and 0 both mean "no limit"
+    max_top_k: int  # = vocab_size; -1 means "no limit"
     loss_fns: frozenset[str]
     max_top_logprobs: int = 20  # alternatives per sampled token (0: none)
+    max_stop_sequences: int = 16  # stop strings or stop token ids per request (OpenAI's own bound is 4)
+    max_stop_chars: int = 256  # per stop string
 
     @classmethod
     def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,

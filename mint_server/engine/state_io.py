@@ -126,7 +126,11 @@ def load_state(src: str | Path, include_optimizer: bool) -> TrainState:
             optim = AdamState(step=int(meta["step"]), moments=moments, family=family)
     except (OSError, KeyError, SafetensorError) as e:
         raise EngineError(f"path: {str(src)!r} has missing or corrupt tensors ({e})") from None
-    return TrainState(LoraWeights(weights, int(meta["rank"]), float(meta["alpha"])), optim, str(meta["base_model"]))
+    lora = LoraWeights(weights, int(meta["rank"]), float(meta["alpha"]))
+    if (bad := lora.non_finite_target()) is not None or (optim is not None and (bad := next(
+            (t for t, ms in optim.moments.items() if not all(bool(torch.isfinite(m).all()) for m in ms)), None))):
+        raise EngineError(f"path: {str(src)!r} holds NaN or inf in {bad!r}; it cannot be loaded")
+    return TrainState(lora, optim, str(meta["base_model"]))
 
 
 def check_shapes(w: LoraWeights, bank: LoraBank, where: str) -> None:

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from mint_server.engine import executor
 from mint_server.engine.interface import EngineError
-from mint_server.engine.optim import Pairs, adamw_step, dimuon_step
+from mint_server.engine.optim import Pairs, adamw_step, dimuon_step, step_or_rollback
 from mint_server.engine.residency import AdamState
 from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.model import tp as tpmod
@@ -298,23 +298,13 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
         if rec.master is None:
             rec.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
         params_ = rec.master
-    before = ({t: (x.clone(), y.clone()) for t, (x, y) in params_.items()},
-              {t: tuple(m.clone() for m in ms) for t, ms in rec.optim.moments.items()}, rec.optim.step)
     norm = tpmod.grad_norm(rec.grads, sh.tp)
     if isinstance(params, types.DimuonParams):  # rank 0 fixed the family when the adapter was created
         rec.optim.family = "dimuon"
-        metrics = dimuon_step(params_, rec.grads, rec.optim, params, norm=norm, tp=sh.tp)
+        metrics = step_or_rollback(dimuon_step, params_, rec.grads, rec.optim, params, sh.tp.all_true,
+                                   norm=norm, tp=sh.tp)
     else:
-        metrics = adamw_step(params_, rec.grads, rec.optim, params, norm=norm)
-    finite = all(bool(torch.isfinite(x).all()) for pair in params_.values() for x in pair)
-    if not sh.tp.all_true(finite):
-        with torch.no_grad():
-            for t, (x, y) in before[0].items():
-                params_[t][0].copy_(x)
-                params_[t][1].copy_(y)
-        rec.optim.moments, rec.optim.step = before[1], before[2]
-        raise EngineError("optim_params: this step would make the adapter's weights non-finite (lower the "
-                          "learning rate); the adapter and its gradients are unchanged")
+        metrics = step_or_rollback(adamw_step, params_, rec.grads, rec.optim, params, sh.tp.all_true, norm=norm)
     if sh.dtype != torch.float32:
         with torch.no_grad():
             for t, (A, B) in views.items():

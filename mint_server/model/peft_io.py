@@ -62,6 +62,14 @@ class LoraWeights:
     rank: int
     alpha: float = DEFAULT_LORA_ALPHA
 
+    def non_finite_target(self) -> str | None:
+        """The first target holding a NaN or inf (None: all finite). No adapter with one is ever
+        written, published, installed or served."""
+        for t, pair in self.weights.items():
+            if not all(bool(torch.isfinite(x).all()) for x in pair):
+                return t
+        return None
+
 
 def peft_key(target: str, layer: int, which: str, expert: int | None = None) -> str:
     """The PEFT tensor name; expert targets: packed without `expert`, per-expert with it."""
@@ -116,6 +124,8 @@ def save_peft(
     cfg (needed for expert LoRA) maps each target's layer axis to model layers; without it the
     model is taken to be dense. Expert LoRA is written in `moe_layout` (packed by default).
     """
+    if (bad := adapter.non_finite_target()) is not None:
+        raise ModelError(f"adapter target {bad!r} holds NaN or inf; refusing to write it")
     tensors = peft_tensors(adapter, cfg if cfg is not None else _num_layers(adapter), moe_layout)
     modules = sorted({_module_name(t) for t in adapter.weights})
     config = {
@@ -220,7 +230,10 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
                              f"in layers {list(layers)}")
         per_layer = [_layer_pair(t, layer, by_layer[layer], cfg) for layer in layers]
         weights[t] = (torch.stack([a for a, _ in per_layer]), torch.stack([b for _, b in per_layer]))
-    return LoraWeights(weights=weights, rank=rank, alpha=alpha)
+    out = LoraWeights(weights=weights, rank=rank, alpha=alpha)
+    if (bad := out.non_finite_target()) is not None:
+        raise ModelError(f"adapter target {bad!r} in {weights_name} holds NaN or inf")
+    return out
 
 
 def _layer_pair(

@@ -61,6 +61,12 @@ def unused(c: Ctx, body: dict[str, Any], **over: Any) -> dict[str, Any]:
     return {**body, **over}
 
 
+def undecodable(c: Ctx, body: bytes) -> bytes:
+    """`body`, whose seq_id the server cannot read (it does not decode): the case gives it back."""
+    c.next_seq -= 1
+    return body
+
+
 Body = Any  # dict/list (sent as JSON), str (sent as raw JSON text), bytes (raw), or a function of Ctx
 
 
@@ -175,6 +181,11 @@ CASES: list[Case] = [
     Case("surrogate-tag", "POST", "create_session", json.dumps(session(tags=["ok", "a" + SURROGATE])), names="tags[1]"),
     Case("session-missing-fields", "POST", "create_session", {}, names="tags"),
     Case("session-unknown-field", "POST", "create_session", session(nope=1), names="nope"),
+    Case("session-metadata-huge", "POST", "create_session", session(user_metadata={"x": "a" * (1 << 20)}), names="user_metadata"),
+    Case("session-finish-other", "POST", "sessions/{session}/finish", {"reason": {"type": "success"}}, status=404,
+         names="session", key=KEY_B),
+    Case("session-finish-unknown", "POST", "sessions/" + "f" * 32 + "/finish", {"reason": {"type": "success"}}, status=404,
+         names="session"),
     Case("invalid-utf8-body", "POST", "create_session", b'{"tags": [], "sdk_version": "\xff\xfe"}', names="JSON"),
     # --- auth -----------------------------------------------------------------------------------
     Case("no-key", "GET", "training_runs", status=401, names="X-API-Key", key=None),
@@ -211,6 +222,8 @@ CASES: list[Case] = [
     Case("create-policy-int", "POST", "create_model", lambda c: create_model(c, user_metadata={"policy": 3}), names="policy"),
     Case("create-metadata-surrogate", "POST", "create_model",
          lambda c: json.dumps(create_model(c, user_metadata={"note": SURROGATE})), names="user_metadata.note"),
+    Case("create-metadata-huge", "POST", "create_model", lambda c: create_model(c, user_metadata={"x": "a" * (1 << 20)}),
+         names="user_metadata"),
     Case("create-optimizer", "POST", "create_model", lambda c: create_model(c, optimizer_config={"type": "sgd"}), names="optimizer_config"),
     Case("create-unknown-field", "POST", "create_model", lambda c: create_model(c, extra=1), names="extra"),
     Case("get-info-unknown", "POST", "get_info", {"model_id": "f" * 32 + ":train:0"}, status=404, names="model_id"),
@@ -227,6 +240,16 @@ CASES: list[Case] = [
          lambda c: fb(c, loss_fn_inputs={"target_tokens": {"data": [2, 3], "dtype": "int64"}}), names="target_tokens"),
     Case("fb-unknown-loss", "POST", "forward_backward", lambda c: fb(c, loss_fn="nope"), names="loss_fn"),
     Case("fb-config-key", "POST", "forward_backward", lambda c: fb(c, loss_fn_config={"beta": 1.0}), names="beta"),
+    Case("fb-config-clip-negative", "POST", "forward_backward",
+         lambda c: fb(c, loss_fn="ppo", loss_fn_inputs={"target_tokens": {"data": [2, 3, 4], "dtype": "int64"},
+                                                        "logprobs": {"data": [-1.0] * 3, "dtype": "float32"},
+                                                        "advantages": {"data": [1.0] * 3, "dtype": "float32"}},
+                      loss_fn_config={"clip_low_threshold": -0.5}), names="clip_low_threshold"),
+    Case("fb-unknown-input-list", "POST", "forward_backward",
+         lambda c: fb(c, loss_fn_inputs={"target_tokens": {"data": [2, 3, 4], "dtype": "int64"}, "x": [1]}), names="loss_fn_inputs.x"),
+    Case("fwd-unknown-input-list-no-model", "POST", "forward",
+         {"model_id": "nope", "seq_id": 1, "forward_input": {"loss_fn": "cross_entropy", "data": [
+             {"model_input": tokens([1, 2]), "loss_fn_inputs": {"x": [1]}}]}}, names="loss_fn_inputs.x"),
     Case("fb-image-chunk", "POST", "forward_backward",
          lambda c: fb(c, model_input={"chunks": [{"type": "image", "data": "aGk=", "format": "png", "expected_tokens": 3}]}),
          names="model_input"),
@@ -262,6 +285,12 @@ CASES: list[Case] = [
          names="vocabulary", headers=PROTO),
     Case("proto-no-model", "POST", "forward_backward", pb.ForwardBackwardRequest(seq_id=3).SerializeToString(), names="model_id", headers=PROTO),
     Case("proto-bad-zstd", "POST", "forward_backward", b"not zstd", names="zstd", headers={**PROTO, "content-encoding": "zstd"}),
+    Case("proto-truncated-zstd", "POST", "forward_backward",
+         lambda c: undecodable(c, zstandard.ZstdCompressor().compress(proto_fb(c))[:-4]), names="truncated",
+         headers={**PROTO, "content-encoding": "zstd"}),
+    Case("json-truncated-zstd", "POST", "forward_backward",
+         lambda c: undecodable(c, zstandard.ZstdCompressor().compress(json.dumps(fb(c)).encode())[:-4]), names="truncated",
+         headers={"content-type": "application/json", "content-encoding": "zstd"}),
     Case("proto-gzip", "POST", "forward_backward", b"x", names="Content-Encoding", headers={**PROTO, "content-encoding": "gzip"}),
     Case("proto-zstd-image", "POST", "forward_backward",
          lambda c: zstandard.ZstdCompressor().compress(proto_fb(c, chunk=pb.Chunk(image=pb.ImageChunk(data=b"x", format="png")))),
@@ -275,6 +304,9 @@ CASES: list[Case] = [
     Case("optim-clip-negative", "POST", "optim_step", lambda c: optim(c, grad_clip_norm=-1.0), names="grad_clip_norm"),
     Case("optim-lr-bigint", "POST", "optim_step", lambda c: optim(c, learning_rate=BIG), names="learning_rate"),
     Case("optim-unknown-param", "POST", "optim_step", lambda c: optim(c, momentum=0.9), names="momentum"),
+    Case("optim-lr-huge", "POST", "optim_step", lambda c: optim(c, learning_rate=1e30), names="learning_rate"),
+    Case("optim-decay-flips", "POST", "optim_step", lambda c: optim(c, learning_rate=1.0, weight_decay=2.0), names="weight_decay"),
+    Case("optim-eps-huge", "POST", "optim_step", lambda c: optim(c, eps=1e30), names="eps"),
     Case("optim-unknown-model", "POST", "optim_step",
          {"model_id": "f" * 32 + ":train:7", "seq_id": 1, "optim_params": {"learning_rate": 0.1}}, status=404, names="model_id"),
     # --- saves and loads ------------------------------------------------------------------------
@@ -332,6 +364,11 @@ CASES: list[Case] = [
     Case("sample-temperature-nan", "POST", "asample", lambda c: json.dumps(sample(c, {"temperature": 0.5})).replace("0.5", "NaN"), names="NaN"),
     Case("sample-top-p", "POST", "asample", lambda c: sample(c, {"top_p": 0.0}), names="top_p"),
     Case("sample-top-k", "POST", "asample", lambda c: sample(c, {"top_k": -7}), names="top_k"),
+    Case("sample-top-k-0", "POST", "asample", lambda c: sample(c, {"top_k": 0}), names="top_k"),
+    Case("sample-no-max-tokens", "POST", "asample",
+         lambda c: {**sample(c), "sampling_params": {"temperature": 1.0}}, names="sampling_params.max_tokens"),
+    Case("sample-stop-many", "POST", "asample", lambda c: sample(c, {"stop": [str(i) for i in range(17)]}), names="stop"),
+    Case("sample-stop-long", "POST", "asample", lambda c: sample(c, {"stop": ["x" * 257]}), names="stop"),
     Case("sample-stop-bigint", "POST", "asample", lambda c: sample(c, {"stop": [1, BIG]}), names="sampling_params.stop[1]"),
     Case("sample-stop-vocab", "POST", "asample", lambda c: sample(c, {"stop": [10**9]}), names="stop"),
     Case("sample-stop-surrogate", "POST", "asample", lambda c: json.dumps(sample(c, {"stop": ["a" + SURROGATE]})), names="stop[0]"),

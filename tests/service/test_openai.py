@@ -453,6 +453,13 @@ def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
         ("completions", {"model": BASE, "prompt": "x", "stop": [""]}, "stop", "stop"),
         ("completions", {"model": BASE, "prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ("completions", {"model": BASE, "prompt": "x", "priority": "urgent"}, "priority", "interactive, rollout, batch"),
+        # strict types, as OpenAI answers them: no string → int or string → bool coercion
+        ("completions", {"model": BASE, "prompt": "x", "max_tokens": "4"}, "max_tokens", "integer"),
+        ("completions", {"model": BASE, "prompt": "x", "max_tokens": 4.0}, "max_tokens", "integer"),
+        ("completions", {"model": BASE, "prompt": "x", "max_tokens": 4, "stream": "yes"}, "stream", "boolean"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "n": True}, "n", "integer"),
+        ("chat/completions", {"model": BASE, "messages": HELLO, "temperature": "0.5"}, "temperature", "number"),
+        ("completions", {"model": BASE, "prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "up to 16"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: dict, param: str, fragment: str) -> None:
@@ -460,6 +467,22 @@ def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: 
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and fragment in error["message"], error
+    assert metric(live, "mint_kv_blocks_in_use") == 0
+
+
+def test_only_sampler_weights_and_revisions_are_served(live: LiveServer, oai: openai.OpenAI) -> None:
+    """A training-state checkpoint (tinker://RUN/weights/NAME) resumes training; it is not servable."""
+    client = tinker.ServiceClient(base_url=live.url, api_key=KEY_A)
+    try:
+        tc = client.create_lora_training_client(base_model=BASE, rank=2).result()
+        state = tc.save_state("resume-me").result().path
+        sampler = tc.save_weights_for_sampler("serve-me").result().path
+    finally:
+        client.close("success")
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model=state, prompt="x", max_tokens=2)
+    assert e.value.body["param"] == "model" and "sampler weights" in e.value.body["message"]
+    assert oai.completions.create(model=sampler, prompt="x", max_tokens=2).usage.completion_tokens == 2
     assert metric(live, "mint_kv_blocks_in_use") == 0
 
 

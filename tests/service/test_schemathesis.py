@@ -1,5 +1,6 @@
 """schemathesis over the served OpenAPI spec: requests generated from every route's schema (valid
-and not), sent with a valid key to a live server. None may be answered with a server error.
+and not), sent with a valid key to a live server. None may be answered with a server error, and
+every status answered must be one the spec documents for that operation.
 
 Bounded: a few examples per operation, no shrinking, so it fits the default suite."""
 
@@ -40,6 +41,8 @@ def _load_lazy_modules() -> None:
 
 _load_lazy_modules()
 SERVER_ERRORS: list[str] = []
+UNDOCUMENTED: list[str] = []
+DOCUMENTED: dict[tuple[str, str], set[str]] = {}  # (path, method) → the statuses the served spec lists
 CALLS: list[int] = []
 
 
@@ -49,10 +52,15 @@ def live(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[L
         yield server
 
 
-def test_no_server_errors(live: LiveServer) -> None:
+def test_no_server_errors_and_no_undocumented_status(live: LiveServer) -> None:
+    import httpx
+
+    spec = httpx.get(f"{live.url}/openapi.json").json()
     schema = schemathesis.openapi.from_url(f"{live.url}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 50
+    DOCUMENTED.update({(path, method): set(op["responses"]) for path, ops in spec["paths"].items()
+                       for method, op in ops.items()})
 
     for operation in operations:
 
@@ -66,11 +74,14 @@ def test_no_server_errors(live: LiveServer) -> None:
             CALLS.append(response.status_code)
             if response.status_code >= 500:
                 SERVER_ERRORS.append(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:300]}")
+            if str(response.status_code) not in DOCUMENTED[(case.operation.path, case.method.lower())]:
+                UNDOCUMENTED.append(f"{case.method} {case.formatted_path}: {response.status_code} {response.text[:200]}")
 
         call()
     print(f"schemathesis: {len(operations)} operations, {len(CALLS)} requests, "
-          f"{len(SERVER_ERRORS)} server errors")  # fmt: skip
+          f"{len(SERVER_ERRORS)} server errors, {len(UNDOCUMENTED)} undocumented statuses")  # fmt: skip
     assert not SERVER_ERRORS, "\n".join(SERVER_ERRORS[:20])
+    assert not UNDOCUMENTED, "\n".join(UNDOCUMENTED[:20])
 
 
 def test_spec_covers_every_route(live: LiveServer) -> None:
@@ -83,3 +94,18 @@ def test_spec_covers_every_route(live: LiveServer) -> None:
             if method in ("post", "put") and not takes_body:
                 assert "requestBody" in op, f"{method.upper()} {path} has no request schema"
     assert httpx.get(f"{live.url}/docs").status_code == 200
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"]
+    assert httpx.get(f"{live.url}/metrics").headers["content-type"].startswith("text/plain")
+    for path, operations in spec["paths"].items():
+        for op in operations.values():
+            assert "422" not in op["responses"], f"{path} documents a 422 the server never answers"
+
+
+def test_method_not_allowed_says_what_is_allowed(live: LiveServer) -> None:
+    import httpx
+
+    r = httpx.request("TRACE", f"{live.url}/api/v1/healthz")
+    assert r.status_code == 405 and r.headers["allow"] == "GET", r.headers
+    r = httpx.delete(f"{live.url}/api/v1/create_session", headers={"X-API-Key": KEY_A})
+    assert r.status_code == 405 and "POST" in r.headers["allow"]

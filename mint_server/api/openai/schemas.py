@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI face. Unknown fields are ignored, as OpenAI does; a field of the
-wrong type is a 400 naming it. Responses are plain dicts built in `service.py` (OpenAI's shapes)."""
+wrong type is a 400 naming it, with no coercion ("4" is not an integer, "yes" not a boolean: OpenAI
+answers both with 400, strict mode here does the same). Responses are plain dicts built in `service.py` (OpenAI's shapes)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_CHOICES = 128  # n × prompts; the same bound as num_samples on the Tinker face
-MAX_STOPS = 16
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Body):

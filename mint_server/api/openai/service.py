@@ -28,7 +28,7 @@ from tinker import types
 
 from mint_server.api.core import Busy, Core, same_base_model
 from mint_server.api.openai.errors import OpenAIError
-from mint_server.api.openai.schemas import MAX_CHOICES, MAX_STOPS, ChatRequest, CompletionRequest, _Sampling
+from mint_server.api.openai.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
 from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
@@ -193,7 +193,12 @@ class OpenAIService:
         try:
             ref = parse_policy_ref(model) if is_checkpoint_path(model) else model
             if ref is None:
-                source = self.core.read_source(model, owner)
+                rec, run = self.core.resolve(model, owner)
+                if rec.kind != "sampler_weights":  # training state is for resuming, not for serving
+                    raise OpenAIError(400, f"model {model!r} is a {rec.kind} checkpoint; this face serves "
+                                           "sampler weights (tinker://RUN/sampler_weights/NAME) and policy revisions",
+                                      "model")  # fmt: skip
+                source = self.core.source_of(rec, run)
                 return Target(model, source, source.key)
             revision, policy = self.core.policies.resolve(ref, owner)
             self.core.policies.check_servable(ref, policy)
@@ -235,13 +240,17 @@ class OpenAIService:
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported by this server", "logit_bias")
         stops = req.stops()
-        if len(stops) > MAX_STOPS or not all(stops):
-            raise OpenAIError(400, f"stop: up to {MAX_STOPS} non-empty strings", "stop")
+        lim = self.engine.limits
+        if len(stops) > lim.max_stop_sequences or not all(0 < len(s) <= lim.max_stop_chars for s in stops):
+            raise OpenAIError(400, f"stop: up to {lim.max_stop_sequences} non-empty strings of at most "
+                                   f"{lim.max_stop_chars} characters", "stop")  # fmt: skip
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"n × prompts must be at most {MAX_CHOICES}", "n")
         context = self.engine.limits.max_context
         longest = max(len(p) for p in prompts)
-        if max_tokens is not None and longest + max_tokens > context:
+        if max_tokens is None:  # OpenAI's default: the rest of the context
+            max_tokens = max(1, context - longest)
+        if longest + max_tokens > context:
             raise OpenAIError(400, f"the prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
                                    f"model's context length ({context})", "max_tokens")  # fmt: skip
         if longest >= context:
