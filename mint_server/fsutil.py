@@ -109,5 +109,40 @@ def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> N
         raise
 
 
+def write_content_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> None:
+    """Build a content-addressed directory (its name is a digest of what it holds) with
+    `fill(tmp_dir)` and move it to `path` unless it is already there. Several writers (threads,
+    processes, nodes on a shared mount) may race to create the same one: the first rename wins,
+    and a later writer verifies that what is there holds the same files, then drops its copy. A
+    dir that is there is never replaced, so no reader ever sees it missing."""
+    path = Path(path)
+    staging = new_staging_dir(path.parent, prefix=f".{path.name}.")
+    try:
+        fill(staging)
+        for f in staging.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        fsync_dir(staging)
+        try:
+            os.rename(staging, path)  # fails on a non-empty existing dir (ENOTEMPTY / EEXIST)
+        except OSError:
+            if not path.is_dir():
+                raise
+            if not _same_files(staging, path):
+                raise OSError(f"{path} already holds different content under the same digest") from None
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -77,7 +77,7 @@ from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import AdapterSource
 from mint_server.engine.sampling import SampleFuture
 from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
-from mint_server.fsutil import atomic_write_dir
+from mint_server.fsutil import write_content_dir
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -505,10 +505,7 @@ class FleetEngine(JobParsing):
                     for name, data in files.items():
                         (d / name).write_bytes(data)
 
-                try:
-                    atomic_write_dir(path, fill)
-                except FileExistsError:  # another thread or node wrote the same content first
-                    pass
+                write_content_dir(path, fill)  # another thread or node may write the same content first
             with self._lock:
                 self._materialized[ref.key] = path
         return AdapterSource(ref.key, peft_dir=path)
