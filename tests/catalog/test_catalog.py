@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.config import Config
@@ -200,6 +201,25 @@ def test_validation_errors_name_the_field(catalog: Catalog, tmp_path: Path) -> N
         assert field in str(e.value)
 
 
+def _poison(peft: Path, value: float, dtype: object) -> None:
+    """Rewrite the dir's weights with one `value` (NaN/inf) in them; bf16 as raw bits (numpy has no bf16)."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(peft / "adapter_model.safetensors"))
+    name = sorted(tensors)[0]
+    tensors[name][0, 0] = value
+    if dtype == "bf16":
+        path = peft / "adapter_model.safetensors"
+        raw = {k: (v.view(np.uint32) >> 16).astype(np.uint16) for k, v in tensors.items()}
+        save_file(raw, str(path))
+        data = bytearray(path.read_bytes())
+        header_len = int.from_bytes(data[:8], "little")
+        header = bytes(data[8:8 + header_len]).replace(b'"U16"', b'"BF16"')
+        path.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + header_len:])
+    else:
+        save_file(tensors, str(peft / "adapter_model.safetensors"))
+
+
 def test_bad_peft_dirs(catalog: Catalog, tmp_path: Path) -> None:
     def broken(name: str, mutate) -> Path:
         path = write_peft(tmp_path / name, 1)
@@ -216,11 +236,14 @@ def test_bad_peft_dirs(catalog: Catalog, tmp_path: Path) -> None:
         "no rank": broken("e", lambda p: (p / "adapter_config.json").write_text('{"peft_type": "LORA"}')),
         "bad tensors": broken("f", lambda p: (p / "adapter_model.safetensors").write_bytes(b"\xff" * 16)),
         "subdir": broken("g", lambda p: (p / "nested").mkdir()),
+        "nan weights": broken("h", lambda p: _poison(p, np.nan, np.float32)),
+        "inf bf16 weights": broken("i", lambda p: _poison(p, np.inf, "bf16")),
     }
     for label, path in cases.items():
         with pytest.raises(InvalidArgument) as e:
             catalog.import_peft(OWNER, path, "p")
         assert e.value.field == "peft_dir", label
+        assert ("NaN or inf" in str(e.value)) == ("nan" in label or "inf" in label), (label, e.value)
     with pytest.raises(NotFound):
         catalog.get_policy(OWNER, "p")  # nothing was created by the failures
 

@@ -532,3 +532,45 @@ def test_a_pass_in_slices_lets_sampler_steps_run_between_with_the_same_gradients
     for t in ga:
         for i in (0, 1):
             assert float((gb[t][i] - ga[t][i]).abs().max()) <= 1e-6 * max(1.0, float(ga[t][i].abs().max()))
+
+
+def test_a_step_with_non_finite_moments_is_rolled_back_exactly(trainer):
+    """Gradients of 1e20 are finite, but their squares overflow Adam's second moment in float32: the
+    step is refused and weights, moments and step count are bit-for-bit what they were."""
+    adapter, _ = install_random(trainer)
+    trainer.run([TrainRequest(adapter.id, sft_datums([9], seed=3), "cross_entropy")])
+    trainer.optim_step(adapter.id, ADAM)  # moments exist now
+    trainer.run([TrainRequest(adapter.id, sft_datums([9], seed=4), "cross_entropy")])
+    for gA, gB in adapter.grads.values():
+        gA.fill_(1e20)
+        gB.fill_(1e20)
+    weights = {t: (a.clone(), b.clone()) for t, (a, b) in trainer.registry.weights(adapter.id).weights.items()}
+    moments = {t: tuple(m.clone() for m in ms) for t, ms in adapter.optim.moments.items()}
+    with pytest.raises(EngineError, match="non-finite"):
+        trainer.optim_step(adapter.id, types.AdamParams(learning_rate=1e-3))
+    assert adapter.optim.step == 1 and adapter.grads
+    for t, (a, b) in trainer.registry.weights(adapter.id).weights.items():
+        assert torch.equal(a, weights[t][0]) and torch.equal(b, weights[t][1])
+    for t, ms in adapter.optim.moments.items():
+        assert all(torch.equal(m, m0) for m, m0 in zip(ms, moments[t], strict=True))
+    with pytest.raises(EngineError, match=r"adam_params\.learning_rate.*\[0, 10\]"):
+        trainer.optim_step(adapter.id, types.AdamParams(learning_rate=1e30))
+
+
+def test_no_non_finite_adapter_is_written_or_read(tmp_path):
+    from mint_server.model.config import ModelError
+    from mint_server.model.peft_io import LoraWeights, load_peft
+
+    A, B = torch.zeros(2, 2, 8), torch.zeros(2, 8, 2)
+    B[1, 3, 0] = float("inf")
+    with pytest.raises(ModelError, match="NaN or inf"):
+        save_peft(LoraWeights({"q_proj": (A, B)}, rank=2), tmp_path / "bad", "tiny/llama")
+    assert not (tmp_path / "bad").exists()
+    save_peft(LoraWeights({"q_proj": (A, torch.zeros(2, 8, 2))}, rank=2), tmp_path / "good", "tiny/llama")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(tmp_path / "good" / "adapter_model.safetensors"))
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "good" / "adapter_model.safetensors"))
+    with pytest.raises(ModelError, match="NaN or inf"):
+        load_peft(tmp_path / "good", 2)
