@@ -35,7 +35,7 @@ from mint_server.api.service import Service
 from mint_server.api.sessions import SessionGone
 from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, EngineFailed
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -68,6 +68,7 @@ STATUS_OF: list[tuple[type[BaseException], int]] = [
     (HeadersTooLarge, 431),
     (Busy, 429),
     (ShuttingDown, 503),
+    (EngineFailed, 503),
     (EngineError, 400),
     (PathError, 400),
     (DecodeError, 400),

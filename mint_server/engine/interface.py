@@ -73,6 +73,11 @@ class NotSupportedError(EngineError):
     """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
 
 
+class EngineFailed(RuntimeError):
+    """Part of the engine died (a tensor-parallel rank): the work it held fails with this, and so
+    does any later work, at once, until the server is restarted (HTTP 503)."""
+
+
 class AdapterLost(RuntimeError):
     """A training adapter's engine replica died and took the adapter's live state with it.
 

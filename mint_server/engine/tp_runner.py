@@ -37,7 +37,7 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine import executor
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, EngineFailed
 from mint_server.engine.optim import Pairs, adamw_step, dimuon_step, step_or_rollback
 from mint_server.engine.residency import AdamState
 from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
@@ -104,14 +104,33 @@ class Runner:
 
     def __init__(self, shard: Shard, followers: list[Any]) -> None:
         self.shard, self.tp, self.followers = shard, shard.tp, followers
+        self.failed: str | None = None  # why the group is broken, once a rank has died
 
     def call(self, name: str, **inputs: Any) -> Any:
-        dist.broadcast_object_list([(name, inputs)], src=0)
-        return OPS[name](self.shard, **inputs)
+        """A dead follower fails this op and every later one at once with EngineFailed (gloo sees
+        the closed connection within milliseconds); no op is sent into a broken group."""
+        self._check_followers()
+        try:
+            dist.broadcast_object_list([(name, inputs)], src=0)
+            return OPS[name](self.shard, **inputs)
+        except RuntimeError as e:  # torch.distributed's error for a peer that went away
+            self._check_followers()
+            raise EngineFailed(f"tensor-parallel op {name!r} failed: {e}") from e
+
+    def _check_followers(self) -> None:
+        if self.failed is None:
+            dead = [(rank, p.exitcode) for rank, p in enumerate(self.followers, start=1) if not p.is_alive()]
+            if dead:
+                rank, code = dead[0]
+                self.failed = (f"tensor-parallel rank {rank} died (exit code {code}); this engine cannot run "
+                               "work until the server is restarted")
+        if self.failed is not None:
+            raise EngineFailed(self.failed)
 
     def close(self) -> None:
         try:
-            dist.broadcast_object_list([("stop", {})], src=0)
+            if self.failed is None:
+                dist.broadcast_object_list([("stop", {})], src=0)
         finally:
             for p in self.followers:
                 p.join(timeout=60)

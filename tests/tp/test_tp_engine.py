@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from tinker import types
@@ -160,3 +161,26 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
     finally:
         back.shutdown()
     assert abs(loss_back - loss_after) <= TOL * max(1.0, abs(loss_back))
+
+
+def test_a_dead_follower_fails_work_at_once_and_every_later_call(tmp_path: Path) -> None:
+    """SIGKILL rank 1: the next op fails with EngineFailed naming the rank (not a hang, not a raw gloo
+    error), and so does all later work, sampling included, without touching the broken group."""
+    import os
+    import signal
+
+    from mint_server.engine.interface import EngineFailed
+
+    model_dir = make_tiny_checkpoint(tmp_path / "m", family="llama", tie=True)
+    e = engine(model_dir, tmp_path, tp=2, slots=2)
+    try:
+        aid = e.create_adapter(types.LoraConfig(rank=2)).result(timeout=120)
+        follower = e.runner.followers[0]
+        os.kill(follower.pid, signal.SIGKILL)
+        follower.join(timeout=60)
+        job = e.prepare_train(sft_datums([5], seed=1), "cross_entropy", None).on(aid)
+        for work in (job, job, e.prepare_sample(None, [1, 2, 3], 1, types.SamplingParams(max_tokens=4))):
+            with pytest.raises(EngineFailed, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
+                e.submit(work).result(timeout=120)  # the timeout only guards against the old hang
+    finally:
+        e.shutdown(drain=False)
