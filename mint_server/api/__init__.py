@@ -2,3 +2,4 @@
 prefix below without loading FastAPI."""
 
 CATALOG_PREFIX = "/api/v1/mint/catalog"  # where the catalog's REST routes are mounted
+KEYS_PREFIX = "/api/v1/mint/keys"  # scoped API keys (admin scope)

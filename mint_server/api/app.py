@@ -6,11 +6,11 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
-from mint_server.api import CATALOG_PREFIX, openapi, routes_rest, routes_service, routes_training
-from mint_server.api.auth import Authenticator, Principal, Signer
-from mint_server.api.http import BodyLimit, install_error_handlers, principal
+from mint_server.api import CATALOG_PREFIX, openapi, routes_keys, routes_rest, routes_service, routes_training
+from mint_server.api.auth import TRAIN, Authenticator, Principal, Signer
+from mint_server.api.http import BodyLimit, install_error_handlers, needs
 from mint_server.api.jsonsafe import SafeJSONResponse
 from mint_server.api.metrics import Metrics
 from mint_server.api.openai import routes as openai_routes
@@ -18,20 +18,23 @@ from mint_server.api.routes_catalog import make_catalog_router
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
 from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.keys import KeyStore
 from mint_server.engine.interface import Engine
 
 log = logging.getLogger(__name__)
 
 
-def catalog_owner(p: Principal = Depends(principal)) -> str:
-    """Catalog rows are keyed by the same owner id as runs and checkpoints (401 without a valid key)."""
+def catalog_owner(p: Principal = needs(TRAIN)) -> str:
+    """Catalog rows are keyed by the same owner id as runs and checkpoints (401 without a valid key,
+    403 for a key that cannot train)."""
     return p.owner
 
 
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    authenticator = Authenticator(settings.api_keys, Signer.for_data_dir(settings.data_dir), settings.no_auth)
     catalog = Catalog.open(settings.db_url, data_dir=settings.data_dir)
+    authenticator = Authenticator(settings.api_keys, Signer.for_data_dir(settings.data_dir), settings.no_auth,
+                                  KeyStore(catalog.engine))
     svc = Service(engine, settings, Metrics(), catalog)
 
     @asynccontextmanager
@@ -55,6 +58,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(routes_service.metrics_router)
     app.include_router(routes_training.router)
     app.include_router(routes_rest.router)
+    app.include_router(routes_keys.router)
     for router in openai_routes.routers:
         app.include_router(router)
     app.include_router(

@@ -13,17 +13,18 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import zstandard
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request, Response, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from fastapi.security import APIKeyHeader, SecurityScopes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_server.api import jsonsafe
-from mint_server.api.auth import AuthError, Principal
+from mint_server.api.auth import AuthError, Principal, ScopeError
 from mint_server.api.codec import DecodeError, describe_validation_error
 from mint_server.api.core import Busy, ShuttingDown
 from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
@@ -58,6 +59,7 @@ class RequestTimeout(Exception):
 # catalog). The first match wins, so subclasses come before their bases.
 STATUS_OF: list[tuple[type[BaseException], int]] = [
     (AuthError, 401),
+    (ScopeError, 403),
     (NotFound, 404),
     (CatalogNotFound, 404),
     (RequestTimeout, 408),
@@ -198,9 +200,26 @@ def service(request: Request) -> Service:
     return request.app.state.service
 
 
-def principal(request: Request) -> Principal:
-    """FastAPI dependency: the authenticated caller (401 otherwise)."""
-    return request.app.state.authenticator.authenticate(request.headers.get(API_KEY_HEADER))
+# Declared as a security scheme so that the served spec says, per operation, which scope it needs.
+API_KEY_SCHEME = APIKeyHeader(name="X-API-Key", scheme_name="ApiKey", auto_error=False,
+                              description="A configured key or a scoped key; see docs/security.md")
+
+
+def authorized(request: Request, credential: str | None, needed: SecurityScopes) -> Principal:
+    """The caller presenting `credential`, holding every scope in `needed` (401 / 403 otherwise)."""
+    p: Principal = request.app.state.authenticator.authenticate(credential)
+    for scope in needed.scopes:
+        p.require(scope)
+    return p
+
+
+def _caller(request: Request, needed: SecurityScopes, credential: str | None = Security(API_KEY_SCHEME)) -> Principal:
+    return authorized(request, credential, needed)
+
+
+def needs(scope: str) -> Any:
+    """`p: Principal = needs(TRAIN)` in a route's signature: the authenticated caller, holding `scope`."""
+    return Security(_caller, scopes=[scope])
 
 
 async def json_body(request: Request) -> dict[str, Any]:

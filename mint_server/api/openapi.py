@@ -54,10 +54,12 @@ class CancelFutureBody(BaseModel):
 
 
 # What any route may answer besides its success, and why (api/http.py's STATUS_OF and the body
-# limits apply to every route). Routes that take no credential never answer 401.
+# limits apply to every route). Routes that take no credential (no `security` entry) never answer
+# 401 or 403.
 ERROR_STATUSES = {
     "400": "Bad input: the message (`detail`) names the field",
-    "401": "Missing, unknown or revoked API key; or a key whose scopes do not cover this route",
+    "401": "Missing, unknown or revoked API key",
+    "403": "The key lacks the scope this route needs (its `security` entry names it)",
     "404": "Not found (also anything that belongs to another key)",
     "408": "The request body stalled",
     "409": "Already exists",
@@ -68,18 +70,17 @@ ERROR_STATUSES = {
     "500": "Stored data failed its integrity check (the message names the blob)",
     "503": "The server is shutting down; retry after `Retry-After`",
 }
-UNAUTHENTICATED = ("/api/v1/healthz", "/metrics", "/api/v1/archives/", "/api/v1/external_weights/")
 ERROR_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
 
 
 def _document_errors(spec: dict[str, Any]) -> None:
     """Every status a route can return is in its `responses`; FastAPI's 422 is not (we answer 400)."""
-    for path, operations in spec.get("paths", {}).items():
+    for operations in spec.get("paths", {}).values():
         for op in operations.values():
             responses = op.setdefault("responses", {})
             responses.pop("422", None)
             for status, why in ERROR_STATUSES.items():
-                if status == "401" and path.startswith(UNAUTHENTICATED):
+                if status in ("401", "403") and not op.get("security"):
                     continue
                 responses.setdefault(status, {"description": why,
                                               "content": {"application/json": {"schema": ERROR_SCHEMA}}})

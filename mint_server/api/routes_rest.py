@@ -12,14 +12,14 @@ from email.utils import formatdate
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 from tinker import types
 
-from mint_server.api.auth import Principal
+from mint_server.api.auth import SERVE, TRAIN, Principal
 from mint_server.api.codec import DecodeError
-from mint_server.api.http import json_body, parse, principal, service
+from mint_server.api.http import json_body, needs, parse, service
 from mint_server.api.openapi import TtlBody, WeightsInfoBody, body_doc
 from mint_server.api.paths import CheckpointRef
 from mint_server.api.runs import NotFound
@@ -33,59 +33,59 @@ Offset = Query(0, ge=0, le=(1 << 63) - 1)
 @router.get("/training_runs")
 async def list_runs(
     request: Request, limit: int = Limit, offset: int = Offset, project_id: str | None = None,
-    p: Principal = Depends(principal),
+    p: Principal = needs(TRAIN),
 ) -> Any:
     return service(request).checkpoints.list_runs(p, limit, offset, project_id).model_dump(mode="json")
 
 
 @router.get("/training_runs/{run_id}")
-async def get_run(run_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+async def get_run(run_id: str, request: Request, p: Principal = needs(TRAIN)) -> Any:
     return service(request).checkpoints.get_run(p, run_id).model_dump(mode="json")
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
-async def list_checkpoints(run_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+async def list_checkpoints(run_id: str, request: Request, p: Principal = needs(TRAIN)) -> Any:
     return service(request).checkpoints.list_checkpoints(p, run_id).model_dump(mode="json")
 
 
 @router.get("/checkpoints")
 async def list_owner_checkpoints(
     request: Request, limit: int = Query(100, ge=1, le=1000), offset: int = Offset, project_id: str | None = None,
-    p: Principal = Depends(principal),
+    p: Principal = needs(TRAIN),
 ) -> Any:
     return service(request).checkpoints.list_owner_checkpoints(p, limit, offset, project_id).model_dump(mode="json")
 
 
 @router.post("/copy_weights", openapi_extra=body_doc(types.CopyWeightsRequest))
-async def copy_weights(request: Request, p: Principal = Depends(principal)) -> Any:
+async def copy_weights(request: Request, p: Principal = needs(TRAIN)) -> Any:
     req = await parse(request, types.CopyWeightsRequest)
     out = service(request).checkpoints.copy_weights(p, req, request.headers.get("x-idempotency-key"))
     return out.model_dump(mode="json")
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}", status_code=204)
-async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def delete_checkpoint(run_id: str, kind: str, name: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     svc = service(request).checkpoints
     svc.delete(p, svc.ref(run_id, kind, name))
     return Response(status_code=204)
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
-async def publish(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def publish(run_id: str, kind: str, name: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     svc = service(request).checkpoints
     svc.set_public(p, svc.ref(run_id, kind, name), True)
     return Response(status_code=204)
 
 
 @router.delete("/training_runs/{run_id}/checkpoints/{kind}/{name}/publish", status_code=204)
-async def unpublish(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def unpublish(run_id: str, kind: str, name: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     svc = service(request).checkpoints
     svc.set_public(p, svc.ref(run_id, kind, name), False)
     return Response(status_code=204)
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl", status_code=204, openapi_extra=body_doc(TtlBody))
-async def set_ttl(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def set_ttl(run_id: str, kind: str, name: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     body = await json_body(request)
     ttl = body.get("ttl_seconds")
     if ttl is not None and (not isinstance(ttl, int) or isinstance(ttl, bool)):
@@ -96,13 +96,13 @@ async def set_ttl(run_id: str, kind: str, name: str, request: Request, p: Princi
 
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/archive")
-async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     """302 to a short-lived signed URL: the SDK hands the URL out, and whoever fetches it has no key."""
     svc = service(request).checkpoints
     ref = svc.ref(run_id, kind, name)
     svc.readable(p, ref)
     token, expires = request.app.state.authenticator.issue_download(
-        {"sub": p.owner, "run": ref.run_id, "kind": ref.kind, "name": ref.name}
+        p, {"run": ref.run_id, "kind": ref.kind, "name": ref.name}
     )
     url = str(request.url_for("download_archive", token=token))
     return Response(status_code=302, headers={"Location": url, "Expires": formatdate(expires, usegmt=True)})
@@ -110,7 +110,7 @@ async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Pr
 
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
 async def external_weights_urls(run_id: str, kind: str, name: str, request: Request,
-                                p: Principal = Depends(principal)) -> Any:
+                                p: Principal = needs(TRAIN)) -> Any:
     """One signed URL per file of an external weights checkpoint (what `weights.download` and
     `tinker checkpoint download` fetch, with no key): served here, valid until `expires`."""
     svc = service(request).checkpoints
@@ -120,7 +120,7 @@ async def external_weights_urls(run_id: str, kind: str, name: str, request: Requ
     urls, expires = {}, 0
     for f in files:
         token, expires = request.app.state.authenticator.issue_download(
-            {"sub": p.owner, "run": ref.run_id, "kind": ref.kind, "name": ref.name, "file": f,
+            p, {"run": ref.run_id, "kind": ref.kind, "name": ref.name, "file": f,
              "created": rec.created_at}, lifetime_s=lifetime,
         )
         urls[f] = str(request.url_for("download_external_file", token=token, file=f))
@@ -178,7 +178,7 @@ def _tar_gz(src: Path, scratch: Path) -> str:
 
 
 @router.post("/weights_info", openapi_extra=body_doc(WeightsInfoBody))
-async def weights_info(request: Request, p: Principal = Depends(principal)) -> Any:
+async def weights_info(request: Request, p: Principal = needs(SERVE)) -> Any:
     body = await json_body(request)
     path = body.get("tinker_path")
     if not isinstance(path, str):
@@ -187,10 +187,10 @@ async def weights_info(request: Request, p: Principal = Depends(principal)) -> A
 
 
 @router.get("/sessions")
-async def list_sessions(request: Request, limit: int = Limit, offset: int = Offset, p: Principal = Depends(principal)) -> Any:
+async def list_sessions(request: Request, limit: int = Limit, offset: int = Offset, p: Principal = needs(TRAIN)) -> Any:
     return service(request).checkpoints.list_sessions(p, limit, offset).model_dump(mode="json")
 
 
 @router.get("/sessions/{session_id}")
-async def get_session(session_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+async def get_session(session_id: str, request: Request, p: Principal = needs(TRAIN)) -> Any:
     return service(request).checkpoints.session_view(p, session_id).model_dump(mode="json")

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
 from mint_server.api import codec
-from mint_server.api.auth import Principal
-from mint_server.api.http import json_body, parse, principal, service
+from mint_server.api.auth import SERVE, Principal
+from mint_server.api.http import json_body, needs, parse, service
 from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
 from mint_server.api.openapi import CancelFutureBody, body_doc
 from mint_server.engine.interface import EngineError
@@ -28,7 +28,7 @@ async def healthz() -> dict[str, str]:
 
 
 @router.post("/client/config", openapi_extra=body_doc(types.ClientConfigRequest))
-async def client_config(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def client_config(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     await parse(request, types.ClientConfigRequest)
     # Advertise only what this server implements; every other flag keeps the SDK default.
     return types.ClientConfigResponse(
@@ -43,18 +43,18 @@ async def client_config(request: Request, p: Principal = Depends(principal)) -> 
 
 
 @router.post("/client/dynamic_config", openapi_extra=body_doc(types.ClientConfigRequest))
-async def client_dynamic_config(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
+async def client_dynamic_config(request: Request, _p: Principal = needs(SERVE)) -> dict[str, Any]:
     await parse(request, types.ClientConfigRequest)
     return types.ClientDynamicConfigResponse(sample_cancel_enabled=True).model_dump(mode="json")
 
 
 @router.post("/auth/token")
-async def auth_token(request: Request, p: Principal = Depends(principal)) -> dict[str, str]:
+async def auth_token(request: Request, p: Principal = needs(SERVE)) -> dict[str, str]:
     return {"jwt": request.app.state.authenticator.issue_jwt(p)}
 
 
 @router.get("/get_server_capabilities")
-async def capabilities(request: Request, _p: Principal = Depends(principal)) -> dict[str, Any]:
+async def capabilities(request: Request, _p: Principal = needs(SERVE)) -> dict[str, Any]:
     engine = service(request).engine
     model = types.SupportedModel(
         model_name=engine.base_model, max_context_length=engine.max_context, trainable=True, sampleable=True
@@ -63,33 +63,33 @@ async def capabilities(request: Request, _p: Principal = Depends(principal)) -> 
 
 
 @router.post("/create_session", openapi_extra=body_doc(types.CreateSessionRequest))
-async def create_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_session(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     req = await parse(request, types.CreateSessionRequest)
     session_id = service(request).create_session(p, req.user_metadata, req.display_name, req.project_id)
     return types.CreateSessionResponse(session_id=session_id).model_dump(mode="json")
 
 
 @router.post("/session_heartbeat", openapi_extra=body_doc(types.SessionHeartbeatRequest))
-async def session_heartbeat(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def session_heartbeat(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     req = await parse(request, types.SessionHeartbeatRequest)
     service(request).core.sessions.heartbeat(req.session_id, p.owner)
     return types.SessionHeartbeatResponse().model_dump(mode="json")
 
 
 @router.post("/sessions/{session_id}/finish", status_code=204)
-async def finish_session(session_id: str, request: Request, p: Principal = Depends(principal)) -> Response:
+async def finish_session(session_id: str, request: Request, p: Principal = needs(SERVE)) -> Response:
     service(request).finish_session(p, session_id)
     return Response(status_code=204)
 
 
 @router.post("/telemetry")
-async def telemetry(_p: Principal = Depends(principal)) -> dict[str, str]:
+async def telemetry(_p: Principal = needs(SERVE)) -> dict[str, str]:
     # Accepted and dropped: the body is never read, so it cannot cost us anything but the upload.
     return {"status": "accepted"}
 
 
 @router.post("/retrieve_future", openapi_extra=body_doc(types.FutureRetrieveRequest))
-async def retrieve_future(request: Request, p: Principal = Depends(principal)) -> Response:
+async def retrieve_future(request: Request, p: Principal = needs(SERVE)) -> Response:
     req = await parse(request, types.FutureRetrieveRequest)
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
@@ -125,14 +125,14 @@ def _queued_response(request_id: str, position: int, depth: int) -> Response:
 
 
 @router.post("/retrieve_futures", openapi_extra=body_doc(types.FuturesRetrieveRequest))
-async def retrieve_futures(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def retrieve_futures(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     req = await parse(request, types.FuturesRetrieveRequest)
     response = await service(request).sampling.retrieve_futures(p, req)
     return response.model_dump(mode="json")
 
 
 @router.post("/cancel_future", status_code=204, openapi_extra=body_doc(CancelFutureBody))
-async def cancel_future(request: Request, p: Principal = Depends(principal)) -> Response:
+async def cancel_future(request: Request, p: Principal = needs(SERVE)) -> Response:
     body = await json_body(request)
     request_id = body.get("request_id")
     if not isinstance(request_id, str) or set(body) - {"request_id"}:

@@ -9,13 +9,13 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from tinker import types
 
 from mint_server.api import codec
-from mint_server.api.auth import Principal
-from mint_server.api.http import decompress, json_body, ordered_ids, parse, principal, service
+from mint_server.api.auth import SERVE, TRAIN, Principal
+from mint_server.api.http import decompress, json_body, needs, ordered_ids, parse, service
 from mint_server.api.mint_types import ForwardBackwardReverseKLRequest, InterpolateCheckpointsRequest
 from mint_server.api.openapi import ForwardBackwardBody, ForwardBody, body_doc
 
@@ -29,12 +29,12 @@ def _future(f: types.UntypedAPIFuture) -> dict[str, Any]:
 
 
 @router.post("/create_model", openapi_extra=body_doc(types.CreateModelRequest))
-async def create_model(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_model(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     return _future(service(request).training.create_model(p, await parse(request, types.CreateModelRequest)))
 
 
 @router.post("/get_info", openapi_extra=body_doc(types.GetInfoRequest))
-async def get_info(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def get_info(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     info = service(request).training.get_info(p, await parse(request, types.GetInfoRequest))
     return info.model_dump(mode="json", exclude_none=True)
 
@@ -78,69 +78,69 @@ async def _fwdbwd_call(request: Request, input_field: str, forward_only: bool) -
 
 
 @router.post("/forward_backward", openapi_extra=body_doc(ForwardBackwardBody, protobuf=True))
-async def forward_backward(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def forward_backward(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     call = await ordered(request, p, _fwdbwd_call(request, "forward_backward_input", forward_only=False))
     return _future(service(request).training.forward_backward(p, call))
 
 
 @router.post("/forward", openapi_extra=body_doc(ForwardBody, protobuf=True))
-async def forward(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def forward(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     call = await ordered(request, p, _fwdbwd_call(request, "forward_input", forward_only=True))
     return _future(service(request).training.forward_backward(p, call))
 
 
 @router.post("/optim_step", openapi_extra=body_doc(types.OptimStepRequest))
-async def optim_step(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def optim_step(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     return _future(service(request).training.optim_step(p, await _parse_ordered(request, p, types.OptimStepRequest)))
 
 
 @router.post("/save_weights", openapi_extra=body_doc(types.SaveWeightsRequest))
-async def save_weights(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def save_weights(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     return _future(service(request).training.save_weights(p, await _parse_ordered(request, p, types.SaveWeightsRequest)))
 
 
 @router.post("/save_weights_for_sampler", openapi_extra=body_doc(types.SaveWeightsForSamplerRequest))
-async def save_weights_for_sampler(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def save_weights_for_sampler(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     req = await _parse_ordered(request, p, types.SaveWeightsForSamplerRequest)
     return _future(service(request).training.save_weights_for_sampler(p, req))
 
 
 @router.post("/load_weights", openapi_extra=body_doc(types.LoadWeightsRequest))
-async def load_weights(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def load_weights(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     return _future(service(request).training.load_weights(p, await _parse_ordered(request, p, types.LoadWeightsRequest)))
 
 
 @router.post("/unload_model", openapi_extra=body_doc(types.UnloadModelRequest))
-async def unload_model(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def unload_model(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     return _future(service(request).training.unload_model(p, await parse(request, types.UnloadModelRequest)))
 
 
 @router.post("/create_custom_loss", openapi_extra=body_doc(types.CreateCustomLossRequest))
-async def create_custom_loss(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_custom_loss(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     req = await parse(request, types.CreateCustomLossRequest)
     return _future(service(request).training.create_custom_loss(p, req))
 
 
 @router.post("/save_weights_external", openapi_extra=body_doc(types.SaveWeightsExternalRequest))
-async def save_weights_external(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def save_weights_external(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     req = await parse(request, types.SaveWeightsExternalRequest)
     return _future(service(request).training.save_weights_external(p, req))
 
 
 # --- sampling ------------------------------------------------------------------------------------
 @router.post("/create_sampling_session", openapi_extra=body_doc(types.CreateSamplingSessionRequest))
-async def create_sampling_session(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def create_sampling_session(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     req = await parse(request, types.CreateSamplingSessionRequest)
     return service(request).sampling.create_session(p, req).model_dump(mode="json")
 
 
 @router.get("/samplers/{sampler_id}")
-async def get_sampler(sampler_id: str, request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def get_sampler(sampler_id: str, request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     return service(request).sampling.describe(p, sampler_id).model_dump(mode="json")
 
 
 @router.post("/asample", openapi_extra=body_doc(types.SampleRequest))
-async def asample(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def asample(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     # X-Mint-Priority: a rollout may lower its own scheduling class ("batch": sweeps, evals)
     return _future(service(request).sampling.asample(p, await parse(request, types.SampleRequest),
                                                      priority=request.headers.get("x-mint-priority")))
@@ -148,12 +148,12 @@ async def asample(request: Request, p: Principal = Depends(principal)) -> dict[s
 
 # --- mindlab-toolkit extensions ------------------------------------------------------------------
 @router.post("/mint/forward_backward_reverse_kl", openapi_extra=body_doc(ForwardBackwardReverseKLRequest))
-async def forward_backward_reverse_kl(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def forward_backward_reverse_kl(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     req = await _parse_ordered(request, p, ForwardBackwardReverseKLRequest)
     return _future(service(request).mint.reverse_kl(p, req))
 
 
 @router.post("/mint/checkpoints/interpolate", openapi_extra=body_doc(InterpolateCheckpointsRequest))
-async def interpolate_checkpoints(request: Request, p: Principal = Depends(principal)) -> dict[str, Any]:
+async def interpolate_checkpoints(request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     req = await parse(request, InterpolateCheckpointsRequest)
     return _future(service(request).mint.interpolate(p, req))

@@ -25,9 +25,11 @@ _EXPORTS = {
         "NotFound",
     ),
     "mint_server.catalog.payload": ("ManifestEntry",),
+    "mint_server.catalog.keys": ("KeyStore",),
     "mint_server.catalog.records": (
         "Alias",
         "AliasEvent",
+        "ApiKey",
         "EvalRecord",
         "GcReport",
         "Page",
@@ -50,10 +52,12 @@ if TYPE_CHECKING:
         InvalidReference,
         NotFound,
     )
+    from mint_server.catalog.keys import KeyStore  # noqa: F401
     from mint_server.catalog.payload import ManifestEntry  # noqa: F401
     from mint_server.catalog.records import (  # noqa: F401
         Alias,
         AliasEvent,
+        ApiKey,
         EvalRecord,
         GcReport,
         Page,

@@ -14,7 +14,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 T = TypeVar("T")
 
 # Fields holding datetimes; they travel as ISO-8601 strings.
-_TIME_FIELDS = frozenset({"created_at", "updated_at", "at"})
+_TIME_FIELDS = frozenset({"created_at", "updated_at", "at", "revoked_at"})
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,18 @@ class EvalRecord:
 
 
 @dataclass(frozen=True)
+class ApiKey:
+    """A scoped API key as listed: never the key itself, which is shown once, when it is created."""
+
+    key_id: str
+    owner: str
+    name: str
+    scopes: list[str]
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+@dataclass(frozen=True)
 class SeedResult:
     policies: int
     revisions: int
@@ -110,7 +122,8 @@ def to_dict(record: Any) -> dict[str, Any]:
     """A JSON-ready dict of a record dataclass (datetimes as ISO strings)."""
     out = dataclasses.asdict(record)
     for key in _TIME_FIELDS.intersection(out):
-        out[key] = out[key].isoformat()
+        if out[key] is not None:
+            out[key] = out[key].isoformat()
     return out
 
 
@@ -119,7 +132,8 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     kwargs = {k: v for k, v in data.items() if k in names}
     for key in _TIME_FIELDS.intersection(kwargs):
-        kwargs[key] = datetime.fromisoformat(kwargs[key])
+        if kwargs[key] is not None:
+            kwargs[key] = datetime.fromisoformat(kwargs[key])
     return cls(**kwargs)
 
 

@@ -156,3 +156,21 @@ class EvalRow(Base):
     value: Mapped[float] = mapped_column(Double())
     dataset: Mapped[str | None] = mapped_column(String(256))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ApiKeyRow(Base):
+    """A scoped API key. Only the sha256 of the key is kept; `key_id` is its public, non-secret part
+    (shown in listings, used to revoke), and a key is looked up by it."""
+
+    __tablename__ = "catalog_api_keys"
+    # A tenant's listing, oldest first.
+    __table_args__ = (Index(None, "owner", "id"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    key_id: Mapped[str] = mapped_column(Key(32), unique=True)
+    digest: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(Key(256))
+    name: Mapped[str] = mapped_column(String(128))
+    scopes: Mapped[list[str]] = mapped_column(Json)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

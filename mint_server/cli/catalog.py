@@ -1,4 +1,5 @@
-"""`mint policy|revision|alias|eval|export|import|catalog …`: the policy catalog from the shell.
+"""`mint policy|revision|alias|eval|export|import|catalog|key …`: the policy catalog (and the scoped
+API keys kept in its database) from the shell.
 
 Every command works on a local catalog (--data-dir / --db-url) or on a running
 server (--server URL --api-key KEY, owner implied by the key; the key defaults to $MINT_API_KEY,
@@ -707,11 +708,60 @@ def catalog_gc(
     )
 
 
+# -- API keys -------------------------------------------------------------------------------------
+key_app = typer.Typer(no_args_is_help=True, help="Scoped API keys: serve (sampling only) ⊂ train ⊂ admin.")
+
+
+@key_app.command("create")
+@command
+def key_create(
+    target: Target,
+    name: Annotated[str, typer.Argument(help="What the key is for (shown in listings).")],
+    scopes: Annotated[
+        list[str], typer.Option("--scope", help="serve (OpenAI face and sampling), train, or admin; repeatable.")
+    ],
+) -> None:
+    """Make a key for the owner (local: --owner's rule; --server: the admin key's own owner). The key is
+    printed once and never stored: keep it."""
+    record, key = target.open().create_key(name, scopes)
+    _emit(target, {"key": key, **to_dict(record)},
+          lambda: out.print(f"{key}\n(key id {record.key_id}, scopes {', '.join(record.scopes)}; "
+                            "shown once: store it now)", markup=False))
+
+
+@key_app.command("list")
+@command
+def key_list(
+    target: Target,
+    include_revoked: Annotated[bool, typer.Option("--include-revoked", help="Show revoked keys too.")] = False,
+) -> None:
+    """The owner's scoped keys (never the keys themselves)."""
+    keys = target.open().list_keys(include_revoked=include_revoked)
+
+    def render() -> None:
+        table = _table("key id", "name", "scopes", "created", "revoked")
+        for k in keys:
+            table.add_row(k.key_id, k.name, ",".join(k.scopes), _when(k.created_at),
+                          _when(k.revoked_at) if k.revoked_at else "")
+        out.print(table)
+
+    _emit(target, [to_dict(k) for k in keys], render)
+
+
+@key_app.command("revoke")
+@command
+def key_revoke(target: Target, key_id: Annotated[str, typer.Argument(help="The key id `mint key list` shows.")]) -> None:
+    """Revoke a key: its next request, and every token it was traded for, is refused (401)."""
+    target.open().revoke_key(key_id)
+    _emit(target, {"revoked": key_id}, lambda: out.print(f"revoked {key_id}", markup=False))
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(policy_app, name="policy")
     app.add_typer(revision_app, name="revision")
     app.add_typer(alias_app, name="alias")
     app.add_typer(eval_app, name="eval")
     app.add_typer(catalog_app, name="catalog")
+    app.add_typer(key_app, name="key")
     app.command("export")(export)
     app.command("import")(import_)

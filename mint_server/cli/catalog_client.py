@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import quote
 
 from mint_server.api import CATALOG_PREFIX as API_PREFIX
+from mint_server.api import KEYS_PREFIX
 from mint_server.catalog import archive, gc, payload
 from mint_server.catalog import seed as seeding
 from mint_server.catalog.catalog import Catalog
@@ -26,9 +27,11 @@ from mint_server.catalog.errors import (
     InvalidReference,
     NotFound,
 )
+from mint_server.catalog.keys import KeyStore
 from mint_server.catalog.records import (
     Alias,
     AliasEvent,
+    ApiKey,
     EvalRecord,
     GcReport,
     Page,
@@ -98,6 +101,9 @@ class CatalogClient(Protocol):
         progress: Callable[[int], None] | None,
     ) -> SeedResult: ...
     def gc(self, *, grace_seconds: float, dry_run: bool) -> GcReport: ...
+    def create_key(self, name: str, scopes: list[str]) -> tuple[ApiKey, str]: ...
+    def list_keys(self, *, include_revoked: bool = False) -> list[ApiKey]: ...
+    def revoke_key(self, key_id: str) -> None: ...
     def close(self) -> None: ...
 
 
@@ -108,6 +114,18 @@ class LocalClient:
         self.catalog = catalog
         self.owner = owner
         self.actor = actor or owner
+        self.keys = KeyStore(catalog.engine)
+
+    def create_key(self, name: str, scopes: list[str]) -> tuple[ApiKey, str]:
+        from mint_server.api.auth import issue_key  # stdlib only
+
+        return issue_key(self.keys, self.owner, name, scopes)
+
+    def list_keys(self, *, include_revoked: bool = False) -> list[ApiKey]:
+        return self.keys.list(self.owner, include_revoked=include_revoked)
+
+    def revoke_key(self, key_id: str) -> None:
+        self.keys.revoke(self.owner, key_id)
 
     def list_policies(self, *, cursor: str | None = None, limit: int | None = None) -> Page[Policy]:
         return self.catalog.list_policies(self.owner, cursor=cursor, limit=limit)
@@ -266,6 +284,17 @@ class HttpClient:
 
     def list_policies(self, *, cursor: str | None = None, limit: int | None = None) -> Page[Policy]:
         return self._page(Policy, "/policies", cursor, limit)
+
+    def create_key(self, name: str, scopes: list[str]) -> tuple[ApiKey, str]:
+        body = self._send("POST", self.server + KEYS_PREFIX, json={"name": name, "scopes": scopes}).json()
+        return from_dict(ApiKey, body), body["key"]
+
+    def list_keys(self, *, include_revoked: bool = False) -> list[ApiKey]:
+        body = self._send("GET", self.server + KEYS_PREFIX, params={"include_revoked": include_revoked}).json()
+        return [from_dict(ApiKey, k) for k in body["keys"]]
+
+    def revoke_key(self, key_id: str) -> None:
+        self._send("DELETE", f"{self.server}{KEYS_PREFIX}/{quote(key_id, safe='')}")
 
     def get_policy(self, name: str) -> Policy:
         return self._get(Policy, f"/policies/{_seg(name)}")

@@ -13,13 +13,14 @@ import json
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer, SecurityScopes
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from mint_server.api.auth import AuthError, Principal
+from mint_server.api.auth import SERVE, AuthError, Principal, ScopeError
 from mint_server.api.codec import describe_validation_error
-from mint_server.api.http import API_KEY_HEADER, json_body, service
+from mint_server.api.http import API_KEY_HEADER, authorized, json_body, service
 from mint_server.api.openai.errors import PREFIXES, OpenAIError, error_body
 from mint_server.api.openai.schemas import ChatRequest, CompletionRequest
 from mint_server.api.openai.service import OpenAIService
@@ -34,16 +35,24 @@ def openai(request: Request) -> OpenAIService:
     return service(request).openai
 
 
-def principal(request: Request) -> Principal:
-    """The caller, from `Authorization: Bearer KEY` (or X-API-Key); 401 in OpenAI's shape otherwise."""
-    auth = request.headers.get("authorization", "")
-    scheme, _, credential = auth.partition(" ")
-    key = credential.strip() if scheme.lower() == "bearer" else request.headers.get(API_KEY_HEADER)
+BEARER = HTTPBearer(scheme_name="Bearer", auto_error=False, description="Authorization: Bearer KEY (or X-API-Key)")
+
+
+def _caller(request: Request, needed: SecurityScopes,
+            bearer: HTTPAuthorizationCredentials | None = Security(BEARER)) -> Principal:
+    """The caller, from `Authorization: Bearer KEY` (or X-API-Key); 401 / 403 in OpenAI's shape otherwise."""
+    key = bearer.credentials.strip() if bearer else request.headers.get(API_KEY_HEADER)
     try:
-        return request.app.state.authenticator.authenticate(key or None)
+        return authorized(request, key or None, needed)
     except AuthError as e:
         message = "missing API key: send Authorization: Bearer KEY" if not key else str(e)
         raise OpenAIError(401, message, code="invalid_api_key") from None
+    except ScopeError as e:
+        raise OpenAIError(403, str(e), code="insufficient_scope") from None
+
+
+def principal() -> Any:
+    return Security(_caller, scopes=[SERVE])
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
@@ -121,15 +130,15 @@ def make_router(prefix: str) -> APIRouter:
 
     @router.get("/models")
     async def list_models(request: Request, limit: int = Query(100, ge=1, le=1000), after: str | None = None,
-                          p: Principal = Depends(principal)) -> Any:  # fmt: skip
+                          p: Principal = principal()) -> Any:  # fmt: skip
         return await asyncio.to_thread(openai(request).list_models, p.owner, limit, after)
 
     @router.get("/models/{model_id:path}")
-    async def get_model(model_id: str, request: Request, p: Principal = Depends(principal)) -> Any:
+    async def get_model(model_id: str, request: Request, p: Principal = principal()) -> Any:
         return openai(request).get_model(p.owner, model_id)
 
     @router.post("/chat/completions", openapi_extra=body_doc(ChatRequest))
-    async def chat(request: Request, p: Principal = Depends(principal)) -> Any:
+    async def chat(request: Request, p: Principal = principal()) -> Any:
         req: ChatRequest = await _parse(request, ChatRequest)
         face = openai(request)
         reply = face.admit_chat(p.owner, req)
@@ -138,7 +147,7 @@ def make_router(prefix: str) -> APIRouter:
         return await unless_disconnected(request, face.chat(reply, req))
 
     @router.post("/completions", openapi_extra=body_doc(CompletionRequest))
-    async def completions(request: Request, p: Principal = Depends(principal)) -> Any:
+    async def completions(request: Request, p: Principal = principal()) -> Any:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         face = openai(request)
         reply = face.admit_completion(p.owner, req)
