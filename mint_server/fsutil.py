@@ -5,16 +5,52 @@ A reader sees the old file (or dir) or the new one, never half of one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 TRASH_PREFIX = ".trash-"  # what publish_dir names a dir it is replacing, until the new one is in place
+# Out of room: no space on the device, over quota, or past the process's file-size limit (ulimit -f).
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+class DiskFull(OSError):
+    """A durable write ran out of room. Raised by the writers below after they removed their temp
+    copy, so nothing partial was kept and the old file or dir (if any) is still whole."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _full_errno(error: BaseException) -> int | None:
+    if isinstance(error, OSError):
+        return error.errno if error.errno in FULL_ERRNOS else None
+    # safetensors reports I/O failures as SafetensorError("... (os error 28)"), without an errno.
+    found = re.search(r"\(os error (\d+)\)", str(error))
+    code = int(found.group(1)) if found else None
+    return code if code in FULL_ERRNOS else None
+
+
+@contextmanager
+def full_disk_named(what: str | os.PathLike) -> Iterator[None]:
+    """Turn running out of room while writing `what` into one clear DiskFull. Nested, the outermost
+    name wins: it says what the caller was doing (a checkpoint), not which temp file filled up."""
+    try:
+        yield
+    except Exception as e:
+        code = _full_errno(e)
+        if code is None:
+            raise
+        cause = e.__cause__ if isinstance(e, DiskFull) else e
+        raise DiskFull(code, f"not enough room to write {what}: {os.strerror(code)}; nothing of it was kept "
+                             "(free disk space, then retry)") from cause
 
 
 def fsync_dir(path: Path) -> None:
@@ -30,7 +66,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o644) 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with full_disk_named(path.name), os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -102,8 +138,9 @@ def atomic_write_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> N
     path = Path(path)
     staging = new_staging_dir(path.parent, prefix=f".{path.name}.")
     try:
-        fill(staging)
-        publish_dir(staging, path)
+        with full_disk_named(path.name):
+            fill(staging)
+            publish_dir(staging, path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -118,7 +155,8 @@ def write_content_dir(path: str | os.PathLike, fill: Callable[[Path], None]) -> 
     path = Path(path)
     staging = new_staging_dir(path.parent, prefix=f".{path.name}.")
     try:
-        fill(staging)
+        with full_disk_named(path.name):
+            fill(staging)
         for f in staging.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

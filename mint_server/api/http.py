@@ -37,6 +37,7 @@ from mint_server.api.sessions import SessionGone
 from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound
 from mint_server.engine.interface import EngineError, EngineFailed
+from mint_server.fsutil import DiskFull
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -78,6 +79,7 @@ STATUS_OF: list[tuple[type[BaseException], int]] = [
     (SeqError, 400),
     (InvalidArgument, 400),
     (RequestValidationError, 400),
+    (DiskFull, 507),  # out of room: the server's condition, not the request's; nothing partial was kept
     (IntegrityError, 500),  # stored data is corrupt: the server is at fault, and says which blob
 ]
 

@@ -69,6 +69,7 @@ ERROR_STATUSES = {
     "431": "Request headers too large",
     "500": "Stored data failed its integrity check (the message names the blob)",
     "503": "The server is shutting down; retry after `Retry-After`",
+    "507": "Not enough disk space for what the request writes; nothing partial was kept",
 }
 ERROR_SCHEMA = {"type": "object", "properties": {"detail": {"type": "string"}}}
 

@@ -29,6 +29,7 @@ from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
 from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.interface import AdapterLost
+from mint_server.fsutil import full_disk_named
 from mint_server.model.peft_archive import write_archive_dir
 
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
@@ -537,18 +538,19 @@ class TrainingService:
         at startup.)
         """
         staging = self.core.runs.staging_dir(ref.run_id, ref.kind)
-        try:
-            await write(staging)
-            size = await asyncio.to_thread(self.core.runs.publish_data, ref, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if before_commit is not None:
+        with full_disk_named(f"checkpoint {ref.kind}/{ref.name}"):
             try:
-                await before_commit(self.core.runs.data_dir(ref))
+                await write(staging)
+                size = await asyncio.to_thread(self.core.runs.publish_data, ref, staging)
             except BaseException:
-                shutil.rmtree(self.core.runs.data_dir(ref), ignore_errors=True)
+                shutil.rmtree(staging, ignore_errors=True)
                 raise
+            if before_commit is not None:
+                try:
+                    await before_commit(self.core.runs.data_dir(ref))
+                except BaseException:
+                    shutil.rmtree(self.core.runs.data_dir(ref), ignore_errors=True)
+                    raise
         self.core.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
         self.core.runs.register_checkpoint(
             CheckpointRecord(

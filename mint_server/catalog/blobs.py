@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO, NamedTuple, Protocol
 
 from mint_server.catalog.errors import IntegrityError, InvalidArgument
+from mint_server.fsutil import full_disk_named
 
 CHUNK = 1 << 20
 SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -140,7 +141,7 @@ class LocalBlobStore:
         fd, tmp_name = self._locked_temp()
         size = 0
         try:
-            with os.fdopen(fd, "wb") as tmp:
+            with full_disk_named("a blob"), os.fdopen(fd, "wb") as tmp:
                 while chunk := source.read(CHUNK):
                     digest.update(chunk)
                     tmp.write(chunk)
@@ -224,7 +225,7 @@ class LocalBlobStore:
         dest = Path(dest)
         fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
         try:
-            with os.fdopen(fd, "wb") as out, self.open(sha256) as source:
+            with full_disk_named(dest.name), os.fdopen(fd, "wb") as out, self.open(sha256) as source:
                 while chunk := source.read(CHUNK):
                     out.write(chunk)
                 out.flush()

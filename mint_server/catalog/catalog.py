@@ -106,7 +106,7 @@ class Catalog:
 
     @contextmanager
     def _write(self) -> Iterator[Session]:
-        with Session(self._writer, expire_on_commit=False) as s, s.begin():
+        with db.full_database_named(), Session(self._writer, expire_on_commit=False) as s, s.begin():
             # Sessions begin lazily; take the write lock (SQLite BEGIN IMMEDIATE) now, so that
             # non-SQL checks made inside the block (blob existence) are covered by it too.
             s.connection()

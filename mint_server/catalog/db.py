@@ -11,6 +11,9 @@ Transactions come in two kinds, chosen by an execution option on the engine:
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
@@ -18,6 +21,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 
 from mint_server.catalog.errors import InvalidArgument
+from mint_server.fsutil import DiskFull
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "catalog_alembic_version"  # also named in migrations/env.py
@@ -75,6 +79,20 @@ def _sqlite_on_connect(dbapi_connection, _record) -> None:  # type: ignore[no-un
 def _sqlite_on_begin(connection: Connection) -> None:
     write = connection.get_execution_options().get(WRITE, False)
     connection.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN DEFERRED")
+
+
+@contextmanager
+def full_database_named() -> Iterator[None]:
+    """A write transaction that fails for want of room (SQLite SQLITE_FULL, PostgreSQL 53100
+    disk_full) is rolled back; say so as DiskFull rather than as a database error."""
+    try:
+        yield
+    except sa_exc.OperationalError as e:
+        full = "database or disk is full" in str(e.orig) or getattr(e.orig, "sqlstate", None) == "53100"
+        if not full:
+            raise
+        raise DiskFull(errno.ENOSPC, "not enough room to write the catalog database; the change was rolled back "
+                                     "(free disk space, then retry)") from e
 
 
 def writer(engine: Engine) -> Engine:

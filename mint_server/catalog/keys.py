@@ -29,7 +29,7 @@ class KeyStore:
     def create(self, owner: str, key_id: str, digest: str, name: str, scopes: list[str]) -> ApiKey:
         if not isinstance(name, str) or not name or len(name) > MAX_KEY_NAME or not name.isprintable():
             raise InvalidArgument(f"name must be 1-{MAX_KEY_NAME} printable characters", field="name")
-        with Session(self._writer, expire_on_commit=False) as s, s.begin():
+        with db.full_database_named(), Session(self._writer, expire_on_commit=False) as s, s.begin():
             s.connection()  # the write lock first (SQLite BEGIN IMMEDIATE): the count below stays true
             live = s.scalar(
                 select(ApiKeyRow.id).where(ApiKeyRow.owner == owner, ApiKeyRow.revoked_at.is_(None))

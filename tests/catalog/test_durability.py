@@ -9,6 +9,8 @@ import time
 from itertools import pairwise
 from pathlib import Path
 
+import pytest
+
 from mint_server.catalog import Catalog, gc
 from tests.catalog.helpers import BASE_MODEL, LORA, WORKER, python, subprocess_env, write_peft
 from tests.catalog.test_catalog import walk
@@ -135,3 +137,25 @@ def test_gc_racing_publishes_never_loses_a_referenced_blob(catalog: Catalog, tmp
     assert len(published) == 12
     for revision in published:
         catalog.verify(revision)
+
+
+def test_a_full_database_rolls_back_and_says_so(tmp_path: Path) -> None:
+    """SQLite's page cap (PRAGMA max_page_count) makes the database file really full: the write that
+    does not fit fails as DiskFull, nothing of it is stored, and the catalog reads and writes on."""
+    from sqlalchemy import event
+
+    from mint_server.fsutil import DiskFull
+
+    catalog = Catalog.open(data_dir=tmp_path)
+    event.listen(catalog.engine, "connect", lambda conn, _rec: conn.execute("PRAGMA max_page_count = 40"))
+    catalog.engine.dispose()  # reconnect under the cap
+    made = 0
+    with pytest.raises(DiskFull, match="not enough room to write the catalog database"):
+        for made in range(10_000):  # noqa: B007 - `made` is read below
+            catalog.create_policy("owner", f"p{made}", "base", None, {"pad": "x" * 2000})
+    names = [p.name for p in catalog.list_policies("owner", limit=1000).items]
+    assert sorted(names) == sorted(f"p{i}" for i in range(made))  # the failed one left nothing
+    catalog.close()
+    with Catalog.open(data_dir=tmp_path) as reopened:  # without the cap: room again
+        reopened.create_policy("owner", "after", "base", None, {})
+        assert len(reopened.list_policies("owner", limit=1000).items) == made + 1

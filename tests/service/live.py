@@ -110,19 +110,20 @@ class ServeProcess:
     `stop()` ends it as an operator does (SIGTERM: drain, then exit) and returns its output; leaving
     the block any other way kills it."""
 
-    def __init__(self, *args: str, keys: str = KEY_A, ready_timeout_s: float = 180.0) -> None:
+    def __init__(self, *args: str, keys: str = KEY_A, ready_timeout_s: float = 180.0,
+                 preexec_fn: Any = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args, self.keys, self.ready_timeout_s = args, keys, ready_timeout_s
+        self.args, self.keys, self.ready_timeout_s, self.preexec_fn = args, keys, ready_timeout_s, preexec_fn
         self.proc: subprocess.Popen[str] | None = None
 
     def __enter__(self) -> ServeProcess:
         self.proc = proc = subprocess.Popen(
             [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--port", str(self.port),
              *self.args], env={**os.environ, "MINT_API_KEYS": self.keys},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=self.preexec_fn,
         )
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
