@@ -96,7 +96,7 @@ class LocalEngine(JobParsing):
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
-        tp, followers = self._start_tp() if s.tp > 1 else (None, [])
+        tp, followers, control = self._start_tp() if s.tp > 1 else (None, [], None)
         try:
             # tp: this process is rank 0; it loads only its share and schedules for every rank
             self.model = load_model(self.model_dir, self.device, self.dtype, tp=tp)
@@ -118,7 +118,7 @@ class LocalEngine(JobParsing):
         self.runner: Runner | None = None
         if tp is not None:
             self.runner = Runner(Shard(tp, self.model, self.registry.bank, self.device, self.dtype,
-                                       self.registry.record), followers)
+                                       self.registry.record), followers, control, s.tp_timeout_s)
             self.registry.runner = self.runner
         self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens,
                                checkpoint_from_tokens=s.checkpoint_from_tokens or None,
@@ -141,7 +141,7 @@ class LocalEngine(JobParsing):
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
         self._worker.start()
 
-    def _start_tp(self) -> tuple[TP, list[Any]]:
+    def _start_tp(self) -> tuple[TP, list[Any], Any]:
         """Spawn the follower ranks (each loads and splits the model) and join them as rank 0."""
         from mint_server.engine.tp_runner import start_followers
         from mint_server.model.config import ModelConfig

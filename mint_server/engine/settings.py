@@ -68,6 +68,10 @@ class EngineSettings:
     # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
     # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
     tp: int = 1
+    # Seconds a tensor-parallel collective may wait for its peers: a rank that is alive but stuck
+    # (hung kernel, stopped process) fails the op it holds with EngineFailed after this, instead of
+    # rank 0 waiting forever. Idle ranks wait for their next op without a limit.
+    tp_timeout_s: float = 300.0
     # Batch-invariant numerics (model/invariant.py): a row's logits, logprobs, sampled tokens and
     # gradients are bitwise the same whatever else is in its batch, and the sampler's logprobs equal
     # the training forward's. Dense families on one rank; costs padding and smaller kernels.
@@ -92,6 +96,9 @@ class EngineSettings:
             raise ValueError(f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
         if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
+        if not (isinstance(self.tp_timeout_s, int | float) and math.isfinite(self.tp_timeout_s)
+                and self.tp_timeout_s > 0):
+            raise ValueError(f"tp_timeout_s must be a number > 0, got {self.tp_timeout_s!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
             raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
         if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -99,23 +101,56 @@ class Shard:
             self._records.pop(aid, None)
 
 
+# Idle followers wait for rank 0's next op in a gloo group of its own, whose timeout is this long
+# (in effect none); rank 0 bounds its side of each dispatch, and the collectives inside ops use the
+# default group, by tp_timeout_s.
+CONTROL_TIMEOUT = timedelta(days=365)
+
+
+def control_group() -> Any:
+    """The group ops are dispatched over; every rank creates it right after joining."""
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def send_op(message: Any, group: Any, timeout: timedelta) -> None:
+    """Rank 0: broadcast one pickled op. A rank that is stopped never takes it, so each send waits at
+    most `timeout` (RuntimeError past it) instead of the control group's unbounded wait."""
+    data = torch.frombuffer(bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+    for part in (torch.tensor([data.numel()], dtype=torch.int64), data):
+        dist.broadcast(part, src=0, group=group, async_op=True).wait(timeout=timeout)
+
+
+def receive_op(group: Any) -> Any:
+    """A follower: wait (without a limit) for rank 0's next op."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group)
+    return pickle.loads(data.numpy().tobytes())
+
+
 class Runner:
     """Rank 0's handle: `call` runs an op on every rank and returns rank 0's result."""
 
-    def __init__(self, shard: Shard, followers: list[Any]) -> None:
-        self.shard, self.tp, self.followers = shard, shard.tp, followers
-        self.failed: str | None = None  # why the group is broken, once a rank has died
+    def __init__(self, shard: Shard, followers: list[Any], control: Any, timeout_s: float) -> None:
+        self.shard, self.tp, self.followers, self.control = shard, shard.tp, followers, control
+        self.timeout = timedelta(seconds=timeout_s)
+        self.failed: str | None = None  # why the group is broken, once a rank has died or hung
 
     def call(self, name: str, **inputs: Any) -> Any:
         """A dead follower fails this op and every later one at once with EngineFailed (gloo sees
-        the closed connection within milliseconds); no op is sent into a broken group."""
+        the closed connection within milliseconds); a hung one fails it after tp_timeout_s. Either
+        way no op is sent into the broken group again."""
         self._check_followers()
         try:
-            dist.broadcast_object_list([(name, inputs)], src=0)
+            send_op((name, inputs), self.control, self.timeout)
             return OPS[name](self.shard, **inputs)
-        except RuntimeError as e:  # torch.distributed's error for a peer that went away
+        except RuntimeError as e:  # torch.distributed's error for a peer that went away or timed out
             self._check_followers()
-            raise EngineFailed(f"tensor-parallel op {name!r} failed: {e}") from e
+            # Alive but not answering: the ranks no longer agree on where they are in the op stream.
+            self.failed = (f"tensor-parallel op {name!r} did not complete on every rank ({e}); this engine "
+                           "cannot run work until the server is restarted")
+            raise EngineFailed(self.failed) from e
 
     def _check_followers(self) -> None:
         if self.failed is None:
@@ -130,7 +165,7 @@ class Runner:
     def close(self) -> None:
         try:
             if self.failed is None:
-                dist.broadcast_object_list([("stop", {})], src=0)
+                send_op(("stop", {}), self.control, self.timeout)
         finally:
             for p in self.followers:
                 p.join(timeout=60)
@@ -139,7 +174,7 @@ class Runner:
 
 # --- starting ranks -------------------------------------------------------------------------------
 def start_followers(world: int, model_dir: Path, settings: Any, device: torch.device,
-                    dtype: torch.dtype) -> tuple[tpmod.TP, list[Any]]:
+                    dtype: torch.dtype) -> tuple[tpmod.TP, list[Any], Any]:
     """Spawn ranks 1..world-1 and join the group as rank 0 (returns once every rank has joined)."""
     port = tpmod.free_port()
     ctx = mp.get_context("spawn")
@@ -150,12 +185,14 @@ def start_followers(world: int, model_dir: Path, settings: Any, device: torch.de
         p.start()
         procs.append(p)
     try:
-        tp = tpmod.init(0, world, port, backend="nccl" if device.type == "cuda" else "gloo")
+        tp = tpmod.init(0, world, port, backend="nccl" if device.type == "cuda" else "gloo",
+                        timeout_s=settings.tp_timeout_s)
+        control = control_group()
     except Exception:
         for p in procs:
             p.kill()
         raise
-    return tp, procs
+    return tp, procs, control
 
 
 def follower_main(rank: int, world: int, port: int, model_dir: str, settings: Any, device: str,
@@ -167,16 +204,16 @@ def follower_main(rank: int, world: int, port: int, model_dir: str, settings: An
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", rank % torch.cuda.device_count())
-    tp = tpmod.init(rank, world, port, backend="nccl" if dev.type == "cuda" else "gloo")
+    tp = tpmod.init(rank, world, port, backend="nccl" if dev.type == "cuda" else "gloo",
+                    timeout_s=settings.tp_timeout_s)
+    control = control_group()
     model = load_model(Path(model_dir), dev, dtype, tp=tp)  # reads only this rank's slices
     cfg = model.config
     bank = LoraBank(cfg, settings.device_slots, settings.max_rank, dev, dtype,
                     shapes=tpmod.local_target_shapes(cfg, world))
     shard = Shard(tp, model, bank, dev, dtype)
     while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        name, inputs = box[0]
+        name, inputs = receive_op(control)
         if name == "stop":
             break
         try:

@@ -43,6 +43,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -203,15 +204,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init(rank: int, world: int, port: int, backend: str | None = None, addr: str = "127.0.0.1") -> TP:
-    """Join the default process group (gloo on CPU, NCCL when CUDA is available) and return this rank's TP."""
+def init(rank: int, world: int, port: int, backend: str | None = None, addr: str = "127.0.0.1",
+         timeout_s: float | None = None) -> TP:
+    """Join the default process group (gloo on CPU, NCCL when CUDA is available) and return this rank's TP.
+
+    `timeout_s` bounds how long a collective waits for its peers (torch's default otherwise)."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device = torch.device("cpu")
     if backend == "nccl":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s is not None else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, **timeout)
     return TP(rank, world, device=device)
 
 

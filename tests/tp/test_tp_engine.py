@@ -31,9 +31,10 @@ CUSTOM = compile_loss(_traced.name, [(i.name, i.rank) for i in _traced.inputs], 
 SEEDS = (1, 2, 3)
 
 
-def engine(model_dir: Path, tmp_path: Path, tp: int, slots: int, host_cache_mb: float = 64.0) -> LocalEngine:
+def engine(model_dir: Path, tmp_path: Path, tp: int, slots: int, host_cache_mb: float = 64.0,
+           tp_timeout_s: float = 300.0) -> LocalEngine:
     s = EngineSettings(device_slots=slots, host_cache_mb=host_cache_mb, max_rank=8, kv_budget_tokens=2048, max_context=256, threads=1,
-                       store_dir=tmp_path / f"pages-tp{tp}", tp=tp)
+                       store_dir=tmp_path / f"pages-tp{tp}", tp=tp, tp_timeout_s=tp_timeout_s)
     return LocalEngine(model_dir, "tiny", device="cpu", dtype=torch.float32, settings=s)
 
 
@@ -183,4 +184,33 @@ def test_a_dead_follower_fails_work_at_once_and_every_later_call(tmp_path: Path)
             with pytest.raises(EngineFailed, match=r"tensor-parallel rank 1 died \(exit code -9\)"):
                 e.submit(work).result(timeout=120)  # the timeout only guards against the old hang
     finally:
+        e.shutdown(drain=False)
+
+
+def test_a_hung_follower_fails_the_op_it_holds_and_idle_ranks_never_time_out(tmp_path: Path) -> None:
+    """Rank 1 alive but stopped (SIGSTOP): the op fails with EngineFailed once tp_timeout_s passes,
+    never a hang, and later work fails at once. Before that, ranks idle for longer than the timeout
+    still run the next op: the limit bounds collectives, not the wait for work."""
+    import os
+    import signal
+    import time
+
+    from mint_server.engine.interface import EngineFailed
+
+    timeout_s = 3.0
+    model_dir = make_tiny_checkpoint(tmp_path / "m", family="llama", tie=True)
+    e = engine(model_dir, tmp_path, tp=2, slots=2, tp_timeout_s=timeout_s)
+    follower = e.runner.followers[0]
+    try:
+        aid = e.create_adapter(types.LoraConfig(rank=2)).result(timeout=120)
+        job = e.prepare_train(sft_datums([5], seed=1), "cross_entropy", None).on(aid)
+        time.sleep(2 * timeout_s)  # idle past the collective timeout (a bound, not a measurement)
+        e.submit(job).result(timeout=120)
+        os.kill(follower.pid, signal.SIGSTOP)
+        with pytest.raises(EngineFailed, match="did not complete on every rank"):
+            e.submit(job).result(timeout=120)  # the timeout only guards against the old hang
+        with pytest.raises(EngineFailed, match="did not complete on every rank"):
+            e.submit(e.prepare_sample(None, [1, 2, 3], 1, types.SamplingParams(max_tokens=4))).result(timeout=30)
+    finally:
+        os.kill(follower.pid, signal.SIGKILL)
         e.shutdown(drain=False)
