@@ -317,6 +317,54 @@ def test_a_cold_wave_spreads_in_proportion_to_free_capacity(fleet: FleetEngine, 
     assert fleet.routed[(1, "home")] - before.get((1, "home"), 0) == homes.count(1) == 20
 
 
+def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: FleetEngine, tmp_path: Path) -> None:
+    """The race of two writers staging one adapter: 4 policies trained and published through the SDK,
+    then 4 first-use samples of each at once (a barrier releases 16 threads), with both replicas
+    held so that requests spill and each revision's first load happens on both. Every request
+    succeeds with its policy's greedy tokens; the shared dir holds one copy per revision and no
+    temp dir."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    settings, before = fleet.fleet, dict(fleet.routed)
+    with LiveServer(Shared(fleet), tmp_path / "data") as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        paths = []
+        for i in range(4):
+            tc = client.create_lora_training_client(BASE, rank=4, seed=20 + i).result()
+            train(tc, 1)
+            tc.save_weights_for_sampler("published").result()
+            paths.append(f"tinker://{tc.model_id.replace(':', '-')}@1")
+        requests = [p for p in paths for _ in range(4)]
+        barrier = threading.Barrier(len(requests))
+
+        def first_use(path: str) -> list[int]:
+            sampler = client.create_sampling_client(model_path=path).result()
+            barrier.wait()
+            return list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens)
+
+        fleet.fleet = dataclasses.replace(settings, spill_inflight=1)
+        for r in (0, 1):
+            fleet.pause_replica(r)
+        try:
+            with ThreadPoolExecutor(len(requests)) as pool:
+                futures = [pool.submit(first_use, p) for p in requests]
+                _wait_for(lambda: sum(fleet.routed.values()) - sum(before.values()) >= len(requests))
+                routed = {k: n - before.get(k, 0) for k, n in fleet.routed.items() if n != before.get(k, 0)}
+                for r in (0, 1):
+                    fleet.resume_replica(r)
+                got = [f.result(timeout=180) for f in futures]
+        finally:
+            fleet.fleet = settings
+            for r in (0, 1):
+                fleet.resume_replica(r)
+        client.close("success")
+    assert {r for r, _decision in routed} == {0, 1} and any(d == "spill" for _r, d in routed)
+    for i in range(0, len(got), 4):  # each policy's four answers agree, whichever replica gave them
+        assert got[i] == got[i + 1] == got[i + 2] == got[i + 3] and len(got[i]) == GREEDY.max_tokens
+    shared = fleet._shared
+    assert not [p.name for p in shared.iterdir() if p.name.startswith(".")]
+
+
 def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: Path) -> None:
     """Samples in flight on the dead replica are retried elsewhere (same seed, same tokens); its
     training client gets a retryable error, then resumes from its last saved state."""
