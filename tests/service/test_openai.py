@@ -460,6 +460,9 @@ def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
         ("chat/completions", {"model": BASE, "messages": HELLO, "n": True}, "n", "integer"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "temperature": "0.5"}, "temperature", "number"),
         ("completions", {"model": BASE, "prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "up to 16"),
+        # a prompt that fills the context is the prompt's fault, whether max_tokens is given or not
+        ("completions", {"model": BASE, "prompt": [7] * 256}, "prompt", "leaves no room"),
+        ("completions", {"model": BASE, "prompt": [7] * 256, "max_tokens": 1}, "prompt", "leaves no room"),
     ],
 )
 def test_bad_input_is_a_400_naming_the_field(live: LiveServer, path: str, body: dict, param: str, fragment: str) -> None:

@@ -248,14 +248,14 @@ class OpenAIService:
             raise OpenAIError(400, f"n × prompts must be at most {MAX_CHOICES}", "n")
         context = self.engine.limits.max_context
         longest = max(len(p) for p in prompts)
+        if longest >= context:  # before max_tokens: with it omitted, the prompt is what is at fault
+            raise OpenAIError(400, f"the prompt ({longest} tokens) leaves no room in the model's context "
+                                   f"length ({context})", "messages" if isinstance(req, ChatRequest) else "prompt")
         if max_tokens is None:  # OpenAI's default: the rest of the context
-            max_tokens = max(1, context - longest)
+            max_tokens = context - longest
         if longest + max_tokens > context:
             raise OpenAIError(400, f"the prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
                                    f"model's context length ({context})", "max_tokens")  # fmt: skip
-        if longest >= context:
-            raise OpenAIError(400, f"the prompt ({longest} tokens) leaves no room in the model's context "
-                                   f"length ({context})", "messages")  # fmt: skip
         for p in prompts:
             if not p:
                 raise OpenAIError(400, "the prompt is empty", "prompt")
