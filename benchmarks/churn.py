@@ -11,7 +11,9 @@ Both readings are taken after the server's keep-alive timeout has passed with no
 SDK keeps a closed client's idle connections open (it does not close their pools), and the server
 closes idle connections only after `ConnectionLimits.keep_alive_s`.
 Durable records (one run and one sampler checkpoint per cycle, in the data dir) are expected to
-grow; they are counted, not judged.
+grow; they are counted, not judged. The server's adapter host cache is bounded by
+`--host-cache-mb` (small here, so that it is full before the warm reading: a cache filling up to its
+bound is not a leak).
 
 Prints a table and, last, one JSON line.
 """
@@ -86,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=1000)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--host-cache-mb", type=float, default=4.0)
     parser.add_argument("--settle", type=float, default=ConnectionLimits().keep_alive_s + 5,
                         help="idle seconds before each reading (past the server's keep-alive timeout)")
     args = parser.parse_args()
@@ -98,7 +101,8 @@ def main() -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
         env["MINT_API_KEYS"] = KEY
         cmd = [sys.executable, "-c", "from mint_server.cli import main; main()", "serve", "--base-model", str(model_dir),
-               "--port", str(port), "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning"]  # fmt: skip
+               "--port", str(port), "--data-dir", str(Path(tmp) / "data"), "--log-level", "warning",
+               "--host-cache-mb", str(args.host_cache_mb)]  # fmt: skip
         with open(Path(tmp) / "serve.log", "w") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"

@@ -252,6 +252,15 @@ def random_id() -> str:
     return os.urandom(16).hex()
 
 
+def data_dir_owner(data_dir: Path) -> str:
+    """Whom the local data dir's records belong to: the owner of the key `mint serve` keeps in its
+    `api_key` file, which is created here if nothing made it yet. So whichever runs first (`mint
+    serve`, `mint import`, `mint catalog seed`, `mint key create`), policies land under the owner the
+    server's own key acts as."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return owner_id(load_or_create_key_file(data_dir / "api_key"))
+
+
 def load_or_create_key_file(path: Path) -> str:
     """The API key kept in `path`, created there (mode 0600) on first use.
 

@@ -64,15 +64,12 @@ class Target:
         return client
 
     def local_owner(self) -> str:
-        """Who local mode acts as: --owner, else the owner of the key `mint serve` keeps in the data
-        dir (so the policies a user trained through their own server are theirs here too), else
-        `local`, the owner of catalogs used without a server."""
-        if self.owner:
-            return self.owner
-        from mint_server.api.auth import owner_id  # stdlib only
+        """Who local mode acts as: --owner, else the data dir's owner (api/auth.py's data_dir_owner:
+        the owner of the key `mint serve` keeps there, made now if no command made it yet)."""
+        from mint_server.api.auth import data_dir_owner  # stdlib only
+        from mint_server.paths import data_dir
 
-        key = _served_key(self.data_dir)
-        return owner_id(key) if key else "local"
+        return self.owner or data_dir_owner(data_dir(self.data_dir))
 
 
 def _served_key(data_dir: Path | None) -> str | None:
@@ -138,8 +135,8 @@ _COMMON = [
         str | None,
         None,
         "--owner",
-        help="Owner in local mode (default: the owner of <data dir>/api_key, the key `mint serve` made; "
-        "else `local`).",
+        help="Owner in local mode (default: the owner of <data dir>/api_key, the key `mint serve` uses "
+        "when given none; created by whichever command runs first).",
         envvar="MINT_OWNER",
     ),
     _option("json", bool, False, "--json", help="Print JSON instead of tables."),

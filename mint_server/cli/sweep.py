@@ -82,8 +82,8 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e), param_hint="--prompts") from None
         if not lines:
             raise typer.BadParameter("no prompts in the file", param_hint="--prompts")
+        from mint_server.api.auth import data_dir_owner
         from mint_server.catalog.catalog import Catalog
-        from mint_server.cli.catalog import Target
         from mint_server.cli.serve import base_model_name
         from mint_server.engine.local import LocalEngine
         from mint_server.model.prepare import resolve_base_model
@@ -91,7 +91,7 @@ def register(app: typer.Typer) -> None:
 
         logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
         root = resolve_data_dir(data_dir)
-        who = Target(root, db_url, None, None, owner, False).local_owner()
+        who = owner or data_dir_owner(root)
         model_dir = resolve_base_model(base_model, root)
         engine = LocalEngine(model_dir, base_model_name(base_model, model_dir))
         catalog = Catalog.open(db_url, data_dir=root)

@@ -42,7 +42,7 @@ from mint_server.engine import executor
 from mint_server.engine.interface import EngineError, EngineFailed
 from mint_server.engine.optim import Pairs, adamw_step, dimuon_step, step_or_rollback
 from mint_server.engine.residency import AdamState
-from mint_server.engine.training import accumulate, leaf_grads, target_logprobs, training_lora
+from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.model import tp as tpmod
 from mint_server.model.lora import LoraBank
 from mint_server.model.transformer import KVCache
@@ -65,17 +65,6 @@ class Record:
     optim: AdamState = field(default_factory=AdamState)
     master: Pairs | None = None
     host: Pairs | None = None  # this rank's share while the adapter is in the host tier
-
-
-@dataclass(frozen=True)
-class LoraRef:
-    """What a training op needs of an adapter in a slot (training.training_lora's protocol)."""
-
-    id: str
-    slot: int
-    rank: int
-    targets: tuple[str, ...]
-    scale: float
 
 
 class Shard:

@@ -51,6 +51,18 @@ class _Prepared:
         return self.job.datums
 
 
+@dataclass(frozen=True)
+class LoraRef:
+    """What a training op needs of an adapter in a slot (training_lora's protocol); on one rank the
+    residency's Adapter serves, and tensor-parallel ops travel with this instead."""
+
+    id: str
+    slot: int
+    rank: int
+    targets: tuple[str, ...]
+    scale: float
+
+
 @dataclass
 class Row:
     req: int  # index into the pass's requests
@@ -258,10 +270,8 @@ class Trainer:
         return leaf_grads(leaves)
 
     @staticmethod
-    def lora_ref(a: Adapter) -> Any:
-        """What a tensor-parallel op needs of an adapter in a slot (tp_runner.LoraRef)."""
-        from mint_server.engine.tp_runner import LoraRef
-
+    def lora_ref(a: Adapter) -> LoraRef:
+        """What a tensor-parallel op needs of an adapter in a slot."""
         return LoraRef(a.id, a.slot, a.rank, a.targets, a.scale)  # type: ignore[arg-type]
 
     def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],

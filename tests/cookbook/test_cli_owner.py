@@ -47,3 +47,20 @@ def test_policies_trained_through_the_server_list_locally(server: LiveServer) ->
     assert "cannot be combined with --server" in mint(
         "policy", "list", "--all-owners", "--server", server.url, *d, expect=2
     )
+
+
+def test_policies_made_before_the_first_serve_belong_to_its_key(tiny_dir, tmp_path) -> None:
+    """One owner rule whatever runs first: a local command on a fresh data dir makes the data dir's
+    key, and `mint serve` started later (given no key) uses that key, so it sees those policies."""
+    import httpx
+
+    from tests.service.live import ServeProcess
+
+    data = tmp_path / "data"
+    mint("policy", "create", "early", "--base-model", "tiny/llama", "--data-dir", str(data))
+    key = (data / "api_key").read_text().strip()
+    assert (data / "api_key").stat().st_mode & 0o077 == 0  # made private, as `mint serve` makes it
+    with ServeProcess("--base-model", str(tiny_dir), "--data-dir", str(data), keys="") as served:
+        listed = httpx.get(f"{served.url}/api/v1/mint/catalog/policies", headers={"X-API-Key": key})
+        assert [p["name"] for p in listed.json()["items"]] == ["early"]
+    assert [p["name"] for p in mint("policy", "list", "--data-dir", str(data))["items"]] == ["early"]
