@@ -35,8 +35,8 @@ import torch
 from tinker import types
 
 from benchmarks.residency import write_adapters
-from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import EngineSettings, FleetSettings
+from mint_server.engine.values import AdapterSource
 from mint_server.model.config import ModelConfig
 
 PROMPT = [5, 17, 33, 60, 61, 62, 63, 9]

@@ -219,7 +219,7 @@ def run_model(which: str, repeats: int, work: Path) -> dict:
     from tinker import types
 
     from mint_server.engine.local import LocalEngine
-    from mint_server.engine.residency import AdapterSource
+    from mint_server.engine.values import AdapterSource
     from mint_server.model.config import ModelConfig
     from mint_server.model.peft_io import load_peft
     from tests.service.live import KEY_A, LiveServer

@@ -30,8 +30,8 @@ import torch
 from tinker import types
 
 from mint_server.engine.local import LocalEngine
-from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import EngineSettings
+from mint_server.engine.values import AdapterSource
 from mint_server.model.lora import target_shapes
 from mint_server.model.peft_io import LoraWeights, save_peft
 

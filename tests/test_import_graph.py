@@ -86,3 +86,10 @@ def test_no_import_circles() -> None:
     graph = import_graph()
     assert "mint_server.engine.interface" in graph["mint_server.api.core"]  # the walker reads real imports
     assert circles(graph) == []
+
+
+def test_the_api_knows_the_engine_only_through_its_interface() -> None:
+    graph = import_graph()
+    reached = {t for m, targets in graph.items() if m.startswith("mint_server.api") for t in targets
+               if t.startswith("mint_server.engine")}  # fmt: skip
+    assert reached == {"mint_server.engine.interface"}

@@ -29,8 +29,7 @@ from mint_server.api.settings import Settings
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.records import Revision
-from mint_server.engine.interface import Engine, EngineError, Priority
-from mint_server.engine.residency import AdapterSource
+from mint_server.engine.interface import AdapterSource, Engine, EngineError, Priority
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)

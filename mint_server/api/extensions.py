@@ -26,8 +26,7 @@ from mint_server.api.mint_types import (
 from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path, parse_policy_ref
 from mint_server.api.training import TrainingService
 from mint_server.api.validate import InvalidInput
-from mint_server.engine.losses import ReverseKLDatum
-from mint_server.engine.residency import AdapterSource
+from mint_server.engine.interface import AdapterSource, ReverseKLDatum
 
 
 def _tensor(t: WireTensor, field: str) -> types.TensorData:

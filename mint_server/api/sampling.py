@@ -20,7 +20,7 @@ from mint_server.api.core import Busy, Core, Sampler, TrainingModel, waits_on_en
 from mint_server.api.futures import CompletionLog
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
-from mint_server.engine.residency import AdapterSource
+from mint_server.engine.interface import AdapterSource
 
 # SampleRequest fields this server cannot honour; refusing beats silently dropping them.
 _UNSUPPORTED = {

@@ -27,8 +27,7 @@ from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
 from mint_server.api.validate import InvalidInput, check_lora
-from mint_server.engine.custom_loss import compile_loss
-from mint_server.engine.interface import AdapterLost
+from mint_server.engine.interface import AdapterLost, compile_loss
 from mint_server.fsutil import full_disk_named
 from mint_server.model.peft_archive import write_archive_dir
 

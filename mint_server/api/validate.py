@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from tinker import types
 
-from mint_server.engine.interface import EngineError
-from mint_server.engine.settings import EngineLimits
+from mint_server.engine.interface import EngineError, EngineLimits
 
 
 class InvalidInput(EngineError):

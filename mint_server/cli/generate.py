@@ -28,8 +28,8 @@ def generate(
 
     from mint_server.engine.interface import EngineError
     from mint_server.engine.local import LocalEngine
-    from mint_server.engine.residency import AdapterSource
     from mint_server.engine.settings import EngineSettings
+    from mint_server.engine.values import AdapterSource
     from mint_server.model.config import ModelError
     from mint_server.model.prepare import DEFAULT_BASE_MODEL, resolve_base_model
 

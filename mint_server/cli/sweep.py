@@ -115,7 +115,7 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
     from tinker import types
 
     from mint_server.catalog.errors import NotFound
-    from mint_server.engine.residency import AdapterSource
+    from mint_server.engine.values import AdapterSource
     from mint_server.fsutil import atomic_write_json
 
     tok = engine.tokenizer

@@ -13,11 +13,11 @@ import torch
 from tinker import types
 
 from mint_server.engine import state_io
-from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import OptimJob
 from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step, step_or_rollback
-from mint_server.engine.residency import AdamState, Adapter, Residency
+from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.state_io import check_shapes
+from mint_server.engine.values import AdamState, EngineError
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import lora_shapes
 from mint_server.model.peft_io import LoraWeights, save_peft

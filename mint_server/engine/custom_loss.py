@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError
+from mint_server.engine.values import EngineError
 
 MAX_NODES = 512
 MAX_ARG_DEPTH = 8

@@ -11,78 +11,37 @@ Adapter ids are opaque strings chosen by the engine. `None` as an adapter means 
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from tinker import types
 
-if TYPE_CHECKING:  # the jobs module imports this one for EngineError
-    from mint_server.engine.custom_loss import CompiledLoss
-    from mint_server.engine.jobs import (
-        AdapterRef,
-        CustomJob,
-        Job,
-        OptimJob,
-        ReverseKLJob,
-        SampleJob,
-        TrainJob,
-    )
-    from mint_server.engine.settings import EngineLimits, EngineSettings
-
-
-class Priority(enum.IntEnum):
-    """Scheduling class of sample work (lower runs first): interactive serving (the OpenAI face) ahead
-    of RL rollouts (the Tinker sampler) ahead of sweeps and evals. A request may lower its own."""
-
-    INTERACTIVE = 0
-    ROLLOUT = 1
-    BATCH = 2
-
-    @classmethod
-    def lowered(cls, name: str | None, default: Priority) -> Priority:
-        """`name` ("interactive" | "rollout" | "batch"), never above `default`; EngineError names the
-        field for anything else or for a raise."""
-        if name is None:
-            return default
-        try:
-            wanted = cls[str(name).upper()]
-        except KeyError:
-            raise EngineError(f"priority: must be one of interactive, rollout, batch; got {name!r}") from None
-        if wanted < default:
-            raise EngineError(f"priority: this request may lower its priority below {default.name.lower()} "
-                              f"but not raise it; got {name!r}")
-        return wanted
-
-
-# Streaming: (sample index, token id, raw logprob, top) called on the engine's worker thread as each
-# token is drawn; `top` is the job's `top_logprobs` most likely (token id, logprob) pairs, best
-# first, or None when it asked for none. It must be quick and must not raise: hand the token to
-# another thread and return.
-TopLogprobs = list[tuple[int, float]]
-TokenCallback = Callable[[int, int, float, TopLogprobs | None], None]
-
-
-class EngineError(ValueError):
-    """A request the engine refuses (bad input); the message names the field. Maps to HTTP 400."""
-
-
-class NotSupportedError(EngineError):
-    """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
-
-
-class EngineFailed(RuntimeError):
-    """Part of the engine died (a tensor-parallel rank): the work it held fails with this, and so
-    does any later work, at once, until the server is restarted (HTTP 503)."""
-
-
-class AdapterLost(RuntimeError):
-    """A training adapter's engine replica died and took the adapter's live state with it.
-
-    Retryable: the service resumes the model from its last saved state on the next call (HTTP 503
-    when raised at submit time; a `server` error on a future)."""
+# The api's one door into the engine: the value types, jobs and parse helpers it needs are
+# re-exported from here, so no api module imports another engine module.
+from mint_server.engine.custom_loss import CompiledLoss, compile_loss  # noqa: F401
+from mint_server.engine.jobs import (  # noqa: F401
+    AdapterRef,
+    CustomJob,
+    Job,
+    OptimJob,
+    ReverseKLJob,
+    SampleJob,
+    TrainJob,
+)
+from mint_server.engine.losses import ReverseKLDatum  # noqa: F401
+from mint_server.engine.settings import EngineLimits, EngineSettings  # noqa: F401
+from mint_server.engine.values import (  # noqa: F401
+    AdapterLost,
+    AdapterSource,
+    EngineError,
+    EngineFailed,
+    NotSupportedError,
+    Priority,
+    TokenCallback,
+    TopLogprobs,
+)
 
 
 class Engine(Protocol):

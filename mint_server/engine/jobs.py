@@ -23,7 +23,6 @@ from typing import Any
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
-from mint_server.engine.interface import EngineError, Priority, TokenCallback
 from mint_server.engine.losses import (
     KLRow,
     LossSpec,
@@ -35,9 +34,9 @@ from mint_server.engine.losses import (
     resolve_config,
 )
 from mint_server.engine.optim import check_adam_params, check_dimuon_params
-from mint_server.engine.residency import AdapterSource
 from mint_server.engine.sampler_ops import StopCondition
 from mint_server.engine.settings import EngineLimits
+from mint_server.engine.values import AdapterSource, EngineError, Priority, TokenCallback
 
 # Temperatures this small are greedy: dividing logits by them overflows to inf, and the draw would
 # be the argmax anyway.

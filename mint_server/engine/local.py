@@ -29,7 +29,6 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState, check_family
-from mint_server.engine.interface import EngineError, NotSupportedError
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -43,12 +42,13 @@ from mint_server.engine.jobs import (
 )
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecords
-from mint_server.engine.residency import AdamState, Adapter, AdapterSource, Residency
+from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.reverse_kl import ReverseKL
 from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
+from mint_server.engine.values import AdamState, AdapterSource, EngineError, NotSupportedError
 from mint_server.model import invariant
 from mint_server.model.invariant import enable_for_model as enable_invariant
 from mint_server.model.loader import default_device, default_dtype, load_model

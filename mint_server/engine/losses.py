@@ -26,7 +26,7 @@ import torch
 from tinker import types
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError, NotSupportedError
+from mint_server.engine.values import EngineError, NotSupportedError
 from mint_server.model import invariant
 
 LossFn = Callable[[Tensor, dict[str, Tensor], Tensor, dict[str, float]], Tensor]

@@ -34,8 +34,7 @@ import torch
 from tinker import types
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError, NotSupportedError
-from mint_server.engine.residency import AdamState
+from mint_server.engine.values import AdamState, EngineError, NotSupportedError
 from mint_server.model.tp import split_dim as tp_split_dim
 
 FAMILIES = ("adamw", "dimuon")

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError
 from mint_server.engine.settings import EngineSettings
+from mint_server.engine.values import AdamState, AdapterSource, EngineError
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import LoraBank, init_lora_weights, select_targets
 from mint_server.model.peft_io import DEFAULT_LORA_ALPHA, LoraWeights, load_peft, load_peft_files
@@ -41,32 +41,6 @@ from mint_server.model.tp import TP, local_target_shapes
 
 log = logging.getLogger(__name__)
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A [L, r, in], B [L, out, r])
-
-
-@dataclass
-class AdamState:
-    """An adapter's optimizer state (the family is fixed when the adapter is created)."""
-
-    step: int = 0
-    # target → per-family moments at the adapter's own rank, float32:
-    # adamw (m_A, v_A, m_B, v_B); dimuon (momentum_A, momentum_B)
-    moments: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
-    family: str = "adamw"
-
-
-@dataclass(frozen=True)
-class AdapterSource:
-    """Where a read-only adapter is read from. `key` names its content: equal keys share one adapter.
-
-    Exactly one of: a PEFT dir; a training-state dir (its weights); `read`, a callable returning a
-    PEFT payload's verified files (a catalog revision read from its blobs: it runs on a loader
-    thread, never on the event loop or the engine worker).
-    """
-
-    key: str
-    peft_dir: Path | None = None
-    state_dir: Path | None = None
-    read: Callable[[], dict[str, bytes]] | None = None
 
 
 @dataclass(eq=False)

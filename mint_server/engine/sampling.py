@@ -45,13 +45,13 @@ from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
 from mint_server.engine.executor import Executor, StepBatch
-from mint_server.engine.interface import EngineError, Priority, TopLogprobs
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import PromptScores, choose_tokens, penalties, sample_seed, uniforms
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
+from mint_server.engine.values import EngineError, Priority, TopLogprobs
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)

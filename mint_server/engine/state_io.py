@@ -24,8 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from mint_server.engine.interface import EngineError
-from mint_server.engine.residency import AdamState
+from mint_server.engine.values import AdamState, EngineError
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.lora import LoraBank, lora_shapes
 from mint_server.model.peft_io import LoraWeights

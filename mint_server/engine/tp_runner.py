@@ -39,10 +39,9 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine import executor
-from mint_server.engine.interface import EngineError, EngineFailed
 from mint_server.engine.optim import Pairs, adamw_step, dimuon_step, step_or_rollback
-from mint_server.engine.residency import AdamState
 from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
+from mint_server.engine.values import AdamState, EngineError, EngineFailed
 from mint_server.model import tp as tpmod
 from mint_server.model.lora import LoraBank
 from mint_server.model.transformer import KVCache

@@ -27,11 +27,11 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine.custom_loss import run_per_datum
-from mint_server.engine.interface import EngineError
 from mint_server.engine.jobs import CustomJob, TrainJob
 from mint_server.engine.losses import ParsedDatum, TargetLogprobs, pad_inputs
 from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
+from mint_server.engine.values import EngineError
 from mint_server.model import invariant
 from mint_server.model.lora import LoraBank, LoraBatch, lora_shapes
 from mint_server.model.transformer import Transformer

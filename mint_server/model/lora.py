@@ -30,7 +30,7 @@ from torch import Tensor
 
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
-from mint_server.model.tp import TP, sync_replicated
+from mint_server.model.tp_group import TP, sync_replicated
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import EXPERT_PREFIX, EXPERT_TARGETS, ExpertGroups, LoraBatch, group_pairs
-from mint_server.model.tp import TP
+from mint_server.model.tp_group import TP
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 

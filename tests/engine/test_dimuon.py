@@ -8,7 +8,7 @@ import torch
 from tinker import types
 
 from mint_server.engine.optim import dimuon_step, matrix_sign
-from mint_server.engine.residency import AdamState
+from mint_server.engine.values import AdamState
 
 
 def test_matrix_sign_is_near_orthogonal_and_batched():

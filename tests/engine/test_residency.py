@@ -12,8 +12,8 @@ from tinker import types
 
 from mint_server.engine.interface import EngineError
 from mint_server.engine.local import LocalEngine
-from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import EngineSettings
+from mint_server.engine.values import AdapterSource
 from mint_server.model.peft_io import save_peft
 from tests.engine.test_training import sft_datums
 from tests.model.test_parity import random_adapter

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from mint_server.engine.interface import EngineError
 from mint_server.engine.optim import adamw_step
-from mint_server.engine.residency import AdamState
+from mint_server.engine.values import AdamState
 from mint_server.model.loader import load_model
 from mint_server.model.peft_io import load_peft
 from tests.engine.helpers import AdapterRegistry, TrainRequest

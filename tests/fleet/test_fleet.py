@@ -22,8 +22,8 @@ from tinker import types
 
 from mint_server.api.metrics import Metrics
 from mint_server.engine.interface import EngineError
-from mint_server.engine.residency import AdapterSource
 from mint_server.engine.settings import FleetSettings
+from mint_server.engine.values import AdapterSource
 from mint_server.model.config import ModelConfig
 from mint_server.model.peft_io import save_peft
 from tests.model.test_parity import random_adapter

@@ -33,9 +33,14 @@ from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_re
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.errors import CatalogError
-from mint_server.engine.interface import EngineError, Priority, TokenCallback, TopLogprobs
-from mint_server.engine.jobs import SampleJob
-from mint_server.engine.residency import AdapterSource
+from mint_server.engine.interface import (
+    AdapterSource,
+    EngineError,
+    Priority,
+    SampleJob,
+    TokenCallback,
+    TopLogprobs,
+)
 from mint_server.serving.chat import ChatError, ChatTemplate, ToolCall, ToolCallGate
 from mint_server.serving.text import TextStream
 

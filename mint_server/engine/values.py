@@ -1,0 +1,93 @@
+"""Plain value types the engine's modules share: errors, the scheduling priority and streaming
+callback of sample work, where a read-only adapter comes from, an adapter's optimizer state.
+
+A leaf: it imports nothing of the engine, so every engine module (and the api, through
+engine/interface.py) can use these without importing each other.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import Tensor
+
+
+class Priority(enum.IntEnum):
+    """Scheduling class of sample work (lower runs first): interactive serving (the OpenAI face) ahead
+    of RL rollouts (the Tinker sampler) ahead of sweeps and evals. A request may lower its own."""
+
+    INTERACTIVE = 0
+    ROLLOUT = 1
+    BATCH = 2
+
+    @classmethod
+    def lowered(cls, name: str | None, default: Priority) -> Priority:
+        """`name` ("interactive" | "rollout" | "batch"), never above `default`; EngineError names the
+        field for anything else or for a raise."""
+        if name is None:
+            return default
+        try:
+            wanted = cls[str(name).upper()]
+        except KeyError:
+            raise EngineError(f"priority: must be one of interactive, rollout, batch; got {name!r}") from None
+        if wanted < default:
+            raise EngineError(f"priority: this request may lower its priority below {default.name.lower()} "
+                              f"but not raise it; got {name!r}")
+        return wanted
+
+
+# Streaming: (sample index, token id, raw logprob, top) called on the engine's worker thread as each
+# token is drawn; `top` is the job's `top_logprobs` most likely (token id, logprob) pairs, best
+# first, or None when it asked for none. It must be quick and must not raise: hand the token to
+# another thread and return.
+TopLogprobs = list[tuple[int, float]]
+TokenCallback = Callable[[int, int, float, TopLogprobs | None], None]
+
+
+class EngineError(ValueError):
+    """A request the engine refuses (bad input); the message names the field. Maps to HTTP 400."""
+
+
+class NotSupportedError(EngineError):
+    """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
+
+
+class EngineFailed(RuntimeError):
+    """Part of the engine died (a tensor-parallel rank): the work it held fails with this, and so
+    does any later work, at once, until the server is restarted (HTTP 503)."""
+
+
+class AdapterLost(RuntimeError):
+    """A training adapter's engine replica died and took the adapter's live state with it.
+
+    Retryable: the service resumes the model from its last saved state on the next call (HTTP 503
+    when raised at submit time; a `server` error on a future)."""
+
+
+@dataclass
+class AdamState:
+    """An adapter's optimizer state (the family is fixed when the adapter is created)."""
+
+    step: int = 0
+    # target → per-family moments at the adapter's own rank, float32:
+    # adamw (m_A, v_A, m_B, v_B); dimuon (momentum_A, momentum_B)
+    moments: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
+    family: str = "adamw"
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """Where a read-only adapter is read from. `key` names its content: equal keys share one adapter.
+
+    Exactly one of: a PEFT dir; a training-state dir (its weights); `read`, a callable returning a
+    PEFT payload's verified files (a catalog revision read from its blobs: it runs on a loader
+    thread, never on the event loop or the engine worker).
+    """
+
+    key: str
+    peft_dir: Path | None = None
+    state_dir: Path | None = None
+    read: Callable[[], dict[str, bytes]] | None = None
