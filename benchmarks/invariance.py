@@ -29,8 +29,8 @@ from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter
 
 
-def decode_rate(model, registry, ids, rows: int, new_tokens: int) -> float:
-    sampler = SamplerHarness(model, registry, kv_slots=rows * 8, max_seq_len=512, block_size=16)
+def decode_rate(model, residency, ids, rows: int, new_tokens: int) -> float:
+    sampler = SamplerHarness(model, residency, kv_slots=rows * 8, max_seq_len=512, block_size=16)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.config.vocab_size, (24,), generator=g).tolist() for _ in range(rows)]
     p = types.SamplingParams(stop=[], max_tokens=new_tokens, temperature=1.0, seed=1)
@@ -56,9 +56,9 @@ def train_rate(model, trainer, aid, rows: int, length: int) -> float:
     return rows * length / (time.perf_counter() - t0)
 
 
-def drift(model, registry, ids, rows: int) -> float:
-    bank = registry.bank
-    slots = [registry.get(ids[i % len(ids)]).slot for i in range(rows)]
+def drift(model, residency, ids, rows: int) -> float:
+    bank = residency.bank
+    slots = [residency.get(ids[i % len(ids)]).slot for i in range(rows)]
     tokens = torch.randint(3, model.config.vocab_size, (rows, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         batch = torch.log_softmax(model(tokens, lora=bank.batch(slots)), -1)
@@ -80,11 +80,11 @@ def main() -> None:
     args = ap.parse_args()
 
     model = load_model(smollm2_dir(), device="cpu")
-    registry = AdapterRegistry(model.config, num_slots=args.adapters + 1, max_rank=32, device="cpu",
+    residency = AdapterRegistry(model.config, num_slots=args.adapters + 1, max_rank=32, device="cpu",
                                dtype=torch.float32)
-    ids = [registry.install(random_adapter(model.config, 32, seed=k), trainable=False).id
+    ids = [residency.install(random_adapter(model.config, 32, seed=k), trainable=False).id
            for k in range(args.adapters)]
-    trainer = Trainer(model, registry, base_model="smollm2")
+    trainer = Trainer(model, residency, base_model="smollm2")
     aid = trainer.create_adapter(types.LoraConfig(rank=32, seed=0))
     invariant.enable_for_model(model.config, max_rank=32)  # checks this machine's kernels
     invariant.set_enabled(False)
@@ -94,15 +94,15 @@ def main() -> None:
     for r in range(args.rounds):  # interleaved, so machine noise falls on both sides alike
         for mode in ("default", "invariant"):
             with invariant.use(mode == "invariant"):
-                rates[mode]["decode"].append(decode_rate(model, registry, ids, args.rows, args.new_tokens))
+                rates[mode]["decode"].append(decode_rate(model, residency, ids, args.rows, args.new_tokens))
                 rates[mode]["train"].append(train_rate(model, trainer, aid, args.train_rows, args.train_length))
             print(f"round {r} {mode}: decode {rates[mode]['decode'][-1]:.1f} tok/s, "
                   f"train {rates[mode]['train'][-1]:.1f} tok/s", flush=True)
     med = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in rates.items()}
     with invariant.use(False):
-        drift_default = drift(model, registry, ids, args.rows)
+        drift_default = drift(model, residency, ids, args.rows)
     with invariant.use(True):
-        drift_invariant = drift(model, registry, ids, args.rows)
+        drift_invariant = drift(model, residency, ids, args.rows)
     result = {
         "decode_tok_s": med["default"]["decode"], "decode_tok_s_invariant": med["invariant"]["decode"],
         "decode_slowdown": med["default"]["decode"] / med["invariant"]["decode"],

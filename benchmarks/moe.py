@@ -122,19 +122,19 @@ def bench_throughput(device: str, repeats: int) -> dict:
 
     model = wide_moe(device)
     cfg = model.config
-    registry = AdapterRegistry(cfg, num_slots=8, max_rank=8, device=device, dtype=torch.float32)
-    trainer = Trainer(model, registry, base_model="wide-moe")
+    residency = AdapterRegistry(cfg, num_slots=8, max_rank=8, device=device, dtype=torch.float32)
+    trainer = Trainer(model, residency, base_model="wide-moe")
     ids = [trainer.create_adapter(types.LoraConfig(rank=8, seed=i)) for i in range(8)]
     for aid in ids:  # nonzero B, so every adapter's expert LoRA does real work
-        w = registry.weights(aid)
-        registry.set_weights(aid, type(w)({t: (a, torch.randn_like(b) * 0.01) for t, (a, b) in w.weights.items()},
+        w = residency.weights(aid)
+        residency.set_weights(aid, type(w)({t: (a, torch.randn_like(b) * 0.01) for t, (a, b) in w.weights.items()},
                                           w.rank, w.alpha))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, cfg.vocab_size, (16,), generator=g).tolist() for _ in range(8)]
     new_tokens = 16
 
     def decode(adapters: list[str]) -> float:
-        s = Sampler(model, registry, kv_slots=8, max_seq_len=64, block_size=16, records=SamplingRecords())
+        s = Sampler(model, residency, kv_slots=8, max_seq_len=64, block_size=16, records=SamplingRecords())
         p = types.SamplingParams(stop=[], max_tokens=new_tokens, temperature=0.0)
         for a, pr in zip(adapters, prompts, strict=True):
             s.submit(a, pr, 1, p)
@@ -168,7 +168,7 @@ def bench_throughput(device: str, repeats: int) -> dict:
     for name, reqs in (("single", single), ("fused8", fused)):
         out[f"train_{name}_s"] = median_of(lambda reqs=reqs: trainer.run(reqs), repeats, device)
     for aid in ids:
-        registry.get(aid).grads.clear()
+        residency.get(aid).grads.clear()
     out["train_fused_over_single"] = out["train_fused8_s"] / out["train_single_s"]
     print(f"training pass, 8 rows x 64 tokens: one adapter {out['train_single_s']:.2f} s, 8 adapters fused "
           f"{out['train_fused8_s']:.2f} s ({out['train_fused_over_single']:.2f}x)", flush=True)

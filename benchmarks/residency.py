@@ -141,7 +141,7 @@ def part_rotation(path: Path, work: Path, clients: int, steps: int) -> dict:
             for t in threads:
                 t.join()
             wall = time.perf_counter() - t0
-            out[slots] = {"steps_per_s": clients * steps / wall, "evictions": dict(e.registry.stats.evictions)}
+            out[slots] = {"steps_per_s": clients * steps / wall, "evictions": dict(e.residency.stats.evictions)}
         finally:
             e.shutdown()
     return {"clients": clients, "few_slots": 8, "steps_per_s_8_slots": out[8]["steps_per_s"],
@@ -173,7 +173,7 @@ def part_sweep(path: Path, work: Path, sizes: list[int], slots: int) -> dict:
                 counts = run_sweep(e, catalog, "bench", ["hello world"], "sv-", "prod", 4,
                                    f"bench-{time.time_ns()}", data / "out", 4 * slots)
                 wall = time.perf_counter() - t0
-                load_s = sum(e.registry.stats.load_seconds)
+                load_s = sum(e.residency.stats.load_seconds)
             finally:
                 e.shutdown()
         results[n] = {"adapters_per_s": n / wall, "ms_per_adapter": 1000 * wall / n,

@@ -217,14 +217,14 @@ def main() -> None:
     print(f"machine: read {floors['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
           f"{floors['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s, load average {load_average()}, "
           f"MINT_KERNELS={kernels.mode()}", flush=True)
-    registry = AdapterRegistry(cfg, num_slots=n + 1, max_rank=args.rank, device=dev, dtype=dtype)
+    residency = AdapterRegistry(cfg, num_slots=n + 1, max_rank=args.rank, device=dev, dtype=dtype)
     weights = [random_adapter(cfg, args.rank, seed=i) for i in range(n)]
-    ids = [registry.install(w, trainable=False).id for w in weights]
+    ids = [residency.install(w, trainable=False).id for w in weights]
     batch = prompts(n, args.prompt_len, cfg.vocab_size)
 
     def sampler(**kw) -> Sampler:
         kw = {"kv_slots": n, "max_seq_len": args.prompt_len + args.new_tokens, **kw}
-        return Sampler(model, registry, **kw)
+        return Sampler(model, residency, **kw)
 
     result: dict[str, object] = {}
 
@@ -247,7 +247,7 @@ def main() -> None:
         # load-robust comparison on a shared machine (the full runs below take minutes each).
         for rank in sorted({int(r) for r in args.ranks.split(",")} | {args.rank}):
             if rank == args.rank:
-                reg, peft_model = registry, hf
+                reg, peft_model = residency, hf
                 rids = ids
             else:  # another bank and set of adapters at this rank; no PEFT run
                 reg = AdapterRegistry(cfg, num_slots=n + 1, max_rank=rank, device=dev, dtype=dtype)
@@ -273,7 +273,7 @@ def main() -> None:
             })
             if peft_model is not None:
                 report(**{f"r{rank}_step_ratio_b_over_d": med["d_transformers_peft"] / b})
-            if reg is not registry:
+            if reg is not residency:
                 del reg
         report(load_average_end=load_average())
     if not args.skip_full:

@@ -114,10 +114,10 @@ def worker_ours(args, build_only: bool = False):
     model = load_model(model_dir(args.model_dir), device=args.device, dtype=dtype)
     cfg = model.config
     n_adapters = 1 if args.variant == "ours" else args.adapters
-    registry = AdapterRegistry(cfg, num_slots=n_adapters, max_rank=args.rank, device=args.device, dtype=dtype)
+    residency = AdapterRegistry(cfg, num_slots=n_adapters, max_rank=args.rank, device=args.device, dtype=dtype)
     # fused-microbatch: never more than one adapter's share of the batch in a forward pass
     budget = (args.rows // args.adapters) * args.seq if args.variant == "fused-microbatch" else None
-    trainer = Trainer(model, registry, "bench", max_tokens_per_pass=budget, checkpoint_from_tokens=None)
+    trainer = Trainer(model, residency, "bench", max_tokens_per_pass=budget, checkpoint_from_tokens=None)
     ids = [trainer.create_adapter(types.LoraConfig(rank=args.rank, seed=i)) for i in range(n_adapters)]
     rows_each = args.rows // n_adapters
     reqs = []

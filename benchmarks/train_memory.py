@@ -43,9 +43,9 @@ def one(model_dir: str, config: dict, args) -> dict:
 
     torch.set_num_threads(EngineSettings().intra_op_threads())
     model = load_model(Path(model_dir), device="cpu")
-    registry = make_residency(model.config, num_slots=args.adapters, max_rank=16)
-    trainer = TrainerHarness(model, registry, "bench", **config)
-    ids = [registry.create(16, seed=i).id for i in range(args.adapters)]
+    residency = make_residency(model.config, num_slots=args.adapters, max_rank=16)
+    trainer = TrainerHarness(model, residency, "bench", **config)
+    ids = [residency.create(16, seed=i).id for i in range(args.adapters)]
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     reqs = []

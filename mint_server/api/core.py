@@ -84,7 +84,7 @@ class TrainingModel:
 
 
 @dataclass
-class Sampler:
+class SamplingSession:
     sampler_id: str
     owner: str
     session_id: str
@@ -120,7 +120,7 @@ class Core:
         self.sessions = SessionRegistry(settings.session_ttl_s)
         metrics.watch_engine(engine)
         self.models: dict[str, TrainingModel] = {}
-        self.samplers: dict[str, Sampler] = {}
+        self.samplers: dict[str, SamplingSession] = {}
         self.custom_losses: dict[str, CustomLoss] = {}  # loss_id → uploaded loss (session-scoped)
         self.engine_waits: dict[str, list[Future[Any] | None]] = {}  # request id → its engine future
         # Recorded sequences (record_stability_info): id prefix "seq-<run>" → (owner, sampler id);

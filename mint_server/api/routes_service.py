@@ -16,7 +16,7 @@ from mint_server.api.auth import SERVE, Principal
 from mint_server.api.http import json_body, needs, parse, service
 from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
 from mint_server.api.openapi import CancelFutureBody, body_doc
-from mint_server.engine.interface import EngineError
+from mint_server.engine.interface import EngineError, SampleCancelled
 
 router = APIRouter(prefix="/api/v1")
 PROTO = "application/x-protobuf"
@@ -106,7 +106,7 @@ async def retrieve_future(request: Request, p: Principal = needs(SERVE)) -> Resp
             )
         return JSONResponse(body)
     if entry.future.cancelled():
-        return JSONResponse({"error": "request was cancelled", "category": "server"})
+        return JSONResponse({"error": str(SampleCancelled()), "category": "server"})
     if (error := entry.future.exception()) is not None:
         category = "user" if isinstance(error, EngineError) else "server"
         return JSONResponse({"error": str(error) or type(error).__name__, "category": category})

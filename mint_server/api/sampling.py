@@ -16,7 +16,7 @@ from typing import Any
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.core import Busy, Core, Sampler, TrainingModel, waits_on_engine
+from mint_server.api.core import Busy, Core, SamplingSession, TrainingModel, waits_on_engine
 from mint_server.api.futures import CompletionLog
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
@@ -58,7 +58,7 @@ class SamplingService:
             raise InvalidInput("either model_path or base_model is required")
         else:
             self.core.check_base_model(req.base_model)
-        self.core.samplers[sampler_id] = Sampler(
+        self.core.samplers[sampler_id] = SamplingSession(
             sampler_id, p.owner, session.session_id, self.engine.base_model, req.model_path, source
         )
         session.sampler_ids.append(sampler_id)
@@ -68,9 +68,9 @@ class SamplingService:
         """Register the sampling session created by save_weights_for_sampler without a path: on an
         exported snapshot, or (peft_dir None, kind="inflight") on the model's live adapter."""
         if peft_dir is None:
-            sampler = Sampler(sampler_id, model.owner, model.session_id, self.engine.base_model, None, None, live=model)
+            sampler = SamplingSession(sampler_id, model.owner, model.session_id, self.engine.base_model, None, None, live=model)
         else:
-            sampler = Sampler(
+            sampler = SamplingSession(
                 sampler_id, model.owner, model.session_id, self.engine.base_model, None,
                 AdapterSource(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
             )
@@ -78,7 +78,7 @@ class SamplingService:
         session = self.core.sessions.get(model.session_id, model.owner)
         session.sampler_ids.append(sampler_id)
 
-    def sampler(self, p: Principal, sampler_id: str) -> Sampler:
+    def sampler(self, p: Principal, sampler_id: str) -> SamplingSession:
         sampler = self.core.samplers.get(sampler_id)
         if sampler is None or sampler.owner != p.owner:
             raise NotFound(f"sampling session {sampler_id!r} not found")
@@ -152,7 +152,7 @@ class SamplingService:
         log = sampler.completions.setdefault(req.target.cloned_sampler_id, CompletionLog())
         return await log.poll(req.prev_cursor, min(timeout, limit), self.core.futures.closing)
 
-    def retire(self, sampler: Sampler) -> None:
+    def retire(self, sampler: SamplingSession) -> None:
         """The session is over: its samples are abandoned, so they stop (queued or running) and
         free their KV; its snapshot and records go too."""
         self.core.samplers.pop(sampler.sampler_id, None)

@@ -22,8 +22,6 @@ class Settings:
     long_poll_s: float = 20.0
     # Finished results stay retrievable this long: the SDK may re-poll after a dropped connection.
     result_ttl_s: float = 900.0
-    # Sampler adapters kept loaded at once; older ones are released and reloaded from disk on demand.
-    max_resident_samplers: int = 8
     # In-flight sample requests before asample answers 429 (the SDK backs off and resubmits).
     max_inflight_samples: int = 512
     # Unfinished requests one API key may have at once (every kind); beyond it, 429 + Retry-After.

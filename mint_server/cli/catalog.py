@@ -23,7 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 # Only the light catalog modules here: `mint` imports this for every command, and the database
-# and HTTP layers (SQLAlchemy, httpx) load in Target.open, only when a catalog command runs.
+# and HTTP layers (SQLAlchemy, httpx) load in CatalogLocation.open, only when a catalog command runs.
 from mint_server.catalog.errors import CatalogError, InvalidArgument
 from mint_server.catalog.records import Page, Revision, page_to_dict, to_dict
 
@@ -37,7 +37,7 @@ err = Console(stderr=True)
 
 
 @dataclass
-class Target:
+class CatalogLocation:
     """Where a command's catalog is, from the options every command shares."""
 
     data_dir: Path | None
@@ -149,7 +149,7 @@ def command(fn: Callable[..., None]) -> Callable[..., None]:
     own = [p for p in inspect.signature(fn).parameters.values() if p.name != "target"]
 
     def run(**kwargs: Any) -> None:
-        target = Target(**{p.name: kwargs.pop(p.name) for p in _COMMON})
+        target = CatalogLocation(**{p.name: kwargs.pop(p.name) for p in _COMMON})
         try:
             fn(target, **kwargs)
         except (CatalogError, OSError) as e:
@@ -175,7 +175,7 @@ def _fail(message: str) -> None:
 
 
 # -- output helpers -----------------------------------------------------------------------------
-def _emit(target: Target, data: Any, render: Callable[[], None]) -> None:
+def _emit(target: CatalogLocation, data: Any, render: Callable[[], None]) -> None:
     if target.json:
         print(json.dumps(data, indent=2))
     else:
@@ -262,7 +262,7 @@ policy_app = typer.Typer(no_args_is_help=True, help="Policies: named LoRA adapte
 @policy_app.command("list")
 @command
 def policy_list(
-    target: Target,
+    target: CatalogLocation,
     limit: Limit = 50,
     cursor: Cursor = None,
     all_pages: AllPages = False,
@@ -293,7 +293,7 @@ def policy_list(
 
 @policy_app.command("show")
 @command
-def policy_show(target: Target, name: Annotated[str, typer.Argument(help="Policy name.")]) -> None:
+def policy_show(target: CatalogLocation, name: Annotated[str, typer.Argument(help="Policy name.")]) -> None:
     """Show a policy, its aliases and its latest revision."""
     client = target.open()
     policy = client.get_policy(name)
@@ -325,7 +325,7 @@ def policy_show(target: Target, name: Annotated[str, typer.Argument(help="Policy
 @policy_app.command("create")
 @command
 def policy_create(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     base_model: Annotated[str, typer.Option("--base-model", help="Base model the adapters are for.")],
     rank: Annotated[
@@ -358,7 +358,7 @@ revision_app = typer.Typer(no_args_is_help=True, help="Adapter revisions.")
 @revision_app.command("list")
 @command
 def revision_list(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     limit: Limit = 50,
     cursor: Cursor = None,
@@ -378,7 +378,7 @@ def revision_list(
 @revision_app.command("show")
 @command
 def revision_show(
-    target: Target, ref: Annotated[str, typer.Argument(help="NAME, NAME@N, NAME@ALIAS or NAME@SHA.")]
+    target: CatalogLocation, ref: Annotated[str, typer.Argument(help="NAME, NAME@N, NAME@ALIAS or NAME@SHA.")]
 ) -> None:
     """Show one revision."""
     r = target.open().resolve(ref)
@@ -393,7 +393,7 @@ def revision_show(
 @revision_app.command("log")
 @command
 def revision_log(
-    target: Target,
+    target: CatalogLocation,
     ref: Annotated[str, typer.Argument(help="Where to start.")],
     limit: Limit = 50,
     cursor: Cursor = None,
@@ -419,7 +419,7 @@ Actor = Annotated[str | None, typer.Option("--actor", help="Who, in local mode (
 @alias_app.command("set")
 @command
 def alias_set(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     alias: Annotated[str, typer.Argument(help="Alias name.")],
     revision: Annotated[str, typer.Argument(help="Revision number (or another alias / sha prefix).")],
@@ -436,7 +436,7 @@ def alias_set(
 @alias_app.command("rollback")
 @command
 def alias_rollback(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     alias: Annotated[str, typer.Argument(help="Alias name.")],
     reason: Reason = None,
@@ -452,7 +452,7 @@ def alias_rollback(
 @alias_app.command("history")
 @command
 def alias_history(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     alias: Annotated[str, typer.Argument(help="Alias name.")],
     limit: Limit = 50,
@@ -479,7 +479,7 @@ def alias_history(
 @alias_app.command("list")
 @command
 def alias_list(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="Policy name.")],
     limit: Limit = 50,
     cursor: Cursor = None,
@@ -506,7 +506,7 @@ eval_app = typer.Typer(no_args_is_help=True, help="Evaluation results attached t
 @eval_app.command("record")
 @command
 def eval_record(
-    target: Target,
+    target: CatalogLocation,
     ref: Annotated[str, typer.Argument(help="Revision reference.")],
     metric: Annotated[str, typer.Argument(help="Metric name.")],
     value: Annotated[float, typer.Argument(help="Metric value.")],
@@ -520,7 +520,7 @@ def eval_record(
 @eval_app.command("list")
 @command
 def eval_list(
-    target: Target,
+    target: CatalogLocation,
     ref: Annotated[str, typer.Argument(help="Revision reference.")],
     metric: Annotated[str | None, typer.Option("--metric", help="Only this metric.")] = None,
     limit: Limit = 50,
@@ -544,7 +544,7 @@ def eval_list(
 # -- export / import ----------------------------------------------------------------------------
 @command
 def export(
-    target: Target,
+    target: CatalogLocation,
     ref: Annotated[str, typer.Argument(help="Revision reference, e.g. NAME@prod.")],
     dest: Annotated[Path, typer.Argument(help="Directory to create (must be absent or empty).")],
     moe_layout: Annotated[
@@ -574,7 +574,7 @@ def export(
 
 @command
 def import_(
-    target: Target,
+    target: CatalogLocation,
     peft_dir: Annotated[
         Path, typer.Argument(help="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).")
     ],
@@ -613,7 +613,7 @@ def _relayout(src: Path, dest: Path, layout: str) -> None:
 
 
 def _import(
-    target: Target, peft_dir: Path, policy: str, base_model: str | None, parent: str | None,
+    target: CatalogLocation, peft_dir: Path, policy: str, base_model: str | None, parent: str | None,
     training_run: str | None, step: int | None, note: str | None,
 ) -> Revision:
     return target.open().import_peft(
@@ -634,7 +634,7 @@ catalog_app = typer.Typer(no_args_is_help=True, help="Catalog maintenance and lo
 @catalog_app.command("seed")
 @command
 def catalog_seed(
-    target: Target,
+    target: CatalogLocation,
     policies: Annotated[int, typer.Option("--policies", min=0, help="How many synthetic policies.")],
     revisions_per_policy: Annotated[int, typer.Option("--revisions-per-policy", min=1)] = 1,
     prefix: Annotated[
@@ -687,7 +687,7 @@ def catalog_seed(
 @catalog_app.command("gc")
 @command
 def catalog_gc(
-    target: Target,
+    target: CatalogLocation,
     grace_seconds: Annotated[
         float, typer.Option("--grace-seconds", min=0, help="Keep blobs touched this recently.")
     ] = 3600.0,
@@ -712,7 +712,7 @@ key_app = typer.Typer(no_args_is_help=True, help="Scoped API keys: serve (sampli
 @key_app.command("create")
 @command
 def key_create(
-    target: Target,
+    target: CatalogLocation,
     name: Annotated[str, typer.Argument(help="What the key is for (shown in listings).")],
     scopes: Annotated[
         list[str], typer.Option("--scope", help="serve (OpenAI face and sampling), train, or admin; repeatable.")
@@ -729,7 +729,7 @@ def key_create(
 @key_app.command("list")
 @command
 def key_list(
-    target: Target,
+    target: CatalogLocation,
     include_revoked: Annotated[bool, typer.Option("--include-revoked", help="Show revoked keys too.")] = False,
 ) -> None:
     """The owner's scoped keys (never the keys themselves)."""
@@ -747,7 +747,7 @@ def key_list(
 
 @key_app.command("revoke")
 @command
-def key_revoke(target: Target, key_id: Annotated[str, typer.Argument(help="The key id `mint key list` shows.")]) -> None:
+def key_revoke(target: CatalogLocation, key_id: Annotated[str, typer.Argument(help="The key id `mint key list` shows.")]) -> None:
     """Revoke a key: its next request, and every token it was traded for, is refused (401)."""
     target.open().revoke_key(key_id)
     _emit(target, {"revoked": key_id}, lambda: out.print(f"revoked {key_id}", markup=False))

@@ -26,14 +26,14 @@ from mint_server.model.peft_io import LoraWeights, save_peft
 class AdapterState:
     """Optimizer steps, saves, loads, exports and interpolations over one residency manager."""
 
-    def __init__(self, registry: Residency, base_model: str, cfg: ModelConfig) -> None:
-        self.registry, self.base_model, self.cfg = registry, base_model, cfg
-        self.device = registry.device
+    def __init__(self, residency: Residency, base_model: str, cfg: ModelConfig) -> None:
+        self.residency, self.base_model, self.cfg = residency, base_model, cfg
+        self.device = residency.device
 
     def _adapter(self, adapter_id: str | None) -> Adapter:
         if adapter_id is None:
             raise EngineError("adapter_id: the base model is never trained")
-        adapter = self.registry.on_device(adapter_id)
+        adapter = self.residency.on_device(adapter_id)
         if not adapter.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         return adapter
@@ -54,14 +54,14 @@ class AdapterState:
                               f"pass {expected} (optimizer families cannot be mixed)")
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
-        runner = self.registry.runner
+        runner = self.residency.runner
         if runner is not None:  # every rank steps its share (global gradient norm)
             return types.OptimStepResponse(metrics=runner.call(
                 "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
         weights = self._params(a)
         step = dimuon_step if family == "dimuon" else adamw_step
         metrics = step_or_rollback(step, weights, a.grads, a.optim, params)
-        if self.registry.dtype != torch.float32:  # publish the fp32 masters into the bank slot
+        if self.residency.dtype != torch.float32:  # publish the fp32 masters into the bank slot
             with torch.no_grad():
                 for t, (A, B) in self._bank_views(a).items():
                     A.copy_(weights[t][0])
@@ -70,7 +70,7 @@ class AdapterState:
         return types.OptimStepResponse(metrics=metrics)
 
     def _bank_views(self, a: Adapter) -> Pairs:
-        bank = self.registry.bank
+        bank = self.residency.bank
         return {t: (bank.A[t][a.slot][..., : a.rank, :], bank.B[t][a.slot][..., : a.rank]) for t in a.targets}
 
     def _params(self, a: Adapter) -> Pairs:
@@ -81,7 +81,7 @@ class AdapterState:
         They are re-read from the bank whenever the slot no longer equals their rounding.
         """
         views = self._bank_views(a)
-        if self.registry.dtype == torch.float32:
+        if self.residency.dtype == torch.float32:
             return views
         if a.master is not None and all(
             torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(a.master[t], pair, strict=True)
@@ -93,11 +93,11 @@ class AdapterState:
     # --- state and weights on disk --------------------------------------------------------------
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:
         """Weights (+ AdamW moments and step) into a state dir, atomically."""
-        a = self.registry.on_device(adapter_id)
+        a = self.residency.on_device(adapter_id)
         optim = a.optim if include_optimizer else None
-        if optim is not None and self.registry.runner is not None:  # gathered from every rank
-            optim = self.registry.runner.call("gather_optim", aid=a.id)
-        state_io.save_state(dest, state_io.TrainState(self.registry.weights(adapter_id), optim, self.base_model))
+        if optim is not None and self.residency.runner is not None:  # gathered from every rank
+            optim = self.residency.runner.call("gather_optim", aid=a.id)
+        state_io.save_state(dest, state_io.TrainState(self.residency.weights(adapter_id), optim, self.base_model))
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True,
                    optimizer: str | None = None) -> str:
@@ -110,23 +110,23 @@ class AdapterState:
         if st.base_model != self.base_model:
             raise EngineError(f"path: state was trained on base model {st.base_model!r}, "
                               f"this engine serves {self.base_model!r}")
-        check_shapes(st.weights, self.registry.bank, "path")
+        check_shapes(st.weights, self.residency.bank, "path")
         if adapter_id is not None:
-            family = self.registry.get(adapter_id).optim.family
+            family = self.residency.get(adapter_id).optim.family
         else:
             family = check_family(optimizer or (st.optim.family if st.optim else "adamw"))
         if st.optim is not None and st.optim.family != family:
             raise EngineError(f"path: the state holds {st.optim.family!r} optimizer state, this model uses "
                               f"the {family!r} optimizer (optimizer families cannot be mixed)")
         if adapter_id is None:  # the new adapter gets its optimizer state before it can be paged
-            return self.registry.install(st.weights, trainable=True, optim=st.optim or AdamState(family=family)).id
-        a = self.registry.on_device(adapter_id)
+            return self.residency.install(st.weights, trainable=True, optim=st.optim or AdamState(family=family)).id
+        a = self.residency.on_device(adapter_id)
         if not a.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
-        self.registry.set_weights(adapter_id, st.weights)
-        if self.registry.runner is not None:  # every rank takes its share of the loaded state
+        self.residency.set_weights(adapter_id, st.weights)
+        if self.residency.runner is not None:  # every rank takes its share of the loaded state
             optim = st.optim or AdamState(family=family)
-            self.registry.runner.call("set_optim", aid=a.id, step=optim.step, moments=optim.moments, family=family)
+            self.residency.runner.call("set_optim", aid=a.id, step=optim.step, moments=optim.moments, family=family)
             return a.id
         a.grads.clear()
         dev = self.device
@@ -137,7 +137,7 @@ class AdapterState:
 
     def export_peft(self, adapter_id: str, dest: Path) -> None:
         """Weights only, in PEFT layout (loads with peft.PeftModel.from_pretrained)."""
-        save_peft(self.registry.weights(adapter_id), dest, self.base_model, self.cfg)
+        save_peft(self.residency.weights(adapter_id), dest, self.base_model, self.cfg)
 
     # --- interpolation --------------------------------------------------------------------------
     def interpolate(self, adapter_ids: list[str], coefficients: list[float], trainable: bool = False) -> str:
@@ -154,20 +154,20 @@ class AdapterState:
         for c in coefficients:
             if isinstance(c, bool) or not isinstance(c, int | float) or not math.isfinite(c):
                 raise EngineError(f"coefficients: {c!r} is not a finite number")
-        pairs = [(self.registry.get(i), float(c)) for i, c in zip(adapter_ids, coefficients, strict=True)]
+        pairs = [(self.residency.get(i), float(c)) for i, c in zip(adapter_ids, coefficients, strict=True)]
         if any(a.rank == 0 for a, _ in pairs):
             raise RuntimeError("interpolate: a source adapter has not been read yet")
         pairs = [(a, c) for a, c in pairs if c != 0.0] or pairs[:1]  # all zero: a zero delta of rank r₁
         rank = sum(a.rank for a, _ in pairs)
-        if rank > self.registry.bank.max_rank:
+        if rank > self.residency.bank.max_rank:
             raise EngineError(f"adapter_ids: the interpolated adapter would have rank {rank} (the sum of the "
-                              f"sources' ranks), above the engine's max LoRA rank {self.registry.bank.max_rank}")
+                              f"sources' ranks), above the engine's max LoRA rank {self.residency.bank.max_rank}")
         scale = pairs[0][0].scale
-        sources = [(self.registry.weights(a.id), a, c) for a, c in pairs]
-        shapes = self.registry.bank.full_shapes
+        sources = [(self.residency.weights(a.id), a, c) for a, c in pairs]
+        shapes = self.residency.bank.full_shapes
         weights = {}
         for t in sorted({t for a, _ in pairs for t in a.targets}):
-            experts = self.registry.bank.experts.get(t, 0)
+            experts = self.residency.bank.experts.get(t, 0)
             As, Bs = [], []
             for w, a, c in sources:
                 a_shape, b_shape = lora_shapes(shapes[t], experts, a.rank)
@@ -179,7 +179,7 @@ class AdapterState:
         out = LoraWeights(weights, rank, scale * rank)
         if out.non_finite_target() is not None:
             raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
-        return self.registry.install(out, trainable=trainable).id
+        return self.residency.install(out, trainable=trainable).id
 
 
 def check_family(optimizer: str) -> str:

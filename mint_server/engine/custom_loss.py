@@ -121,10 +121,6 @@ class CompiledLoss:
     loss: Any  # encoded output: a _Ref
     metrics: Mapping[str, _Ref]
 
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.inputs[1:])
-
     def __call__(self, *values: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         env: dict[str, Any] = dict(zip((n for n, _ in self.inputs), values, strict=True))
         for step in self.steps:

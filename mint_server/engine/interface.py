@@ -39,6 +39,7 @@ from mint_server.engine.values import (  # noqa: F401
     EngineFailed,
     NotSupportedError,
     Priority,
+    SampleCancelled,
     TokenCallback,
     TopLogprobs,
 )

@@ -114,19 +114,19 @@ class LocalEngine(JobParsing):
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
         self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
         self._cv = threading.Condition()
-        self.registry = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
+        self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
         self.runner: Runner | None = None
         if tp is not None:
-            self.runner = Runner(Shard(tp, self.model, self.registry.bank, self.device, self.dtype,
-                                       self.registry.record), followers, control, s.tp_timeout_s)
-            self.registry.runner = self.runner
-        self.trainer = Trainer(self.model, self.registry, base_model, max_tokens_per_pass=s.max_fused_tokens,
+            self.runner = Runner(Shard(tp, self.model, self.residency.bank, self.device, self.dtype,
+                                       self.residency.record), followers, control, s.tp_timeout_s)
+            self.residency.runner = self.runner
+        self.trainer = Trainer(self.model, self.residency, base_model, max_tokens_per_pass=s.max_fused_tokens,
                                checkpoint_from_tokens=s.checkpoint_from_tokens or None,
                                logits_chunk=s.logits_chunk_elements())
-        self.state = AdapterState(self.registry, base_model, cfg)
+        self.state = AdapterState(self.residency, base_model, cfg)
         self.reverse_kl = ReverseKL(self.trainer)
         self.sampler = Sampler(
-            self.model, self.registry,
+            self.model, self.residency,
             kv_budget_tokens=max(s.kv_tokens(kv_bytes_per_token(local_config(cfg, s.tp), self.dtype)),
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
@@ -196,18 +196,18 @@ class LocalEngine(JobParsing):
     def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         """A trainable adapter whose optimizer family ("adamw" or "dimuon") is fixed for its life."""
         def create(_a: list[Adapter | None]) -> str:
-            a = self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
+            a = self.residency.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
             a.optim = AdamState(family=check_family(optimizer))
             return a.id
 
         return self._op(create, on_device=False)
 
     def release_adapter(self, adapter_id: str) -> Future[None]:
-        return self._op(lambda _a: self.registry.release(adapter_id), adapter_id, on_device=False)
+        return self._op(lambda _a: self.residency.release(adapter_id), adapter_id, on_device=False)
 
     def forget_source(self, key_prefix: str) -> Future[None]:
         """Sources under this key prefix are gone (checkpoint deleted, session over)."""
-        return self._op(lambda _a: self.registry.forget_prefix(key_prefix), on_device=False)
+        return self._op(lambda _a: self.residency.forget_prefix(key_prefix), on_device=False)
 
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
         return self._op(lambda _a: self.state.save_state(adapter_id, Path(dest), include_optimizer), adapter_id)
@@ -266,9 +266,9 @@ class LocalEngine(JobParsing):
         with self._cv:
             steps, self.step_seconds = self.step_seconds, []
             waiting_work = sum(1 for w in self._queue for a in w.resolved or () if a is not None and a.slot is None)
-            stats = self.registry.stats
+            stats = self.residency.stats
             loads, stats.load_seconds = stats.load_seconds, []
-            counts = self.registry.counts()
+            counts = self.residency.counts()
         waiting = waiting_work + sum(1 for a in self.sampler.waiting_adapters() if a.slot is None)
         return {"resident": counts, "loads": dict(stats.loads), "evictions": dict(stats.evictions),
                 "load_seconds": loads, "step_seconds": steps, "waiting_for_adapter": waiting,
@@ -304,20 +304,20 @@ class LocalEngine(JobParsing):
         if work.resolved is not None:
             return True
         try:
-            adapters = [self.registry.open(r) if isinstance(r, AdapterSource) else self.registry.get(r)
+            adapters = [self.residency.open(r) if isinstance(r, AdapterSource) else self.residency.get(r)
                         for r in work.refs]
         except EngineError as e:
             work.future.set_exception(e)
             return False
         for a in adapters:
-            self.registry.ref(a)
+            self.residency.ref(a)
         work.resolved = list(adapters)
         return True
 
     def _done(self, work: _Work) -> None:
         for a in work.resolved or ():
             if a is not None:
-                self.registry.unref(a)
+                self.residency.unref(a)
 
     def _take(self, ready: set[str]) -> tuple[list[_Work], _Work | None]:
         """Under the lock: the fusable training work that may run now, else the first ready op.
@@ -410,7 +410,7 @@ class LocalEngine(JobParsing):
             queued = list(self._queue)
         needed = [a for w in queued for a in w.resolved or () if a is not None and w.on_device]
         needed += self.sampler.waiting_adapters(limit=4 * self.settings.device_slots)
-        ready = self.registry.schedule(needed)
+        ready = self.residency.schedule(needed)
         self._fail_unloadable(queued)
         with self._cv:
             fused, op = self._take(ready)
@@ -432,10 +432,10 @@ class LocalEngine(JobParsing):
 
     def _fail_unloadable(self, queued: list[_Work]) -> None:
         """Adapters whose load failed (corrupt or missing store data): fail the work waiting for them."""
-        if not self.registry.failed:
+        if not self.residency.failed:
             return
         failed: dict[str, BaseException] = {}
-        for a in list(self.registry.failed):
+        for a in list(self.residency.failed):
             if a.load_error is not None:
                 failed[a.id] = a.load_error
                 self.sampler.fail_waiting(a, a.load_error)
@@ -446,8 +446,8 @@ class LocalEngine(JobParsing):
         for w in doomed:
             self._done(w)
             w.future.set_exception(failed[next(iter(w.ids & failed.keys()))])
-        for a in list(self.registry.failed):
-            self.registry.take_load_error(a)
+        for a in list(self.residency.failed):
+            self.residency.take_load_error(a)
 
     def _run_fused(self, work: list[_Work]) -> None:
         for w in work:
@@ -465,7 +465,7 @@ class LocalEngine(JobParsing):
         for w, r in zip(work, results, strict=True):
             for a in w.resolved or ():
                 if a is not None:
-                    self.registry.touch(a)
+                    self.residency.touch(a)
             self._done(w)
             if isinstance(r, BaseException):
                 w.future.set_exception(r)
@@ -515,7 +515,7 @@ class LocalEngine(JobParsing):
         self._worker.join()
         if self._invariant:
             invariant.set_enabled(False)
-        self.registry.close()
+        self.residency.close()
         if self.runner is not None:
             self.runner.close()
             self.runner = None

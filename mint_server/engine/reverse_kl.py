@@ -40,13 +40,13 @@ class ReverseKL:
         """
         student = self.trainer._adapter(job.adapter_id, backward=True)
         assert student is not None
-        reference = self.trainer.registry.on_device(reference_adapter_id) if reference_adapter_id is not None else None
+        reference = self.trainer.residency.on_device(reference_adapter_id) if reference_adapter_id is not None else None
         rows, temperature = job.rows, job.temperature
         plan = self.trainer.plan([Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
         out: dict[int, np.ndarray] = {}
         pending: dict[str, Pairs] = {}
         total = 0.0
-        runner = self.trainer.registry.runner
+        runner = self.trainer.residency.runner
         try:
             for mb in plan:
                 batch = [rows[r.datum] for r in mb]
@@ -81,8 +81,8 @@ class ReverseKL:
         tr = self.trainer
         checkpoint = tr.recompute(len(rows) * max(len(r.student) for r in rows))  # padded tokens
         ref_slot = reference.slot if reference is not None else None
-        el, leaves = kl_micro_batch(tr.model, tr.registry.bank, rows, student, ref_slot, temperature, tr.device,
-                                    tr.registry.dtype, checkpoint)
+        el, leaves = kl_micro_batch(tr.model, tr.residency.bank, rows, student, ref_slot, temperature, tr.device,
+                                    tr.residency.dtype, checkpoint)
         return el, leaf_grads(leaves)
 
 

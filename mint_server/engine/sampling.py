@@ -51,14 +51,10 @@ from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import PromptScores, choose_tokens, penalties, sample_seed, uniforms
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
-from mint_server.engine.values import EngineError, Priority, TopLogprobs
+from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
-
-
-class SampleCancelled(EngineError):
-    """The job's cancel event was set: its sequences stopped and their KV blocks were freed."""
 
 
 class SampleFuture(Future):
@@ -275,7 +271,7 @@ class Sampler:
     def __init__(
         self,
         model: Transformer,
-        registry: Residency,
+        residency: Residency,
         kv_budget_tokens: int,
         max_seq_len: int,
         records: SamplingRecords | None = None,
@@ -294,14 +290,14 @@ class Sampler:
         """
         if kv_budget_tokens < max_seq_len or max_seq_len < 2:
             raise ValueError("kv_budget_tokens must hold one sequence of max_seq_len ≥ 2")
-        self.model, self.registry, self.records = model, registry, records
+        self.model, self.residency, self.records = model, residency, records
         cfg = model.config
         self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
         self.dedupe_prompts = dedupe_prompts
         self.device = model.embed_tokens.weight.device
-        self.executor = Executor(model, registry.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
-                                 block_size, runner=registry.runner)
+        self.executor = Executor(model, residency.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
+                                 block_size, runner=residency.runner)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
         self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens)
@@ -518,9 +514,7 @@ class Sampler:
                 self.pool.release(g.blocks)
                 self._groups.remove(g)
         for r in gone.values():
-            exc = SampleCancelled("the request was cancelled") if r.cancelled else \
-                EngineError("sample request was cancelled")
-            self._fail(r, exc)
+            self._fail(r, SampleCancelled())
 
     # --- admission -------------------------------------------------------------------------------
     def _joinable(self, req: _Request) -> _Group | None:
@@ -567,7 +561,7 @@ class Sampler:
         if req.wants_scores:  # the group has computed nothing yet, or already scores this top-k (_joinable)
             group.score_k = max(group.score_k, req.topk_prompt_logprobs)
         if req.adapter is not None and not req.pinned:
-            self.registry.pin(req.adapter)
+            self.residency.pin(req.adapter)
             req.pinned = True
         if req.admitted == 0:
             self._latencies.append((req.priority, "queue", time.perf_counter() - req.submitted))
@@ -801,8 +795,8 @@ class Sampler:
             req.closed = True
             if req.adapter is not None:
                 if req.pinned:
-                    self.registry.unpin(req.adapter)
-                self.registry.unref(req.adapter)
+                    self.residency.unpin(req.adapter)
+                self.residency.unref(req.adapter)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         self._close(req)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -148,10 +148,6 @@ class EngineSettings:
     def logits_chunk_elements(self) -> int:
         """logits_chunk_mb as fp32 logits elements (the Trainer's logits_chunk)."""
         return max(1, int(self.logits_chunk_mb * 2**20) // 4)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)

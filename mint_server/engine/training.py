@@ -91,18 +91,18 @@ class Trainer:
     def __init__(
         self,
         model: Transformer,
-        registry: Residency,
+        residency: Residency,
         base_model: str,
         *,
         max_tokens_per_pass: int | None = 16384,
         checkpoint_from_tokens: int | None = 4096,
         logits_chunk: int = 2**28,
     ) -> None:
-        self.model, self.registry, self.base_model = model, registry, base_model
+        self.model, self.residency, self.base_model = model, residency, base_model
         self.max_tokens_per_pass = max_tokens_per_pass
         self.checkpoint_from_tokens = checkpoint_from_tokens
         self.logits_chunk = logits_chunk
-        self.device, self.vocab = registry.device, model.config.vocab_size
+        self.device, self.vocab = residency.device, model.config.vocab_size
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
 
     # --- forward / forward_backward -------------------------------------------------------------
@@ -143,7 +143,7 @@ class Trainer:
             if backward:
                 raise EngineError("adapter_id: forward_backward needs an adapter; the base model is never trained")
             return None
-        adapter = self.registry.on_device(adapter_id)
+        adapter = self.residency.on_device(adapter_id)
         if backward and not adapter.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         return adapter
@@ -155,7 +155,7 @@ class Trainer:
         losses: dict[tuple[int, int], np.ndarray] = {}
         loss_sum = [0.0] * len(preps)
         pending: dict[str, Pairs] = {}
-        runner = self.registry.runner
+        runner = self.residency.runner
         try:
             batches = self.plan(rows, budget)
             for i, mb in enumerate(batches):
@@ -224,13 +224,13 @@ class Trainer:
         if backward:
             index = {a.id: k for k, a in enumerate(adapters)}
             row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
-        runner = self.registry.runner
+        runner = self.residency.runner
         if runner is not None:  # every rank runs the forward on its share; the loss stays here
             lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward)
         elif backward:
             lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
-            lora = self.registry.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
+            lora = self.residency.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
         if lora is not None:
             lora.row_lengths = [r.length for r in mb]
 
@@ -292,7 +292,7 @@ class Trainer:
         costs O(L²) memory traffic (measurably slow at 30 layers). leaves[id][target] holds the
         per-layer (A, B) leaves viewing the bank; their .grad is that adapter's gradient.
         """
-        return training_lora(self.registry.bank, adapters, row_adapter, self.device, self.registry.dtype)
+        return training_lora(self.residency.bank, adapters, row_adapter, self.device, self.residency.dtype)
 
     def recompute(self, padded_tokens: int) -> bool:
         """Recompute transformer blocks in backward (activation checkpointing) for a batch this big."""

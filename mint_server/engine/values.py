@@ -55,6 +55,14 @@ class NotSupportedError(EngineError):
     """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
 
 
+class SampleCancelled(EngineError):
+    """A sample that was cancelled (its cancel event set, its future cancelled, or its session
+    ended): its sequences stopped and their KV blocks were freed. The one form of that error."""
+
+    def __init__(self, message: str = "the request was cancelled") -> None:
+        super().__init__(message)
+
+
 class EngineFailed(RuntimeError):
     """Part of the engine died (a tensor-parallel rank): the work it held fails with this, and so
     does any later work, at once, until the server is restarted (HTTP 503)."""

@@ -195,10 +195,6 @@ class LoraBatch:
     def num_adapters(self) -> int:
         return int(self.scale.shape[0])
 
-    @property
-    def is_base_only(self) -> bool:
-        return not self.weights or bool((self.rows < 0).all())
-
     def has(self, target: str) -> bool:
         return target in self.weights
 

@@ -28,7 +28,7 @@ def model(sampling_llama_dir):
 
 
 @pytest.fixture
-def registry(model):
+def residency(model):
     from tests.engine.helpers import make_residency
 
     return make_residency(model.config, num_slots=6, max_rank=8)

@@ -47,19 +47,19 @@ def train_job(trainer: Any, adapter_id: str | None, datums: list, loss_fn: str =
 class SamplerHarness:
     """A Sampler with the old one-call submit: parse, reference the adapter, queue."""
 
-    def __init__(self, model: Any, registry: Residency, *, kv_slots: int = 8, max_seq_len: int = 96,
+    def __init__(self, model: Any, residency: Residency, *, kv_slots: int = 8, max_seq_len: int = 96,
                  records: Any = None, tokenizer: Any = None, decode: Any = None, max_num_samples: int = 1024,
                  max_step_tokens: int = 16384, **sampler_kw: Any) -> None:
-        self.registry = registry
+        self.residency = residency
         self.prep = preparer(model.config, records=records, tokenizer=tokenizer, max_context=max_seq_len,
-                             max_num_samples=max_num_samples, max_rank=registry.bank.max_rank)
+                             max_num_samples=max_num_samples, max_rank=residency.bank.max_rank)
         if decode is not None:
             self.prep.decode = decode
         if "eos_token_ids" in sampler_kw:
             from mint_server.engine.sampler_ops import StopCondition
 
             self.prep.eos = StopCondition(token_ids=frozenset(sampler_kw.pop("eos_token_ids")))
-        self.sampler = Sampler(model, registry, kv_budget_tokens=kv_slots * max_seq_len, max_seq_len=max_seq_len,
+        self.sampler = Sampler(model, residency, kv_budget_tokens=kv_slots * max_seq_len, max_seq_len=max_seq_len,
                                records=records, max_step_tokens=max_step_tokens, **sampler_kw)
 
     def __getattr__(self, name: str) -> Any:
@@ -77,9 +77,9 @@ class SamplerHarness:
         return self._queue_job(self.prep.score(adapter_id, tokens), adapter_id)
 
     def _queue_job(self, job: Any, adapter_id: str | None) -> Future:
-        adapter = self.registry.get(adapter_id) if adapter_id is not None else None
+        adapter = self.residency.get(adapter_id) if adapter_id is not None else None
         if adapter is not None:
-            self.registry.ref(adapter)
+            self.residency.ref(adapter)
         return self.sampler.submit(job, adapter)
 
 
@@ -102,10 +102,10 @@ def AdapterRegistry(cfg: ModelConfig, num_slots: int, max_rank: int, device: str
 class TrainerHarness(Trainer):
     """A Trainer whose calls take raw requests and parse them first, as the engine's callers do."""
 
-    def __init__(self, model: Any, registry: Residency, base_model: str, records: Any = None, **kw: Any) -> None:
-        super().__init__(model, registry, base_model, **kw)
-        self.prep = preparer(model.config, records=records, max_rank=registry.bank.max_rank)
-        self.state = AdapterState(registry, base_model, model.config)
+    def __init__(self, model: Any, residency: Residency, base_model: str, records: Any = None, **kw: Any) -> None:
+        super().__init__(model, residency, base_model, **kw)
+        self.prep = preparer(model.config, records=records, max_rank=residency.bank.max_rank)
+        self.state = AdapterState(residency, base_model, model.config)
         self.save_state, self.load_state = self.state.save_state, self.state.load_state
         self.export_peft, self.interpolate, self._params = self.state.export_peft, self.state.interpolate, self.state._params
 
@@ -132,4 +132,4 @@ class TrainerHarness(Trainer):
         return self.state.optim_step(self.prep.optim(params).on(adapter_id))
 
     def create_adapter(self, lora: Any) -> str:
-        return self.registry.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed).id
+        return self.residency.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed).id

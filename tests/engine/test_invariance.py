@@ -45,15 +45,15 @@ def test_a_row_alone_equals_the_row_in_a_mixed_batch(model):
 
 
 def sample_alone_and_crowded(model, temperature: float):
-    registry = make_residency(model.config, num_slots=8, max_rank=8)
-    ids = [registry.install(random_adapter(model.config, r, seed=s), trainable=s == 1).id
+    residency = make_residency(model.config, num_slots=8, max_rank=8)
+    ids = [residency.install(random_adapter(model.config, r, seed=s), trainable=s == 1).id
            for r, s in ((4, 1), (8, 2), (2, 3), (1, 4))]
     prompt = prompt_of(7, 13)
     p = types.SamplingParams(stop=[], max_tokens=12, temperature=temperature, seed=5)
-    alone_sampler = make_sampler(model, registry, kv_slots=64)
+    alone_sampler = make_sampler(model, residency, kv_slots=64)
     alone = alone_sampler.submit(ids[0], prompt, 1, p)
     drain(alone_sampler)
-    crowded_sampler = make_sampler(model, registry, kv_slots=512)
+    crowded_sampler = make_sampler(model, residency, kv_slots=512)
     # 63 co-tenant rows on other adapters and the base, other prompts and lengths, admitted first
     others = [crowded_sampler.submit(ids[1 + k % 3] if k % 4 else None, prompt_of(100 + k, 5 + k % 11), 1,
                                      types.SamplingParams(stop=[], max_tokens=4 + k % 9, temperature=1.0, seed=k))
@@ -62,7 +62,7 @@ def sample_alone_and_crowded(model, temperature: float):
     crowded = crowded_sampler.submit(ids[0], prompt, 1, p)
     drain(crowded_sampler)
     assert all(len(f.result().sequences[0].tokens) > 0 for f in others)
-    return registry, ids[0], prompt, alone.result().sequences[0], crowded.result().sequences[0]
+    return residency, ids[0], prompt, alone.result().sequences[0], crowded.result().sequences[0]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -74,8 +74,8 @@ def test_sampled_tokens_and_logprobs_alone_equal_those_beside_63_co_tenants(mode
 
 def test_sampled_logprobs_equal_the_training_forward_bitwise(model):
     """True on-policy: the trainer's forward over prompt + sample gives the sampler's logprobs."""
-    registry, aid, prompt, _, seq = sample_alone_and_crowded(model, 1.0)
-    trainer = Trainer(model, registry, base_model="tiny")
+    residency, aid, prompt, _, seq = sample_alone_and_crowded(model, 1.0)
+    trainer = Trainer(model, residency, base_model="tiny")
     tokens = prompt + seq.tokens
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
@@ -90,8 +90,8 @@ def test_a_policy_trained_beside_three_others_equals_it_alone(model):
     """A fused pass with three other policies (longer and shorter rows) gives the policy's logprobs,
     loss and gradients bitwise as a pass of its own."""
     def fresh():
-        registry = AdapterRegistry(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
-        return Trainer(model, registry, base_model="tiny")
+        residency = AdapterRegistry(model.config, num_slots=6, max_rank=8, device="cpu", dtype=torch.float32)
+        return Trainer(model, residency, base_model="tiny")
 
     alone, fused = fresh(), fresh()
     mine = sft_datums([17, 9, 23], seed=1)
@@ -106,7 +106,7 @@ def test_a_policy_trained_beside_three_others_equals_it_alone(model):
         assert rf.metrics["loss:sum"] == ra.metrics["loss:sum"], step
         for x, y in zip(rf.loss_fn_outputs, ra.loss_fn_outputs, strict=True):
             assert torch.equal(x["logprobs"].to_torch(), y["logprobs"].to_torch()), step
-        ga, gf = alone.registry.get(a_alone).grads, fused.registry.get(a).grads
+        ga, gf = alone.residency.get(a_alone).grads, fused.residency.get(a).grads
         assert set(ga) == set(gf)
         for t in ga:
             assert torch.equal(gf[t][0], ga[t][0]) and torch.equal(gf[t][1], ga[t][1]), (step, t)

@@ -75,7 +75,7 @@ def test_24_training_clients_on_4_slots_equal_each_alone(train_llama_dir, tmp_pa
             t.start()
         for t in threads:
             t.join(timeout=600)
-        stats = busy.registry.stats
+        stats = busy.residency.stats
     finally:
         busy.shutdown()
     assert not errors, errors[0]
@@ -116,7 +116,7 @@ def test_200_revisions_on_4_slots_each_equal_alone(sampling_llama_dir, tmp_path)
     try:
         futures = [_sample(tight, AdapterSource(f"r{i}", peft_dir=d), prompts[i]) for i, d in enumerate(dirs)]
         got = [f.result(timeout=600).sequences[0].tokens for f in futures]
-        stats = tight.registry.stats
+        stats = tight.residency.stats
     finally:
         tight.shutdown()
     assert got == expected
@@ -140,7 +140,7 @@ def test_a_long_sample_keeps_its_slot_through_a_storm_of_loads(sampling_llama_di
         stormy.resume()
         assert all(len(f.result(timeout=600).sequences[0].tokens) == 3 for f in storm)
         assert long.result(timeout=600).sequences[0].tokens == reference
-        assert stormy.registry.stats.evictions["device"] >= 37  # the other three slots churned
+        assert stormy.residency.stats.evictions["device"] >= 37  # the other three slots churned
     finally:
         stormy.shutdown()
 
@@ -165,6 +165,6 @@ def test_an_op_needing_more_adapters_than_slots_is_refused_not_stuck(train_llama
         a, b = (e.create_adapter(types.LoraConfig(rank=4, seed=s)).result() for s in (1, 2))
         with pytest.raises(EngineError, match="device-slots"):
             e.interpolate([a, b], [0.5, 0.5])
-        assert e.registry.get(e.interpolate([a, a], [0.5, 0.5]).result()) is not None  # one adapter: fine
+        assert e.residency.get(e.interpolate([a, a], [0.5, 0.5]).result()) is not None  # one adapter: fine
     finally:
         e.shutdown()

@@ -24,13 +24,13 @@ def tokenizer(sampling_llama_dir):
     return AutoTokenizer.from_pretrained(sampling_llama_dir)
 
 
-def make_sampler(model, registry, **kw) -> SamplerHarness:
+def make_sampler(model, residency, **kw) -> SamplerHarness:
     kw = {"kv_slots": 8, "max_seq_len": 96, "block_size": 8, "records": SamplingRecords(), **kw}
-    return SamplerHarness(model, registry, **kw)
+    return SamplerHarness(model, residency, **kw)
 
 
-def install(registry, rank: int, seed: int) -> str:
-    return registry.install(random_adapter(registry.cfg, rank, seed), trainable=False).id
+def install(residency, rank: int, seed: int) -> str:
+    return residency.install(random_adapter(residency.cfg, rank, seed), trainable=False).id
 
 
 def params(**kw) -> types.SamplingParams:
@@ -50,17 +50,17 @@ def prompt_of(seed: int, n: int, vocab: int = 320) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def full_logprobs(model, registry, adapter_id, tokens: list[int]) -> torch.Tensor:
+def full_logprobs(model, residency, adapter_id, tokens: list[int]) -> torch.Tensor:
     """The training view: log_softmax of one plain forward over the whole sequence (no cache)."""
-    slot = -1 if adapter_id is None else registry.get(adapter_id).slot
-    lora = None if slot < 0 else registry.bank.batch([slot])
+    slot = -1 if adapter_id is None else residency.get(adapter_id).slot
+    lora = None if slot < 0 else residency.bank.batch([slot])
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([tokens]), lora=lora)[0].float(), -1)
 
 
-def solo(model, registry, adapter_id, prompt, p, n=1, **kw):
+def solo(model, residency, adapter_id, prompt, p, n=1, **kw):
     """The same request on a fresh sampler with nothing else running."""
-    s = make_sampler(model, registry, **kw)
+    s = make_sampler(model, residency, **kw)
     f = s.submit(adapter_id, prompt, n, p)
     drain(s)
     return [q.tokens for q in f.result().sequences]
@@ -104,10 +104,10 @@ def test_greedy_matches_transformers_peft_in_one_mixed_batch(fixture, request, t
     assert got[1] != got[0] and got[2] != got[1]  # the adapters really steer generation
 
 
-def test_sampled_and_prompt_logprobs_equal_the_training_forward(model, registry):
-    aid = install(registry, 4, seed=5)
+def test_sampled_and_prompt_logprobs_equal_the_training_forward(model, residency):
+    aid = install(residency, 4, seed=5)
     records = SamplingRecords()
-    sampler = make_sampler(model, registry, records=records)
+    sampler = make_sampler(model, residency, records=records)
     prompt = prompt_of(7, 13)  # 13 = one full block of 8 and a partial one: forks copy the partial block
     f = sampler.submit(aid, prompt, 3, params(temperature=1.0, top_p=0.9, top_k=40, seed=3, max_tokens=20),
                        prompt_logprobs=True, topk_prompt_logprobs=3, record_stability_info=True)
@@ -118,18 +118,18 @@ def test_sampled_and_prompt_logprobs_equal_the_training_forward(model, registry)
     assert [s.sequence_id for s in res.sequences] == f.sequence_ids
     assert len({tuple(s.tokens) for s in res.sequences}) == 3  # three distinct samples
     for seq in res.sequences:
-        ref = full_logprobs(model, registry, aid, prompt + seq.tokens)
+        ref = full_logprobs(model, residency, aid, prompt + seq.tokens)
         want = [ref[len(prompt) + i - 1, t].item() for i, t in enumerate(seq.tokens)]
         for_model(model.config).check(seq.logprobs, want, "sampled logprobs")
         assert records.get(seq.sequence_id) == seq.logprobs
         rec = records.get_record(seq.sequence_id)
         assert rec.tokens.tolist() == seq.tokens and rec.prompt_tokens.tolist() == prompt and rec.adapter_id == aid
     seq = base.result().sequences[0]
-    ref = full_logprobs(model, registry, None, prompt + seq.tokens)
+    ref = full_logprobs(model, residency, None, prompt + seq.tokens)
     for_model(model.config).check(seq.logprobs, [ref[len(prompt) + i - 1, t].item() for i, t in enumerate(seq.tokens)], "base")
     assert records.get(seq.sequence_id) is None  # not asked to record
 
-    ref = full_logprobs(model, registry, aid, prompt)
+    ref = full_logprobs(model, residency, aid, prompt)
     want = [None] + [ref[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
     for got in (res.prompt_logprobs, scored.result()):
         assert got[0] is None
@@ -142,11 +142,11 @@ def test_sampled_and_prompt_logprobs_equal_the_training_forward(model, registry)
     assert base.result().prompt_logprobs is None and base.result().topk_prompt_logprobs is None
 
 
-def test_first_token_frequencies_match_the_models_filtered_softmax(model, registry):
+def test_first_token_frequencies_match_the_models_filtered_softmax(model, residency):
     """End to end: 6000 seeded samples of one token each, forked off one prefill."""
     draws, temperature, top_k, top_p = 6000, 0.5, 6, 0.8
     prompt = prompt_of(21, 10)
-    sampler = make_sampler(model, registry, kv_slots=draws // 2 + 10, max_seq_len=16, max_num_samples=draws,
+    sampler = make_sampler(model, residency, kv_slots=draws // 2 + 10, max_seq_len=16, max_num_samples=draws,
                            max_batch_rows=draws)
     f = sampler.submit(None, prompt, draws, params(temperature=temperature, top_k=top_k, top_p=top_p, seed=9,
                                                   max_tokens=1))
@@ -156,7 +156,7 @@ def test_first_token_frequencies_match_the_models_filtered_softmax(model, regist
 
     from tests.engine.test_sampling_ops import filtered_softmax
 
-    logits = full_logprobs(model, registry, None, prompt)[-1].double().numpy()
+    logits = full_logprobs(model, residency, None, prompt)[-1].double().numpy()
     expected = filtered_softmax(logits, temperature, top_k, top_p)
     # σ ≤ √(0.25 / 6000) ≈ 0.0065; 0.03 is > 4.5σ.
     assert np.abs(freq - expected).max() <= 0.03, (freq[expected > 0], expected[expected > 0])
@@ -166,9 +166,9 @@ def test_first_token_frequencies_match_the_models_filtered_softmax(model, regist
 # --- stopping -----------------------------------------------------------------------------------
 
 
-def test_stop_strings_spanning_token_boundaries(model, registry, tokenizer):
+def test_stop_strings_spanning_token_boundaries(model, residency, tokenizer):
     prompt = prompt_of(31, 6)
-    (gen,) = solo(model, registry, None, prompt, params(max_tokens=60))
+    (gen,) = solo(model, residency, None, prompt, params(max_tokens=60))
     text = [tokenizer.decode(gen[:i]) for i in range(len(gen) + 1)]
     # A 3-character stop string made of the last two characters before token i and the first one of
     # token i: it spans a token boundary, and its first occurrence completes at token i.
@@ -184,7 +184,7 @@ def test_stop_strings_spanning_token_boundaries(model, registry, tokenizer):
         if first == i + 1:
             cases.append((stop, i + 1))
     assert len(cases) >= 2, "the tiny model's greedy text should offer boundary-spanning stop strings"
-    sampler = make_sampler(model, registry, tokenizer=tokenizer)
+    sampler = make_sampler(model, residency, tokenizer=tokenizer)
     (stop1, n1), (stop2, n2) = cases[0], cases[-1]
     f1 = sampler.submit(None, prompt, 1, params(max_tokens=60, stop=stop1))  # a bare string
     f2 = sampler.submit(None, prompt, 1, params(max_tokens=60, stop=["\x00never", stop2]))
@@ -196,11 +196,11 @@ def test_stop_strings_spanning_token_boundaries(model, registry, tokenizer):
     assert (s3.tokens, s3.stop_reason) == (gen[: gen.index(gen[4]) + 1], "stop")
 
 
-def test_default_stop_is_eos_and_empty_list_never_stops(model, registry):
+def test_default_stop_is_eos_and_empty_list_never_stops(model, residency):
     prompt = prompt_of(32, 6)
-    (gen,) = solo(model, registry, None, prompt, params(max_tokens=30))
+    (gen,) = solo(model, residency, None, prompt, params(max_tokens=30))
     eos = gen[7]
-    sampler = make_sampler(model, registry, eos_token_ids=[eos])
+    sampler = make_sampler(model, residency, eos_token_ids=[eos])
     f_default = sampler.submit(None, prompt, 1, params(max_tokens=30, stop=None))
     f_never = sampler.submit(None, prompt, 1, params(max_tokens=30))
     drain(sampler)
@@ -212,13 +212,13 @@ def test_default_stop_is_eos_and_empty_list_never_stops(model, registry):
 # --- batching, determinism, memory --------------------------------------------------------------
 
 
-def test_request_admitted_mid_decode_returns_what_it_returns_alone(model, registry):
-    adapters = [install(registry, r, seed=40 + r) for r in (2, 4, 8)]
+def test_request_admitted_mid_decode_returns_what_it_returns_alone(model, residency):
+    adapters = [install(residency, r, seed=40 + r) for r in (2, 4, 8)]
     target = dict(adapter_id=adapters[1], prompt=prompt_of(50, 11),
                   p=params(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=25))
-    alone = solo(model, registry, target["adapter_id"], target["prompt"], target["p"], n=2)
+    alone = solo(model, residency, target["adapter_id"], target["prompt"], target["p"], n=2)
 
-    sampler = make_sampler(model, registry, kv_slots=24)
+    sampler = make_sampler(model, residency, kv_slots=24)
     others = [
         sampler.submit([None, *adapters][i % 4], prompt_of(100 + i, 5 + i % 7), 1,
                        params(temperature=[0.0, 1.0, 0.7][i % 3], seed=i, max_tokens=40))
@@ -232,18 +232,18 @@ def test_request_admitted_mid_decode_returns_what_it_returns_alone(model, regist
     assert [s.tokens for s in f.result().sequences] == alone
     assert all(len(o.result().sequences[0].tokens) == 40 for o in others)
     # and the same seed reproduces, a different one does not
-    again = solo(model, registry, target["adapter_id"], target["prompt"], target["p"], n=2)
-    other = solo(model, registry, target["adapter_id"], target["prompt"], target["p"].model_copy(update={"seed": 99}), n=2)
+    again = solo(model, residency, target["adapter_id"], target["prompt"], target["p"], n=2)
+    other = solo(model, residency, target["adapter_id"], target["prompt"], target["p"].model_copy(update={"seed": 99}), n=2)
     assert again == alone and other != alone
 
 
-def test_more_work_than_the_kv_budget_is_queued_and_completes(model, registry):
+def test_more_work_than_the_kv_budget_is_queued_and_completes(model, residency):
     # Budget: 2 × 48 = 96 positions = 12 blocks of 8. Each sample needs ⌈(6 + 20) / 8⌉ = 4 blocks,
     # so three run at a time; the 5-sample request alone cannot fit at once and goes in waves.
     kw = dict(kv_slots=2, max_seq_len=48)
     prompts = [prompt_of(200 + i, 6) for i in range(10)]
     p = params(max_tokens=20)
-    sampler = make_sampler(model, registry, **kw)
+    sampler = make_sampler(model, residency, **kw)
     assert sampler.cache.nbytes == 2 * sampler.cache.k.numel() * 4
     assert sampler.cache.k.shape[1] == 12 + 1  # + the scratch block
     futures = [sampler.submit(None, pr, 1, p) for pr in prompts]
@@ -254,47 +254,47 @@ def test_more_work_than_the_kv_budget_is_queued_and_completes(model, registry):
     assert sampler.pool.peak_used <= 12
     assert sampler.stats.peak_rows == 3
     for pr, f in zip(prompts, futures, strict=True):
-        assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
+        assert f.result().sequences[0].tokens == solo(model, residency, None, pr, p)[0]
     assert [s.tokens for s in big.result().sequences] == solo(
-        model, registry, None, prompts[0], params(max_tokens=20, temperature=1.0, seed=5), n=5, kv_slots=8
+        model, residency, None, prompts[0], params(max_tokens=20, temperature=1.0, seed=5), n=5, kv_slots=8
     )
 
 
-def test_shared_prefill_for_samples_and_identical_prompts(model, registry):
-    aid = install(registry, 4, seed=60)
+def test_shared_prefill_for_samples_and_identical_prompts(model, residency):
+    aid = install(residency, 4, seed=60)
     prompt = prompt_of(61, 13)
-    sampler = make_sampler(model, registry)
+    sampler = make_sampler(model, residency)
     n4 = sampler.submit(aid, prompt, 4, params(max_tokens=10))
     twin = sampler.submit(aid, prompt, 1, params(max_tokens=10))
     base = sampler.submit(None, prompt, 1, params(max_tokens=10))  # same prompt, other adapter: own prefill
     drain(sampler)
     assert sampler.stats.prompt_rows == 2 and sampler.stats.prefill_tokens == 26
-    (one,) = solo(model, registry, aid, prompt, params(max_tokens=10))
+    (one,) = solo(model, residency, aid, prompt, params(max_tokens=10))
     assert [s.tokens for s in n4.result().sequences] == [one] * 4
     assert twin.result().sequences[0].tokens == one
     assert n4.result().prompt_cache_hit_tokens == 0 and twin.result().prompt_cache_hit_tokens == 13
     assert base.result().sequences[0].tokens != one
 
 
-def test_admitted_requests_finish_on_their_revision(model, registry):
-    old = install(registry, 4, seed=70)
+def test_admitted_requests_finish_on_their_revision(model, residency):
+    old = install(residency, 4, seed=70)
     prompt, p = prompt_of(71, 8), params(max_tokens=24)
-    (reference,) = solo(model, registry, old, prompt, p)
-    old_slot = registry.get(old).slot
-    sampler = make_sampler(model, registry)
+    (reference,) = solo(model, residency, old, prompt, p)
+    old_slot = residency.get(old).slot
+    sampler = make_sampler(model, residency)
     f = sampler.submit(old, prompt, 1, p)
     for _ in range(5):
         sampler.step()
-    new = install(registry, 4, seed=72)  # the next revision, installed while `old` is mid-decode
-    registry.release(old)  # and the old one released: its slot must survive until the request ends
-    assert registry.get(new).slot != old_slot
+    new = install(residency, 4, seed=72)  # the next revision, installed while `old` is mid-decode
+    residency.release(old)  # and the old one released: its slot must survive until the request ends
+    assert residency.get(new).slot != old_slot
     with pytest.raises(EngineError, match="adapter"):
         sampler.submit(old, prompt, 1, p)
     g = sampler.submit(new, prompt, 1, p)
     drain(sampler)
     assert f.result().sequences[0].tokens == reference
     assert g.result().sequences[0].tokens != reference
-    assert registry._slots[old_slot] is None  # freed once the last request on it finished
+    assert residency._slots[old_slot] is None  # freed once the last request on it finished
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -326,41 +326,41 @@ def test_admitted_requests_finish_on_their_revision(model, registry):
         ("adapter", dict(adapter="no-such-adapter")),
     ],
 )
-def test_bad_input_names_the_field_and_leaves_the_batch_alone(model, registry, field, kwargs):
-    aid = install(registry, 2, seed=80)
+def test_bad_input_names_the_field_and_leaves_the_batch_alone(model, residency, field, kwargs):
+    aid = install(residency, 2, seed=80)
     prompt, p = prompt_of(81, 7), params(max_tokens=15, temperature=1.0, seed=2)
-    (reference,) = solo(model, registry, aid, prompt, p)
-    sampler = make_sampler(model, registry)
+    (reference,) = solo(model, residency, aid, prompt, p)
+    sampler = make_sampler(model, residency)
     f = sampler.submit(aid, prompt, 1, p)
     sampler.step()
     bad = dict(adapter=aid, prompt=prompt_of(82, 10), n=1, p=params(), topk=0, opts={}) | kwargs
     with pytest.raises(EngineError, match=field):
         sampler.submit(bad["adapter"], bad["prompt"], bad["n"], bad["p"], topk_prompt_logprobs=bad["topk"], **bad["opts"])
-    assert registry.get(aid).refs == 1  # a refused request holds no pin
+    assert residency.get(aid).refs == 1  # a refused request holds no pin
     drain(sampler)
     assert f.result().sequences[0].tokens == reference
-    assert registry.get(aid).refs == 0
+    assert residency.get(aid).refs == 0
 
 
-def test_stop_strings_without_a_tokenizer_are_refused(model, registry):
+def test_stop_strings_without_a_tokenizer_are_refused(model, residency):
     with pytest.raises(EngineError, match="stop"):
-        make_sampler(model, registry).submit(None, [5, 6], 1, params(stop=["\n"]))
+        make_sampler(model, residency).submit(None, [5, 6], 1, params(stop=["\n"]))
 
 
-def test_a_request_cancelled_while_queued_is_dropped(model, registry):
-    aid = install(registry, 2, seed=90)
-    sampler = make_sampler(model, registry)
+def test_a_request_cancelled_while_queued_is_dropped(model, residency):
+    aid = install(residency, 2, seed=90)
+    sampler = make_sampler(model, residency)
     f: Future = sampler.submit(aid, [5, 6, 7], 1, params())
-    assert registry.get(aid).refs == 1 and f.cancel()
+    assert residency.get(aid).refs == 1 and f.cancel()
     drain(sampler)
-    assert registry.get(aid).refs == 0 and sampler.stats.forwards == 0
+    assert residency.get(aid).refs == 0 and sampler.stats.forwards == 0
 
 
-def test_submit_from_many_threads_while_the_worker_steps(model, registry):
+def test_submit_from_many_threads_while_the_worker_steps(model, residency):
     import threading
 
-    aid = install(registry, 4, seed=95)
-    sampler = make_sampler(model, registry, kv_slots=6)
+    aid = install(residency, 4, seed=95)
+    sampler = make_sampler(model, residency, kv_slots=6)
     futures: list[Future] = []
     lock = threading.Lock()
 
@@ -381,13 +381,13 @@ def test_submit_from_many_threads_while_the_worker_steps(model, registry):
         t.join()
     drain(sampler)
     assert len(futures) == 32 and all(len(f.result().sequences[0].tokens) >= 6 for f in futures)
-    assert registry.get(aid).refs == 0
+    assert residency.get(aid).refs == 0
 
 
-def test_step_budget_chunks_prompts_beside_decode_and_tiny_temperatures_are_greedy(model, registry):
+def test_step_budget_chunks_prompts_beside_decode_and_tiny_temperatures_are_greedy(model, residency):
     prompts = [prompt_of(400 + i, 8) for i in range(3)] + [prompt_of(404, 30)]
     p = params(max_tokens=5)
-    sampler = make_sampler(model, registry, max_step_tokens=20)
+    sampler = make_sampler(model, residency, max_step_tokens=20)
     futures = [sampler.submit(None, pr, 1, p) for pr in prompts]
     futures.append(sampler.submit(None, prompts[0], 1, params(max_tokens=5, temperature=1e-9, seed=1)))
     drain(sampler)
@@ -396,7 +396,7 @@ def test_step_budget_chunks_prompts_beside_decode_and_tiny_temperatures_are_gree
     s = sampler.stats
     assert s.peak_step_tokens <= 20 and s.prefill_chunks > s.prompt_rows and s.prefill_tokens == 4 * 8 + 30
     for pr, f in zip(prompts, futures, strict=False):
-        assert f.result().sequences[0].tokens == solo(model, registry, None, pr, p)[0]
+        assert f.result().sequences[0].tokens == solo(model, residency, None, pr, p)[0]
     assert futures[-1].result().sequences[0].tokens == futures[0].result().sequences[0].tokens
 
 
@@ -425,8 +425,8 @@ def stream_job(sampler, adapter_id, prompt, n, p, on_token=None, cancel=None, st
     return sampler._queue_job(job, adapter_id)
 
 
-def test_token_callback_sees_every_token_in_order(model, registry):
-    sampler = make_sampler(model, registry)
+def test_token_callback_sees_every_token_in_order(model, residency):
+    sampler = make_sampler(model, residency)
     seen: list[tuple[int, int, float]] = []
     f = stream_job(sampler, None, [5, 6, 7], 3, params(temperature=1.0, seed=3),
                    on_token=lambda i, t, lp, top: seen.append((i, t, lp)))
@@ -436,9 +436,9 @@ def test_token_callback_sees_every_token_in_order(model, registry):
         assert np.array_equal(np.asarray([lp for j, _, lp in seen if j == i], dtype=np.float32), seq.logprobs_np)
 
 
-def test_top_logprobs_are_the_training_forwards_and_stream_as_they_are_returned(model, registry):
-    aid = install(registry, 4, seed=6)
-    sampler = make_sampler(model, registry)
+def test_top_logprobs_are_the_training_forwards_and_stream_as_they_are_returned(model, residency):
+    aid = install(residency, 4, seed=6)
+    sampler = make_sampler(model, residency)
     prompt = prompt_of(8, 11)
     seen: dict[int, list] = {0: [], 1: []}
     job = sampler.prep.sample(aid, prompt, 2, params(temperature=1.0, seed=9, max_tokens=10), top_logprobs=5)
@@ -448,7 +448,7 @@ def test_top_logprobs_are_the_training_forwards_and_stream_as_they_are_returned(
     for i, seq in enumerate(f.result().sequences):
         top = seq.topk_logprobs
         assert len(top) == len(seq.tokens) and all(len(t) == 5 for t in top)
-        ref = full_logprobs(model, registry, aid, prompt + seq.tokens)[len(prompt) - 1 : -1]
+        ref = full_logprobs(model, residency, aid, prompt + seq.tokens)[len(prompt) - 1 : -1]
         v, ids = ref.topk(5, dim=-1)
         assert [[tok for tok, _ in t] for t in top] == ids.tolist()
         lps = np.array([[lp for _, lp in t] for t in top])
@@ -464,11 +464,11 @@ def test_top_logprobs_are_the_training_forwards_and_stream_as_they_are_returned(
     assert plain.result().sequences[0].topk_logprobs is None
 
 
-def test_frequency_and_presence_penalties_steer_greedy_decoding(model, registry):
+def test_frequency_and_presence_penalties_steer_greedy_decoding(model, residency):
     prompt = prompt_of(12, 6)
-    sampler = make_sampler(model, registry)
+    sampler = make_sampler(model, residency)
     p = params(max_tokens=40)
-    (repeats,) = solo(model, registry, None, prompt, p)
+    (repeats,) = solo(model, residency, None, prompt, p)
     assert len(set(repeats)) < len(repeats)  # the tiny model repeats itself when greedy
     zero = sampler.submit(None, prompt, 1, p, frequency_penalty=0.0, presence_penalty=0.0)
     freq = sampler.submit(None, prompt, 1, p, frequency_penalty=2.0, top_logprobs=3)
@@ -479,20 +479,20 @@ def test_frequency_and_presence_penalties_steer_greedy_decoding(model, registry)
         seq = f.result().sequences[0]
         assert seq.tokens != repeats and len(set(seq.tokens)) > len(set(repeats))
         # Reported logprobs (and alternatives) stay the raw model's: what training computes.
-        ref = full_logprobs(model, registry, None, prompt + seq.tokens)[len(prompt) - 1 : -1]
+        ref = full_logprobs(model, residency, None, prompt + seq.tokens)[len(prompt) - 1 : -1]
         want = ref.gather(1, torch.tensor(seq.tokens)[:, None]).squeeze(1).numpy()
         for_model(model.config).check(seq.logprobs, want, "penalised")
         if f is freq:
             assert [[tok for tok, _ in t] for t in seq.topk_logprobs] == ref.topk(3, dim=-1).indices.tolist()
 
 
-def test_cancel_stops_running_and_queued_requests_and_frees_their_blocks(model, registry):
+def test_cancel_stops_running_and_queued_requests_and_frees_their_blocks(model, residency):
     import threading
 
-    from mint_server.engine.sampling import SampleCancelled
+    from mint_server.engine.values import SampleCancelled
 
-    aid = install(registry, 2, seed=91)
-    sampler = make_sampler(model, registry, kv_slots=2)
+    aid = install(residency, 2, seed=91)
+    sampler = make_sampler(model, residency, kv_slots=2)
     cancel_running, cancel_queued = threading.Event(), threading.Event()
     running = stream_job(sampler, aid, [5, 6, 7], 2, params(max_tokens=80), cancel=cancel_running)
     queued = stream_job(sampler, None, [5, 6, 7], 1, params(max_tokens=80), cancel=cancel_queued)  # no room yet
@@ -509,12 +509,12 @@ def test_cancel_stops_running_and_queued_requests_and_frees_their_blocks(model, 
     with pytest.raises(SampleCancelled):
         queued.result(timeout=0)
     assert len(other.result().sequences[0].tokens) == 4
-    assert registry.get(aid).refs == 0
+    assert residency.get(aid).refs == 0
 
 
-def test_stop_at_eos_keeps_eos_next_to_stop_strings(model, registry, tokenizer):
-    first = solo(model, registry, None, [5, 6, 7], params(max_tokens=1))[0][0]
-    sampler = make_sampler(model, registry, tokenizer=tokenizer, eos_token_ids=[first])
+def test_stop_at_eos_keeps_eos_next_to_stop_strings(model, residency, tokenizer):
+    first = solo(model, residency, None, [5, 6, 7], params(max_tokens=1))[0][0]
+    sampler = make_sampler(model, residency, tokenizer=tokenizer, eos_token_ids=[first])
     with_eos = stream_job(sampler, None, [5, 6, 7], 1, params(stop=["never-said"]), stop_at_eos=True)
     without = stream_job(sampler, None, [5, 6, 7], 1, params(stop=["never-said"]))
     drain(sampler)

@@ -17,17 +17,17 @@ from tests.engine.test_sampling import drain, install, make_sampler, params, pro
 from tests.tolerance import for_model
 
 
-def test_chunked_prefill_equals_one_pass(model, registry):
+def test_chunked_prefill_equals_one_pass(model, residency):
     """A prompt prefilled in chunks of any size, beside other sequences' decode rows, gives the
     logits and prompt scores of one pass over it, within the tolerance policy (here ≤ 1e-5)."""
-    aid = install(registry, 8, seed=3)
-    slot = registry.get(aid).slot
+    aid = install(residency, 8, seed=3)
+    slot = residency.get(aid).slot
     n, bs = 90, 8
     prompt = prompt_of(5, n)
     tol = for_model(model.config)
 
     def prefill(chunks: list[int]) -> tuple[torch.Tensor, object]:
-        ex = Executor(model, registry.bank, torch.device("cpu"), 64, bs)
+        ex = Executor(model, residency.bank, torch.device("cpu"), 64, bs)
         pool = BlockPool(64)
         blocks = pool.alloc(blocks_for(n, bs))
         other = pool.alloc(2)  # a decode row of another sequence rides along in every step
@@ -52,12 +52,12 @@ def test_chunked_prefill_equals_one_pass(model, registry):
         tol.check(np.concatenate([s[2] for s in scores])[:-1], whole_scores[0][2][:-1], "top-3 logprobs")
 
 
-def test_a_prompt_longer_than_the_step_budget_runs_in_chunks_beside_streams(model, registry):
+def test_a_prompt_longer_than_the_step_budget_runs_in_chunks_beside_streams(model, residency):
     """A prompt several step budgets long, next to running streams: same greedy tokens as alone."""
     long_prompt = prompt_of(9, 80)
     p = params(max_tokens=6)
-    alone = solo(model, registry, None, long_prompt, p, max_seq_len=96)
-    sampler = make_sampler(model, registry, max_step_tokens=16)
+    alone = solo(model, residency, None, long_prompt, p, max_seq_len=96)
+    sampler = make_sampler(model, residency, max_step_tokens=16)
     streams = [sampler.submit(None, prompt_of(20 + i, 4), 1, params(max_tokens=30)) for i in range(3)]
     for _ in range(3):
         sampler.step()
@@ -68,16 +68,16 @@ def test_a_prompt_longer_than_the_step_budget_runs_in_chunks_beside_streams(mode
     assert all(len(s.result().sequences[0].tokens) == 30 for s in streams)
 
 
-def test_preempted_rows_resume_and_return_what_they_return_unpreempted(model, registry):
+def test_preempted_rows_resume_and_return_what_they_return_unpreempted(model, residency):
     """A less-served key's request finds the KV full of another key's rows: the most-served rows are
     swapped out, it runs, and they resume from the same KV, their tokens unchanged."""
-    aid = install(registry, 4, seed=30)
+    aid = install(residency, 4, seed=30)
     heavy_p = params(temperature=1.0, seed=11, max_tokens=40)
     heavy_prompts = [prompt_of(40 + i, 6) for i in range(3)]
-    alone = [solo(model, registry, aid, pr, heavy_p)[0] for pr in heavy_prompts]
-    quiet_alone = solo(model, registry, None, prompt_of(50, 5), params(max_tokens=8))[0]
+    alone = [solo(model, residency, aid, pr, heavy_p)[0] for pr in heavy_prompts]
+    quiet_alone = solo(model, residency, None, prompt_of(50, 5), params(max_tokens=8))[0]
     # 3 sequences of 6 + 40 tokens fill the pool (3 × 6 blocks of 8 = 18 of 18)
-    sampler = make_sampler(model, registry, kv_slots=3, max_seq_len=48)
+    sampler = make_sampler(model, residency, kv_slots=3, max_seq_len=48)
     heavy = [sampler.submit(aid, pr, 1, heavy_p, key="heavy") for pr in heavy_prompts]
     for _ in range(5):
         sampler.step()
@@ -101,13 +101,13 @@ def test_preemption_round_trip_is_bitwise_in_batch_invariant_mode(sampling_llama
     from tests.engine.helpers import make_residency
 
     model = load_model(sampling_llama_dir, device="cpu")
-    registry = make_residency(model.config, num_slots=2, max_rank=8)
+    residency = make_residency(model.config, num_slots=2, max_rank=8)
     enable_for_model(model.config, 8, "cpu", torch.float32)
     try:
         p = params(temperature=0.8, seed=3, max_tokens=30)
         prompts = [prompt_of(70 + i, 7) for i in range(2)]
-        alone = [solo(model, registry, None, pr, p)[0] for pr in prompts]
-        sampler = make_sampler(model, registry, kv_slots=2, max_seq_len=40)
+        alone = [solo(model, residency, None, pr, p)[0] for pr in prompts]
+        sampler = make_sampler(model, residency, kv_slots=2, max_seq_len=40)
         fs = [sampler.submit(None, pr, 1, p, key="heavy") for pr in prompts]
         for _ in range(4):
             sampler.step()
@@ -119,8 +119,8 @@ def test_preemption_round_trip_is_bitwise_in_batch_invariant_mode(sampling_llama
         invariant.set_enabled(False)
 
 
-def test_every_cancel_applies_at_the_next_step_and_frees_all_kv(model, registry):
-    sampler = make_sampler(model, registry, kv_slots=40, max_seq_len=64)
+def test_every_cancel_applies_at_the_next_step_and_frees_all_kv(model, residency):
+    sampler = make_sampler(model, residency, kv_slots=40, max_seq_len=64)
     futures = [sampler.submit(None, prompt_of(i, 5), 1, params(max_tokens=50), key="flood") for i in range(30)]
     for _ in range(3):
         sampler.step()
@@ -137,8 +137,8 @@ def test_every_cancel_applies_at_the_next_step_and_frees_all_kv(model, registry)
             f.result(timeout=0)
 
 
-def test_interactive_work_is_admitted_and_served_ahead_of_batch_work(model, registry):
-    sampler = make_sampler(model, registry, kv_slots=4, max_seq_len=48)
+def test_interactive_work_is_admitted_and_served_ahead_of_batch_work(model, residency):
+    sampler = make_sampler(model, residency, kv_slots=4, max_seq_len=48)
     batch = [sampler.prep.sample(None, prompt_of(80 + i, 6), 1, params(max_tokens=40), key="k",
                                  priority=Priority.BATCH) for i in range(6)]
     futures = [sampler._queue_job(j, None) for j in batch]
@@ -157,10 +157,10 @@ def test_interactive_work_is_admitted_and_served_ahead_of_batch_work(model, regi
     assert all(len(f.result().sequences[0].tokens) == 40 for f in futures)
 
 
-def test_a_quiet_key_finishes_in_its_own_steps_under_another_keys_flood(model, registry):
+def test_a_quiet_key_finishes_in_its_own_steps_under_another_keys_flood(model, residency):
     """200 rows of one key, then one 8-token request of another: it is admitted at once and runs in
     every step (least served), so it finishes in 8 steps, as alone."""
-    sampler = make_sampler(model, registry, kv_slots=210, max_seq_len=40, max_batch_rows=256,
+    sampler = make_sampler(model, residency, kv_slots=210, max_seq_len=40, max_batch_rows=256,
                            max_step_tokens=64)
     flood = [sampler.submit(None, prompt_of(i, 4), 1, params(max_tokens=30, temperature=1.0, seed=i), key="flood")
              for i in range(200)]

@@ -29,8 +29,8 @@ def model(train_llama_dir):
 
 
 def new_trainer(model, **kw) -> Trainer:
-    registry = AdapterRegistry(model.config, num_slots=6, max_rank=16, device="cpu", dtype=torch.float32)
-    return Trainer(model, registry, base_model="tiny", **kw)
+    residency = AdapterRegistry(model.config, num_slots=6, max_rank=16, device="cpu", dtype=torch.float32)
+    return Trainer(model, residency, base_model="tiny", **kw)
 
 
 @pytest.fixture
@@ -54,7 +54,7 @@ def install_random(trainer, rank=4, seed=3, alpha=16.0, trainable=True):
     """An adapter with random nonzero A and B (PEFT's zero-B init would make A's gradient zero)."""
     w = random_adapter(trainer.model.config, rank, seed)
     w.alpha = alpha
-    return trainer.registry.install(w, trainable=trainable), w
+    return trainer.residency.install(w, trainable=trainable), w
 
 
 def peft_reference(model_dir, adapter_dir, datums):
@@ -124,10 +124,10 @@ def test_gradients_accumulate_and_optim_step_clears_them(trainer):
     for t, (a, b) in adapter.grads.items():
         torch.testing.assert_close(a, g1[t][0] + fresh.grads[t][0])
         torch.testing.assert_close(b, g1[t][1] + fresh.grads[t][1])
-    before = trainer.registry.weights(adapter.id).weights["q_proj"][1].clone()
+    before = trainer.residency.weights(adapter.id).weights["q_proj"][1].clone()
     resp = trainer.optim_step(adapter.id, ADAM)
     assert resp.metrics["grad_norm:mean"] > 0 and adapter.grads == {} and adapter.optim.step == 1
-    assert not torch.equal(trainer.registry.weights(adapter.id).weights["q_proj"][1], before)
+    assert not torch.equal(trainer.residency.weights(adapter.id).weights["q_proj"][1], before)
 
 
 def test_forward_gives_logprobs_without_touching_gradients(trainer, model):
@@ -175,27 +175,27 @@ def test_fused_step_isolates_adapters(model):
     b = fused.create_adapter(types.LoraConfig(rank=8, seed=2, train_unembed=False))
     c = fused.create_adapter(types.LoraConfig(rank=4, seed=3))
     a_alone = alone.create_adapter(types.LoraConfig(rank=4, seed=1))
-    c_before = fused.registry.weights(c)
+    c_before = fused.residency.weights(c)
     da, db = sft_datums([15, 6], seed=7), sft_datums([19, 12, 4], seed=8)
     for _ in range(3):
         ra, rb = fused.run([TrainRequest(a, da, "cross_entropy"), TrainRequest(b, db, "cross_entropy")])
         (ra_alone,) = alone.run([TrainRequest(a_alone, da, "cross_entropy")])
         tol(model).check_scalar(ra.metrics["loss:sum"], ra_alone.metrics["loss:sum"], 21)
-        for t, (gA, gB) in fused.registry.get(a).grads.items():
-            ref = alone.registry.get(a_alone).grads[t]
+        for t, (gA, gB) in fused.residency.get(a).grads.items():
+            ref = alone.residency.get(a_alone).grads[t]
             tol(model).check_rel(gA, ref[0], (t, "A"))
             tol(model).check_rel(gB, ref[1], (t, "B"))
         for tr, aid in ((fused, a), (fused, b), (alone, a_alone)):
             tr.optim_step(aid, ADAM)
-    wa, wa_alone = fused.registry.weights(a).weights, alone.registry.weights(a_alone).weights
+    wa, wa_alone = fused.residency.weights(a).weights, alone.residency.weights(a_alone).weights
     for t in wa:
         # Adam's normalised step is ~lr per element whatever the gradient's rounding: the weights
         # agree to lr times the gradients' relative bound.
         tol(model).check(wa[t][0], wa_alone[t][0], (t, "A"))
         tol(model).check(wa[t][1], wa_alone[t][1], (t, "B"))
-    for t, (A, B) in fused.registry.weights(c).weights.items():
+    for t, (A, B) in fused.residency.weights(c).weights.items():
         assert torch.equal(A, c_before.weights[t][0]) and torch.equal(B, c_before.weights[t][1])
-    assert fused.registry.get(c).grads == {} and fused.registry.get(c).optim.step == 0
+    assert fused.residency.get(c).grads == {} and fused.residency.get(c).optim.step == 0
 
 
 def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
@@ -215,7 +215,7 @@ def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
     assert calls == [1, 2, 2] * 2  # [21], [17, 14], [9, 3] under a budget of 40 padded tokens
     for x, y in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs, strict=True):
         tol(model).check(x["logprobs"].to_torch(), y["logprobs"].to_torch(), "micro-batched logprobs")
-    ga, gb = plain.registry.get(ids[0]).grads, split.registry.get(ids[1]).grads
+    ga, gb = plain.residency.get(ids[0]).grads, split.residency.get(ids[1]).grads
     for t in ga:
         tol(model).check_rel(gb[t][0], ga[t][0], (t, "A"))
         tol(model).check_rel(gb[t][1], ga[t][1], (t, "B"))
@@ -247,7 +247,7 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
             tr.run([TrainRequest(aid, datums, "cross_entropy")])
             tr.optim_step(aid, ADAM)
         outs = tr.run([TrainRequest(aid, datums, "importance_sampling") for aid, datums in zip(ids, reqs, strict=True)])
-        results.append((outs, [tr.registry.get(aid).grads for aid in ids]))
+        results.append((outs, [tr.residency.get(aid).grads for aid in ids]))
     assert checkpointed[-1] is True and checkpointed[len(checkpointed) // 2 - 1] is False
     assert budget.recompute(156) and not budget.recompute(13)
     (outs_a, grads_a), (outs_b, grads_b) = results
@@ -289,13 +289,13 @@ def test_sft_learns_on_smollm2(smollm2_dir):
 
 def _reverse_kl_reference(trainer, student, reference, rows, temperature):
     """Per datum, no padding: Σ_t w_t Σ_v p_s (log p_s − log p_r) with right-aligned inputs."""
-    model, bank = trainer.model, trainer.registry.bank
+    model, bank = trainer.model, trainer.residency.bank
     total, per_datum = 0.0, []
     for s_tok, r_tok, w in rows:
         with torch.no_grad():
             lora_r = bank.batch([reference.slot]) if reference is not None else None
             ref_logits = model(torch.tensor([r_tok]), lora=lora_r)[0][len(r_tok) - len(s_tok):]
-        lora, leaves = stacked_training_batch(trainer.registry, [student], [0])
+        lora, leaves = stacked_training_batch(trainer.residency, [student], [0])
         s_lp = torch.log_softmax(model(torch.tensor([s_tok]), lora=lora)[0] / temperature, -1)
         r_lp = torch.log_softmax(ref_logits / temperature, -1)
         kl = (s_lp.exp() * (s_lp - r_lp)).sum(-1) * torch.tensor(w)
@@ -337,7 +337,7 @@ def test_reverse_kl_against_itself_is_zero_and_checks_input(trainer):
     student, _ = install_random(trainer, seed=3)
     d = ReverseKLDatum(types.ModelInput.from_ints([5, 6, 7, 8]), types.ModelInput.from_ints([5, 6, 7, 8]),
                        [6, 7, 8, 9], [1.0] * 4)
-    clone = trainer.registry.install(trainer.registry.weights(student.id), trainable=False)
+    clone = trainer.residency.install(trainer.residency.weights(student.id), trainable=False)
     out = trainer.reverse_kl(student.id, clone.id, [d])
     assert abs(out.metrics["loss:sum"]) < 1e-5
     assert all(g.abs().max() < 1e-6 for pair in student.grads.values() for g in pair)
@@ -352,8 +352,8 @@ def test_reverse_kl_against_itself_is_zero_and_checks_input(trainer):
 
 
 def snapshot(trainer, aid):
-    a = trainer.registry.get(aid)
-    return ({t: (x.clone(), y.clone()) for t, (x, y) in trainer.registry.weights(aid).weights.items()},
+    a = trainer.residency.get(aid)
+    return ({t: (x.clone(), y.clone()) for t, (x, y) in trainer.residency.weights(aid).weights.items()},
             {t: (x.clone(), y.clone()) for t, (x, y) in a.grads.items()}, a.optim.step)
 
 
@@ -421,23 +421,23 @@ def test_bad_requests_fail_alone_and_leave_state_unchanged(trainer):
 
 def test_bf16_bank_keeps_fp32_masters(train_llama_dir, tmp_path):
     model = load_model(train_llama_dir, device="cpu", dtype=torch.bfloat16)
-    registry = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.bfloat16)
-    trainer = Trainer(model, registry, base_model="tiny")
+    residency = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.bfloat16)
+    trainer = Trainer(model, residency, base_model="tiny")
     aid = trainer.create_adapter(types.LoraConfig(rank=4, seed=0))
     datums = sft_datums([10, 6], seed=13)
     for _ in range(3):
         trainer.run([TrainRequest(aid, datums, "cross_entropy")])
         trainer.optim_step(aid, types.AdamParams(learning_rate=1e-4))
-    a = registry.get(aid)
+    a = residency.get(aid)
     master = trainer._params(a)
-    bank_B = registry.bank.B["q_proj"][a.slot, :, :, :4]
+    bank_B = residency.bank.B["q_proj"][a.slot, :, :, :4]
     assert master["q_proj"][1].dtype == torch.float32
     assert torch.equal(master["q_proj"][1].to(torch.bfloat16), bank_B)
     assert not torch.equal(master["q_proj"][1], bank_B.float())  # updates below bf16 resolution are kept
     trainer.save_state(aid, tmp_path / "state")
     other = Trainer(model, AdapterRegistry(model.config, 2, 8, "cpu", torch.bfloat16), base_model="tiny")
     bid = other.load_state(None, tmp_path / "state")
-    assert torch.equal(other._params(other.registry.get(bid))["q_proj"][1], master["q_proj"][1])
+    assert torch.equal(other._params(other.residency.get(bid))["q_proj"][1], master["q_proj"][1])
 
 
 def test_stable_reinforce_uses_the_samplers_records(model):
@@ -460,16 +460,16 @@ def test_stable_reinforce_uses_the_samplers_records(model):
         **by_id.loss_fn_inputs, "logprobs": [0.0] * 3 + recorded.tolist()})
     grads = []
     for datum, recs in ((by_id, records), (explicit, None)):
-        registry = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.float32)
-        tr = Trainer(model, registry, base_model="tiny", records=recs)
+        residency = AdapterRegistry(model.config, num_slots=2, max_rank=8, device="cpu", dtype=torch.float32)
+        tr = Trainer(model, residency, base_model="tiny", records=recs)
         aid = tr.create_adapter(types.LoraConfig(rank=4, seed=0))
         tr.run([TrainRequest(aid, [datum], "stable_reinforce")])
-        grads.append(registry.get(aid).grads)
+        grads.append(residency.get(aid).grads)
     for t in grads[0]:
         assert torch.equal(grads[0][t][1], grads[1][t][1]) and grads[0][t][1].abs().max() > 0
 
 
-def stacked_training_batch(registry, adapters, row_adapter):  # the simple [n, layers, …] reference
+def stacked_training_batch(residency, adapters, row_adapter):  # the simple [n, layers, …] reference
     """A LoraBatch whose A/B are fresh leaves viewing the bank, so backward yields per-adapter grads.
 
     row_adapter[i] indexes `adapters` (or -1 for base). Returns the batch and
@@ -483,19 +483,19 @@ def stacked_training_batch(registry, adapters, row_adapter):  # the simple [n, l
         As, Bs = [], []
         for a in adapters:
             if t in a.targets:
-                A = registry.bank.A[t][a.slot, :, : a.rank].detach().requires_grad_(True)
-                B = registry.bank.B[t][a.slot, :, :, : a.rank].detach().requires_grad_(True)
+                A = residency.bank.A[t][a.slot, :, : a.rank].detach().requires_grad_(True)
+                B = residency.bank.B[t][a.slot, :, :, : a.rank].detach().requires_grad_(True)
                 leaves[a.id][t] = (A, B)
             else:  # this adapter has no LoRA on t: zero weights, no grad wanted
-                L, fi, fo = registry.bank.shapes[t]
-                A = torch.zeros(L, a.rank, fi, device=registry.device, dtype=registry.dtype)
-                B = torch.zeros(L, fo, a.rank, device=registry.device, dtype=registry.dtype)
+                L, fi, fo = residency.bank.shapes[t]
+                A = torch.zeros(L, a.rank, fi, device=residency.device, dtype=residency.dtype)
+                B = torch.zeros(L, fo, a.rank, device=residency.device, dtype=residency.dtype)
             pad = rmax - a.rank
             As.append(F.pad(A, (0, 0, 0, pad)) if pad else A)
             Bs.append(F.pad(B, (0, pad)) if pad else B)
         weights[t] = (torch.stack(As), torch.stack(Bs))
-    scale = torch.tensor([a.scale for a in adapters], device=registry.device, dtype=torch.float32)
-    rows = torch.tensor(row_adapter, dtype=torch.long, device=registry.device)
+    scale = torch.tensor([a.scale for a in adapters], device=residency.device, dtype=torch.float32)
+    rows = torch.tensor(row_adapter, dtype=torch.long, device=residency.device)
     return LoraBatch(weights=weights, rows=rows, scale=scale), leaves
 
 
@@ -507,7 +507,7 @@ def test_a_pass_in_slices_lets_sampler_steps_run_between_with_the_same_gradients
 
     whole, sliced = new_trainer(model), new_trainer(model)
     datums = sft_datums([30, 30, 30, 30, 20, 20, 10, 10], seed=21)
-    sampler = Sampler(model, sliced.registry, kv_budget_tokens=512, max_seq_len=128)
+    sampler = Sampler(model, sliced.residency, kv_budget_tokens=512, max_seq_len=128)
     stream = sampler.submit(sliced.prep.sample(None, [5, 6, 7], 1, params(max_tokens=100)), None)
     steps_between: list[int] = []
 
@@ -528,7 +528,7 @@ def test_a_pass_in_slices_lets_sampler_steps_run_between_with_the_same_gradients
     assert not stream.done()
     for x, y in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs, strict=True):
         assert float((x["logprobs"].to_torch() - y["logprobs"].to_torch()).abs().max()) <= 1e-6
-    ga, gb = whole.registry.get(ids[0]).grads, sliced.registry.get(ids[1]).grads
+    ga, gb = whole.residency.get(ids[0]).grads, sliced.residency.get(ids[1]).grads
     for t in ga:
         for i in (0, 1):
             assert float((gb[t][i] - ga[t][i]).abs().max()) <= 1e-6 * max(1.0, float(ga[t][i].abs().max()))
@@ -544,12 +544,12 @@ def test_a_step_with_non_finite_moments_is_rolled_back_exactly(trainer):
     for gA, gB in adapter.grads.values():
         gA.fill_(1e20)
         gB.fill_(1e20)
-    weights = {t: (a.clone(), b.clone()) for t, (a, b) in trainer.registry.weights(adapter.id).weights.items()}
+    weights = {t: (a.clone(), b.clone()) for t, (a, b) in trainer.residency.weights(adapter.id).weights.items()}
     moments = {t: tuple(m.clone() for m in ms) for t, ms in adapter.optim.moments.items()}
     with pytest.raises(EngineError, match="non-finite"):
         trainer.optim_step(adapter.id, types.AdamParams(learning_rate=1e-3))
     assert adapter.optim.step == 1 and adapter.grads
-    for t, (a, b) in trainer.registry.weights(adapter.id).weights.items():
+    for t, (a, b) in trainer.residency.weights(adapter.id).weights.items():
         assert torch.equal(a, weights[t][0]) and torch.equal(b, weights[t][1])
     for t, ms in adapter.optim.moments.items():
         assert all(torch.equal(m, m0) for m, m0 in zip(ms, moments[t], strict=True))

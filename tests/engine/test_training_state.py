@@ -26,8 +26,8 @@ def model(train_llama_dir):
 
 
 def new_trainer(model, max_rank=16) -> Trainer:
-    registry = AdapterRegistry(model.config, num_slots=6, max_rank=max_rank, device="cpu", dtype=torch.float32)
-    return Trainer(model, registry, base_model="tiny")
+    residency = AdapterRegistry(model.config, num_slots=6, max_rank=max_rank, device="cpu", dtype=torch.float32)
+    return Trainer(model, residency, base_model="tiny")
 
 
 @pytest.mark.parametrize("clip", [0.0, 0.5])
@@ -60,7 +60,7 @@ def _train(trainer, aid, datums, steps):
 
 
 def _weights(trainer, aid):
-    return trainer.registry.weights(aid).weights
+    return trainer.residency.weights(aid).weights
 
 
 def test_save_load_continue_is_bitwise_identical(model, tmp_path):
@@ -76,13 +76,13 @@ def test_save_load_continue_is_bitwise_identical(model, tmp_path):
     resumed = new_trainer(model)
     resumed.create_adapter(types.LoraConfig(rank=4, seed=9))  # a different slot than before
     rid = resumed.load_state(None, tmp_path / "state", include_optimizer=True)
-    assert resumed.registry.get(rid).optim.step == 2 and resumed.registry.get(rid).trainable
+    assert resumed.residency.get(rid).optim.step == 2 and resumed.residency.get(rid).trainable
     _train(resumed, rid, datums, 3)
     w1, w2 = _weights(first, aid), _weights(resumed, rid)
     assert w1.keys() == w2.keys()
     for t in w1:
         assert torch.equal(w1[t][0], w2[t][0]) and torch.equal(w1[t][1], w2[t][1]), t
-    m1, m2 = first.registry.get(aid).optim.moments, resumed.registry.get(rid).optim.moments
+    m1, m2 = first.residency.get(aid).optim.moments, resumed.residency.get(rid).optim.moments
     for t in m1:
         assert all(torch.equal(x, y) for x, y in zip(m1[t], m2[t], strict=True))
 
@@ -98,7 +98,7 @@ def test_load_state_into_an_adapter_and_errors(model, tmp_path):
     other = tr.create_adapter(types.LoraConfig(rank=8, seed=5))
     tr.run([TrainRequest(other, sft_datums([5], seed=3), "cross_entropy")])  # pending grads get dropped
     assert tr.load_state(other, tmp_path / "weights-only", include_optimizer=False) == other
-    o = tr.registry.get(other)
+    o = tr.residency.get(other)
     assert o.grads == {} and o.optim.step == 0
     for t, (A, B) in _weights(tr, aid).items():
         assert torch.equal(A, _weights(tr, other)[t][0]) and torch.equal(B, _weights(tr, other)[t][1])
@@ -130,13 +130,13 @@ def test_peft_export_loads_in_peft_and_import_round_trips(model, train_llama_dir
                                    tmp_path / "peft")
     with torch.no_grad():
         ref = hf(tokens).logits
-        slot = tr.registry.get(aid).slot
-        ours = model(tokens, lora=tr.registry.bank.batch([slot, slot]))
+        slot = tr.residency.get(aid).slot
+        ours = model(tokens, lora=tr.residency.bank.batch([slot, slot]))
         base = model(tokens)
     assert (ours - base).abs().max() > 1e-3
     assert (ours - ref).abs().max() <= 1e-4
 
-    imported = tr.registry.install(load_peft(tmp_path / "peft", model.config), trainable=False).id
+    imported = tr.residency.install(load_peft(tmp_path / "peft", model.config), trainable=False).id
     tr.export_peft(imported, tmp_path / "again")  # export → read → export is bit-exact
     a, b = load_file(tmp_path / "peft" / "adapter_model.safetensors"), load_file(tmp_path / "again" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -144,7 +144,7 @@ def test_peft_export_loads_in_peft_and_import_round_trips(model, train_llama_dir
 
 def _delta(tr, aid):
     """ΔW per target and layer: scale · B @ A."""
-    a = tr.registry.get(aid)
+    a = tr.residency.get(aid)
     return {t: a.scale * (B @ A) for t, (A, B) in _weights(tr, aid).items()}
 
 
@@ -155,18 +155,18 @@ def test_interpolation_is_exact_and_bounded_by_max_rank(model):
     d1, d2 = _delta(tr, a1.id), _delta(tr, a2.id)
 
     same = tr.interpolate([a1.id, a2.id], [1.0, 0.0])
-    assert tr.registry.get(same).rank == 4 and not tr.registry.get(same).trainable
+    assert tr.residency.get(same).rank == 4 and not tr.residency.get(same).trainable
     for t, d in _delta(tr, same).items():
         torch.testing.assert_close(d, d1[t], rtol=0, atol=1e-7)
 
     avg = tr.interpolate([a1.id, a2.id], [0.5, 0.5])
-    assert tr.registry.get(avg).rank == 10
+    assert tr.residency.get(avg).rank == 10
     for t, d in _delta(tr, avg).items():
         torch.testing.assert_close(d, 0.5 * d1[t] + 0.5 * d2[t], rtol=1e-6, atol=1e-7)
     tokens = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():  # the same model function as merging both deltas by hand
-        bank = tr.registry.bank
-        ours = model(tokens, lora=bank.batch([tr.registry.get(avg).slot]))
+        bank = tr.residency.bank
+        ours = model(tokens, lora=bank.batch([tr.residency.get(avg).slot]))
         w = {t: (torch.cat([_weights(tr, a1.id)[t][0], _weights(tr, a2.id)[t][0]], 1),
                  torch.cat([0.5 * a1.scale * _weights(tr, a1.id)[t][1], 0.5 * a2.scale * _weights(tr, a2.id)[t][1]], 2))
              for t in d1}
@@ -174,7 +174,7 @@ def test_interpolation_is_exact_and_bounded_by_max_rank(model):
         torch.testing.assert_close(ours, model(tokens, lora=bank.batch([5])), rtol=1e-5, atol=1e-5)
 
     big, _ = install_random(tr, rank=12, seed=3)
-    assert tr.registry.get(tr.interpolate([a1.id, big.id], [0.5, 0.5])).rank == 16  # exactly the max: fine
+    assert tr.residency.get(tr.interpolate([a1.id, big.id], [0.5, 0.5])).rank == 16  # exactly the max: fine
     with pytest.raises(EngineError, match="would have rank 18"):
         tr.interpolate([a2.id, big.id], [0.5, 0.5])
     with pytest.raises(EngineError, match="coefficients: 1 given for 2 adapters"):

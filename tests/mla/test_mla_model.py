@@ -80,11 +80,11 @@ def test_training_grads_match_autograd_through_merged_transformers(fixture, requ
     model_dir = request.getfixturevalue(fixture)
     model = load_model(model_dir, device="cpu")
     cfg = model.config
-    registry = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
-    trainer = Trainer(model, registry, base_model="tiny-deepseek")
+    residency = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    trainer = Trainer(model, residency, base_model="tiny-deepseek")
     weights = random_adapter(cfg, rank=4, seed=5)
-    adapter = registry.install(weights, trainable=True)
-    other = registry.install(random_adapter(cfg, rank=2, seed=6), trainable=True)  # fused with another adapter
+    adapter = residency.install(weights, trainable=True)
+    other = residency.install(random_adapter(cfg, rank=2, seed=6), trainable=True)  # fused with another adapter
     datums = sft_datums([17, 9, 21], seed=1)
     outs = trainer.run([TrainRequest(adapter.id, datums, "cross_entropy"),
                         TrainRequest(other.id, sft_datums([11], seed=2), "cross_entropy")])
@@ -113,9 +113,9 @@ def test_training_grads_match_autograd_through_merged_transformers(fixture, requ
 def test_train_switches_cover_mla_and_shared_experts(v3_dir):
     model = load_model(v3_dir, device="cpu")
     trainer = Trainer(model, AdapterRegistry(model.config, 3, 8, "cpu", torch.float32), base_model="tiny-deepseek")
-    full = trainer.registry.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1)))
+    full = trainer.residency.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1)))
     assert set(full.targets) == set(target_layers(model.config))
-    attn = trainer.registry.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1, train_mlp=False,
+    attn = trainer.residency.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1, train_mlp=False,
                                                                         train_unembed=False)))
     assert set(attn.targets) == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"}
     assert set(ALL_TARGETS) >= set(full.targets)

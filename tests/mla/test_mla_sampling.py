@@ -22,15 +22,15 @@ from tests.tolerance import for_model
 @pytest.mark.parametrize("fixture", ["v3_dir", "v32_dir"])
 def test_sampled_logprobs_equal_the_training_forward(fixture, request):
     model = load_model(request.getfixturevalue(fixture), device="cpu")
-    registry = AdapterRegistry(model.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
-    ids = [registry.install(random_adapter(model.config, r, seed=s), trainable=False).id for r, s in ((4, 1), (8, 2))]
-    sampler = Sampler(model, registry, kv_slots=8, max_seq_len=64, block_size=8, records=SamplingRecords())
+    residency = AdapterRegistry(model.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    ids = [residency.install(random_adapter(model.config, r, seed=s), trainable=False).id for r, s in ((4, 1), (8, 2))]
+    sampler = Sampler(model, residency, kv_slots=8, max_seq_len=64, block_size=8, records=SamplingRecords())
     prompt = prompt_of(7, 13)
     p = types.SamplingParams(stop=[], max_tokens=14, temperature=1.0, seed=3)
     futures = {a: sampler.submit(a, prompt, 2, p) for a in [None, *ids]}
     drain(sampler)
     for aid, f in futures.items():
-        lora = None if aid is None else registry.bank.batch([registry.get(aid).slot])
+        lora = None if aid is None else residency.bank.batch([residency.get(aid).slot])
         for seq in f.result().sequences:
             with torch.no_grad():
                 ref = torch.log_softmax(model(torch.tensor([prompt + seq.tokens]), lora=lora)[0], -1)
@@ -44,11 +44,11 @@ def test_greedy_in_one_mixed_batch_matches_transformers_with_merged_lora(fixture
     model_dir = request.getfixturevalue(fixture)
     model = load_model(model_dir, device="cpu")
     cfg = model.config
-    registry = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    residency = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
     adapters = [random_adapter(cfg, 4, seed=11), random_adapter(cfg, 8, seed=12)]
-    ids = [None] + [registry.install(w, trainable=False).id for w in adapters]
+    ids = [None] + [residency.install(w, trainable=False).id for w in adapters]
     prompt = prompt_of(1, 9)
-    sampler = Sampler(model, registry, kv_slots=8, max_seq_len=64, block_size=8, records=SamplingRecords())
+    sampler = Sampler(model, residency, kv_slots=8, max_seq_len=64, block_size=8, records=SamplingRecords())
     p = types.SamplingParams(stop=[], max_tokens=10, temperature=0.0)
     futures = [sampler.submit(a, prompt, 1, p) for a in ids]
     drain(sampler)

@@ -99,11 +99,11 @@ def sft_datums(lengths, seed, vocab=320):
 def test_training_grads_match_autograd_through_merged_transformers(moe_dir, expert_path):
     model = load_model(moe_dir, device="cpu")
     cfg = model.config
-    registry = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
-    trainer = Trainer(model, registry, base_model="tiny-moe")
+    residency = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    trainer = Trainer(model, residency, base_model="tiny-moe")
     weights = random_adapter(cfg, rank=4, seed=5)
-    adapter = registry.install(weights, trainable=True)
-    other = registry.install(random_adapter(cfg, rank=2, seed=6), trainable=True)  # fused with another adapter
+    adapter = residency.install(weights, trainable=True)
+    other = residency.install(random_adapter(cfg, rank=2, seed=6), trainable=True)  # fused with another adapter
     datums = sft_datums([17, 9, 23], seed=1)
     outs = trainer.run([TrainRequest(adapter.id, datums, "cross_entropy"),
                         TrainRequest(other.id, sft_datums([11], seed=2), "cross_entropy")])
@@ -132,12 +132,12 @@ def test_training_grads_match_autograd_through_merged_transformers(moe_dir, expe
 def test_train_mlp_switch_covers_the_experts(moe_dir):
     model = load_model(moe_dir, device="cpu")
     trainer = Trainer(model, AdapterRegistry(model.config, 3, 8, "cpu", torch.float32), base_model="tiny-moe")
-    with_mlp = trainer.registry.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1)))
+    with_mlp = trainer.residency.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1)))
     assert set(with_mlp.targets) == set(lora_mod.target_layers(model.config))  # no dense MLP layers here
     assert set(with_mlp.targets) <= set(ALL_TARGETS) - {"gate_proj", "up_proj", "down_proj"}
-    no_mlp = trainer.registry.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1, train_mlp=False)))
+    no_mlp = trainer.residency.get(trainer.create_adapter(types.LoraConfig(rank=4, seed=1, train_mlp=False)))
     assert not set(no_mlp.targets) & set(EXPERT_TARGETS)
-    A, B = trainer.registry.weights(with_mlp.id).weights["expert_gate_proj"]
+    A, B = trainer.residency.weights(with_mlp.id).weights["expert_gate_proj"]
     assert A.shape == (2, 8, 4, 64) and B.shape == (2, 8, 32, 4) and not B.any()
 
 

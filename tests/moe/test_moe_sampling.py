@@ -26,15 +26,15 @@ def prompt_of(seed: int, n: int) -> list[int]:
 
 def test_sampled_logprobs_equal_the_training_forward(moe_dir):
     model = load_model(moe_dir, device="cpu")
-    registry = AdapterRegistry(model.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
-    ids = [registry.install(random_adapter(model.config, r, seed=s), trainable=False).id for r, s in ((4, 1), (8, 2))]
-    sampler = Sampler(model, registry, kv_slots=8, max_seq_len=96, block_size=8, records=SamplingRecords())
+    residency = AdapterRegistry(model.config, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    ids = [residency.install(random_adapter(model.config, r, seed=s), trainable=False).id for r, s in ((4, 1), (8, 2))]
+    sampler = Sampler(model, residency, kv_slots=8, max_seq_len=96, block_size=8, records=SamplingRecords())
     prompt = prompt_of(7, 13)
     p = types.SamplingParams(stop=[], max_tokens=16, temperature=1.0, seed=3)
     futures = {a: sampler.submit(a, prompt, 2, p) for a in [None, *ids]}
     drain(sampler)
     for aid, f in futures.items():
-        lora = None if aid is None else registry.bank.batch([registry.get(aid).slot])
+        lora = None if aid is None else residency.bank.batch([residency.get(aid).slot])
         for seq in f.result().sequences:
             with torch.no_grad():
                 ref = torch.log_softmax(model(torch.tensor([prompt + seq.tokens]), lora=lora)[0], -1)
@@ -45,11 +45,11 @@ def test_sampled_logprobs_equal_the_training_forward(moe_dir):
 def test_greedy_in_one_mixed_batch_matches_transformers_with_merged_lora(moe_dir):
     model = load_model(moe_dir, device="cpu")
     cfg = model.config
-    registry = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
+    residency = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
     adapters = [random_adapter(cfg, 4, seed=11), random_adapter(cfg, 8, seed=12)]
-    ids = [None] + [registry.install(w, trainable=False).id for w in adapters]
+    ids = [None] + [residency.install(w, trainable=False).id for w in adapters]
     prompts = [prompt_of(1, 9)] * 3  # one prompt: the rows differ only by adapter
-    sampler = Sampler(model, registry, kv_slots=8, max_seq_len=96, block_size=8, records=SamplingRecords())
+    sampler = Sampler(model, residency, kv_slots=8, max_seq_len=96, block_size=8, records=SamplingRecords())
     p = types.SamplingParams(stop=[], max_tokens=12, temperature=0.0)
     futures = [sampler.submit(a, pr, 1, p) for a, pr in zip(ids, prompts, strict=True)]
     drain(sampler)

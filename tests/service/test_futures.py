@@ -137,15 +137,15 @@ def test_metrics_and_session_expiry(tiny_dir: Path, tmp_path: Path) -> None:
     with LiveServer(engine, tmp_path / "d", session_ttl_s=0.5, upkeep_interval_s=0.1) as server:
         api = Api(server)
         model_id = api.model()
-        assert len(engine.registry) == 1
+        assert len(engine.residency) == 1
         text = httpx.get(f"{server.url}/metrics").text
         assert 'mint_adapters_resident{tier="device"} 1.0' in text
         assert "mint_engine_step_seconds_count" in text and "mint_requests_waiting_for_adapter 0.0" in text
         assert "mint_operation_seconds_count" in text
         deadline = time.monotonic() + 5
-        while len(engine.registry) and time.monotonic() < deadline:
+        while len(engine.residency) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(engine.registry) == 0  # the expired session's adapter was released
+        assert len(engine.residency) == 0  # the expired session's adapter was released
         assert api.post("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}}).status_code == 404
         assert api.post("session_heartbeat", {"session_id": model_id.split(":")[0]}).status_code == 410
 
@@ -180,5 +180,5 @@ def test_unload_and_extension_inputs(server: LiveServer) -> None:
     assert r.status_code == 400
 
     done = api.result(api.ok("unload_model", {"model_id": model_id})["request_id"]).json()
-    assert done["model_id"] == model_id and len(server.engine.registry) == 0
+    assert done["model_id"] == model_id and len(server.engine.residency) == 0
     assert api.post("optim_step", {"model_id": model_id, "seq_id": 2, "adam_params": {}}).status_code == 404

@@ -70,10 +70,10 @@ def test_24_sdk_training_clients_on_4_slots(tiny_dir: Path, tmp_path: Path) -> N
     n = 24
     with server_with(tiny_dir, tmp_path / "roomy", slots=128, host_mb=1024) as server:
         expected = all_clients(server, n)  # every adapter resident all along: nothing is paged
-        assert server.engine.registry.stats.evictions["device"] == 0
+        assert server.engine.residency.stats.evictions["device"] == 0
     with server_with(tiny_dir, tmp_path / "busy", slots=4, host_mb=0.6) as server:
         results = all_clients(server, n)
-        stats = server.engine.registry.stats
+        stats = server.engine.residency.stats
     for (exp_losses, exp_tokens), (losses, tokens) in zip(expected, results, strict=True):  # noqa: B007
         assert losses == pytest.approx(exp_losses, abs=1e-6, rel=1e-6)
         assert tokens == exp_tokens

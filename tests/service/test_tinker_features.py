@@ -17,7 +17,7 @@ PROMPT = [5, 6, 7, 8]
 
 def _grads(server: LiveServer, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     adapter_id = server.service.core.models[model_id].adapter_id
-    return server.engine.registry.get(adapter_id).grads
+    return server.engine.residency.get(adapter_id).grads
 
 
 def _rl_datum(seq: types.SampledSequence, advantage: float, explicit: bool) -> types.Datum:
@@ -121,7 +121,7 @@ def test_inflight_sampling_reads_the_live_adapter(client_a: tinker.ServiceClient
     # The inflight session holds no copy: it samples on the training model's own slot.
     core = server.service.core
     assert core.samplers[inflight_a._sampling_session_id].live is core.models[tc.model_id]
-    loaded_before = len(server.engine.registry)
+    loaded_before = len(server.engine.residency)
 
     train(tc, 3)
     inflight_b = tc.save_weights_and_get_sampling_client(kind="inflight").result()
@@ -132,7 +132,7 @@ def test_inflight_sampling_reads_the_live_adapter(client_a: tinker.ServiceClient
     assert tokens(snapshot_old) == before  # a snapshot keeps its weights
     assert inflight_a._sampling_session_id != inflight_b._sampling_session_id  # one session each
     # Two snapshots were loaded (the old and the fresh one); the inflight clients added nothing.
-    assert len(server.engine.registry) == loaded_before + 1
+    assert len(server.engine.residency) == loaded_before + 1
 
 
 # --- server-side custom losses ---------------------------------------------------------------------
@@ -177,7 +177,7 @@ def _custom_data() -> list[types.Datum]:
 
 def _adapter_weights(server: LiveServer, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     adapter_id = server.service.core.models[model_id].adapter_id
-    return server.engine.registry.weights(adapter_id).weights
+    return server.engine.residency.weights(adapter_id).weights
 
 
 def test_custom_losses_run_on_the_server_like_on_the_client(client_a: tinker.ServiceClient, server: LiveServer) -> None:
@@ -319,7 +319,7 @@ def test_dimuon_trains_resumes_bit_exactly_and_refuses_mixing(client_a: tinker.S
     w_a, w_b = _adapter_weights(server, tc.model_id), _adapter_weights(server, resumed.model_id)
     for t in w_a:
         assert torch.equal(w_a[t][0], w_b[t][0]) and torch.equal(w_a[t][1], w_b[t][1]), t
-    moments = server.engine.registry.get(server.service.core.models[resumed.model_id].adapter_id).optim
+    moments = server.engine.residency.get(server.service.core.models[resumed.model_id].adapter_id).optim
     assert moments.family == "dimuon" and moments.step == 8
 
     # Mixing families: a clear 400, both ways, at submission.

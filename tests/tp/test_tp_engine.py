@@ -123,11 +123,11 @@ def test_tp2_engine_trains_pages_saves_and_samples_like_tp1(tmp_path: Path) -> N
     # client's split state out to the host tier (each rank its share) or on to the store (gathered)
     two = engine(model_dir, tmp_path, tp=2, slots=1, host_cache_mb=0.13)
     try:
-        assert two.runner is not None and two.registry.bank.shapes["q_proj"][2] * 2 == \
-            two.registry.bank.full_shapes["q_proj"][2]  # rank 0 holds half of q_proj's LoRA B
+        assert two.runner is not None and two.residency.bank.shapes["q_proj"][2] * 2 == \
+            two.residency.bank.full_shapes["q_proj"][2]  # rank 0 holds half of q_proj's LoRA B
         got = clients(two, SEEDS, tmp_path / "tp2")
-        assert two.registry.stats.evictions["device"] >= 6 and two.registry.stats.evictions["host"] >= 2 \
-            and two.registry.stats.loads["host"] > two.registry.stats.loads["store"] + len(SEEDS)
+        assert two.residency.stats.evictions["device"] >= 6 and two.residency.stats.evictions["host"] >= 2 \
+            and two.residency.stats.loads["host"] > two.residency.stats.loads["store"] + len(SEEDS)
         # tp=1's saved state loads into the split engine (scattered), and trains on identically
         aid = two.load_state(None, tmp_path / "tp1" / "1" / "final", True).result()
         data = sft_datums([6, 9], seed=101)

@@ -37,6 +37,7 @@ from mint_server.engine.interface import (
     AdapterSource,
     EngineError,
     Priority,
+    SampleCancelled,
     SampleJob,
     TokenCallback,
     TopLogprobs,
@@ -50,7 +51,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completio
 
 
 @dataclass(frozen=True)
-class Target:
+class ServedModel:
     """What a request samples from, pinned at admission."""
 
     model: str  # as the client named it (echoed in responses)
@@ -84,7 +85,7 @@ class Update:
 class Reply:
     """One admitted response: its engine jobs (one per prompt, parsed at admission) and its choices."""
 
-    target: Target
+    target: ServedModel
     prompts: list[list[int]]
     n: int
     jobs: list[SampleJob]
@@ -190,11 +191,11 @@ class OpenAIService:
     def _model(model_id: str, created: int) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": OWNED_BY}
 
-    def resolve(self, model: str, owner: str) -> Target:
+    def resolve(self, model: str, owner: str) -> ServedModel:
         """The base model's name, NAME, NAME@ALIAS|N|<sha prefix>, or a tinker:// path (a sampler
         checkpoint or a policy reference), pinned now."""
         if same_base_model(model, self.engine.base_model, self.engine.model_dir):  # as the Tinker face does
-            return Target(model, None, "base")
+            return ServedModel(model, None, "base")
         try:
             ref = parse_policy_ref(model) if is_checkpoint_path(model) else model
             if ref is None:
@@ -204,7 +205,7 @@ class OpenAIService:
                                            "sampler weights (tinker://RUN/sampler_weights/NAME) and policy revisions",
                                       "model")  # fmt: skip
                 source = self.core.source_of(rec, run)
-                return Target(model, source, source.key)
+                return ServedModel(model, source, source.key)
             revision, policy = self.core.policies.resolve(ref, owner)
             self.core.policies.check_servable(ref, policy)
         except NotFound as e:
@@ -213,10 +214,10 @@ class OpenAIService:
             raise OpenAIError(400, f"model {model!r}: {e}", "model") from None
         # The Tinker face's own source for this revision, named by number so it stays the one resolved now.
         source = self.core.read_source(f"tinker://{revision.policy}@{revision.number}", owner)
-        return Target(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
+        return ServedModel(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
 
     # --- the engine -------------------------------------------------------------------------------
-    def prepare(self, owner: str, target: Target, prompt: list[int], n: int, params: types.SamplingParams,
+    def prepare(self, owner: str, target: ServedModel, prompt: list[int], n: int, params: types.SamplingParams,
                 req: _Sampling, top_logprobs: int) -> SampleJob:  # fmt: skip
         """Parse one prompt's engine job now, so bad input is a 400 before any stream starts."""
         try:
@@ -284,7 +285,7 @@ class OpenAIService:
             raise OpenAIError(400, f"{param}: at most {most} alternatives per token on this server, got {asked}", param)
         return asked or 0
 
-    def _admit(self, owner: str, target: Target, prompts: list[list[int]], n: int, params: types.SamplingParams,
+    def _admit(self, owner: str, target: ServedModel, prompts: list[list[int]], n: int, params: types.SamplingParams,
                req: _Sampling, tools: bool, top_logprobs: int = 0) -> Reply:  # fmt: skip
         jobs = [self.prepare(owner, target, p, n, params, req, top_logprobs) for p in prompts]
         if self.core.sampling_inflight + len(prompts) > self.core.settings.max_inflight_samples:
@@ -324,7 +325,7 @@ class OpenAIService:
                 pending -= 1
                 done: asyncio.Future[types.SampleResponse] = value
                 if done.cancelled():
-                    raise EngineError("the request was cancelled")
+                    raise SampleCancelled()
                 if (error := done.exception()) is not None:
                     raise error
                 for i, seq in enumerate(done.result().sequences):

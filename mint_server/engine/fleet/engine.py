@@ -1,65 +1,38 @@
-"""FleetEngine: many LocalEngine replicas as Ray actors behind one Engine, routed by adapter affinity.
-
-The service process keeps the whole Engine contract: `prepare_*` parse here against the same limits
-as every replica, and `submit` routes the typed job to a replica and answers with a
-`concurrent.futures.Future`. Each replica is a Ray actor owning its own LocalEngine (its own
-residency tiers, KV cache and worker), so adding replicas adds adapter slots and compute.
-
-Routing:
-- a read-only adapter (an `AdapterSource`: checkpoint, catalog revision) has a home replica, where
-  its requests find it hot. The router places a key it has not seen where free capacity is largest
-  (fewest requests in flight per adapter slot; consistent hashing breaks ties), so a wave of cold
-  adapters spreads in proportion to free capacity, and remembers it. When the home has
-  `spill_inflight` sample requests in flight, new ones spill to the least-loaded replica (a hot
-  policy is then served by several);
-- a training adapter lives on one replica for its life: its fleet id maps to (replica, local id,
-  the replica's incarnation); every op on it goes there;
-- the bare base goes to the least-loaded replica.
-
-Transport: read-only samples submitted together leave in one Ray call per replica (`run_batch`, a
-streaming generator answering as they finish), so Ray's per-task cost does not grow with the
-request count. A streamed sample (SampleJob.on_token / cancel) runs as its own streaming generator
-(`stream`): token batches come back as drawn and go to on_token on the router's event loop; the
-cancel event, seen there, reaches the replica, which stops the sample and frees its KV.
-`cancel(future)` does the same for any sample.
-
-Faults: replicas are Ray actors with `max_restarts`, so Ray replaces one that dies. A sample request
-in flight on it is re-dispatched to another replica (same job, same seed: same tokens; a stream
-passes on only the tokens its caller has not seen). A training adapter's live state dies with its
-replica: ops on it fail with `AdapterLost` (retryable), and the service resumes the model from its
-last saved state (see api/training.py). Replicas share nothing but the store: checkpoints and
-catalog blobs on a path every node mounts.
-"""
+"""FleetEngine: the Engine facade over the replicas, and its dispatch (see the package docstring)."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import dataclasses
 import hashlib
 import itertools
 import logging
-import os
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tinker import types
 
+from mint_server.engine.fleet.metrics import FleetCollector, add_cumulative
+from mint_server.engine.fleet.replica import ReplicaActor, ray_module
+from mint_server.engine.fleet.routing import (
+    HOMES_KEPT,
+    HashRing,
+    Placement,
+    ReplicaView,
+    TrackedRequest,
+)
 from mint_server.engine.interface import (
     AdapterLost,
     EngineError,
     NotSupportedError,
-    TokenCallback,
-    TopLogprobs,
 )
 from mint_server.engine.jobs import (
     AdapterRef,
@@ -81,260 +54,7 @@ from mint_server.fsutil import write_content_dir
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-VNODES = 64  # points per replica on the hash ring: keys spread evenly, and few move when N changes
-HOMES_KEPT = 200_000  # read-only adapter keys whose home the router remembers (least recently used go)
 CANCEL_POLL_S = 0.02  # how often the router looks at a streamed request's cancel event
-
-
-def ray_module() -> Any:
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - depends on the install
-        raise NotSupportedError("the fleet needs Ray: pip install 'mint-server[fleet]'") from None
-    return ray
-
-
-# --- the replica (runs inside a Ray actor) ------------------------------------------------------------
-class ReplicaActor:
-    """One LocalEngine in a Ray actor. `incarnation` changes when Ray restarts it: adapters created by
-    an earlier incarnation are gone, and calls naming one fail with AdapterLost."""
-
-    def __init__(self, index: int, model_dir: str, base_model: str, settings: EngineSettings,
-                 device: str | None, dtype: str | None, threads: int, core: int | None) -> None:
-        import torch
-
-        from mint_server.engine.local import LocalEngine
-
-        if core is not None and hasattr(os, "sched_setaffinity"):
-            _pin_process({core % (os.cpu_count() or 1)})
-        torch.set_num_threads(max(1, threads))
-        self.index, self.incarnation = index, uuid.uuid4().hex[:12]
-        self._running: dict[str, tuple[Future, threading.Event | None]] = {}  # request id → its sample
-        self.cancels = 0  # cancels that reached a sample running here
-        self._pause_after: int | None = None  # pause(after_tokens): streamed tokens left before the pause
-        self.engine = LocalEngine(model_dir, base_model=base_model, device=device,
-                                  dtype=getattr(torch, dtype) if dtype else None, settings=settings)
-
-    def hello(self) -> tuple[str, int, int]:
-        """Its incarnation, process id and capacity (adapter slots on its device)."""
-        return self.incarnation, os.getpid(), self.engine.settings.device_slots
-
-    def _check(self, incarnation: str | None) -> None:
-        if incarnation is not None and incarnation != self.incarnation:
-            raise AdapterLost(f"replica {self.index} restarted; the training adapter's live state is gone")
-
-    def _localize(self, job: Job) -> Job:
-        """What the router could not send: the tokenizer's decode for stop strings."""
-        if isinstance(job, SampleJob) and job.params.stop.strings and job.params.stop.decode is None:
-            stop = dataclasses.replace(job.params.stop, decode=self.engine.tokenizer.decode)
-            job = dataclasses.replace(job, params=dataclasses.replace(job.params, stop=stop))
-        return job
-
-    async def run(self, incarnation: str | None, job: Job, request_id: str | None = None) -> Any:
-        self._check(incarnation)
-        local = self.engine.submit(self._localize(job))
-        if request_id is not None:
-            self._running[request_id] = (local, None)
-        try:
-            return await asyncio.wrap_future(local)
-        finally:
-            if request_id is not None:
-                self._running.pop(request_id, None)
-
-    async def run_batch(self, batch: list[tuple[str, SampleJob]]) -> AsyncIterator[list[tuple[str, Any, Any]]]:
-        """Many samples in one Ray call (the router's batch for this replica), answered as a Ray
-        streaming generator: lists of (request id, error or None, result), each list what finished
-        since the last yield. One call and a few yields instead of a task per request: Ray's
-        per-task work (driver, raylet, this worker) no longer grows with the request count."""
-        loop = asyncio.get_running_loop()
-        finished: asyncio.Queue[tuple[str, Future | BaseException]] = asyncio.Queue()
-        for request_id, job in batch:
-            try:
-                local = self.engine.submit(self._localize(job))
-            except Exception as e:  # noqa: BLE001 - e.g. shutting down: that request's answer
-                finished.put_nowait((request_id, e))
-                continue
-            self._running[request_id] = (local, None)
-            local.add_done_callback(
-                lambda f, rid=request_id: loop.call_soon_threadsafe(finished.put_nowait, (rid, f)))
-        left = len(batch)
-        while left:
-            items = [await finished.get()]
-            while not finished.empty():
-                items.append(finished.get_nowait())
-            answers = []
-            for request_id, outcome in items:
-                self._running.pop(request_id, None)
-                if isinstance(outcome, BaseException):
-                    answers.append((request_id, outcome, None))
-                elif outcome.cancelled():
-                    answers.append((request_id, EngineError("sample request was cancelled"), None))
-                elif (error := outcome.exception()) is not None:
-                    answers.append((request_id, error, None))
-                else:
-                    answers.append((request_id, None, outcome.result()))
-            left -= len(answers)
-            yield answers
-
-    async def stream(self, incarnation: str | None, request_id: str, job: SampleJob) -> AsyncIterator[Any]:
-        """A sample as a Ray streaming generator: ("tokens", [(index, token, logprob, top), ...]) batches as
-        the sampler draws them (what arrived since the last yield), then ("result", response). Closing
-        the generator early (ray.cancel) or `cancel(request_id)` sets the job's cancel event: the
-        sampler drops its rows and frees their KV at its next step."""
-        self._check(incarnation)
-        loop = asyncio.get_running_loop()
-        drawn: asyncio.Queue[tuple[int, int, float, TopLogprobs | None] | None] = asyncio.Queue()
-        cancel = threading.Event()
-
-        def on_token(index: int, token: int, logprob: float, top: TopLogprobs | None) -> None:  # worker thread
-            loop.call_soon_threadsafe(drawn.put_nowait, (index, token, logprob, top))
-            if self._pause_after is not None:
-                self._pause_after -= 1
-                if self._pause_after <= 0:
-                    self._pause_after = None
-                    self.engine.pause()  # after this step: see pause()
-
-        local = self.engine.submit(self._localize(job).streaming(on_token, cancel))
-        self._running[request_id] = (local, cancel)
-        # Scheduled from the worker thread after its last on_token, so it arrives after every token.
-        local.add_done_callback(lambda _f: loop.call_soon_threadsafe(drawn.put_nowait, None))
-        try:
-            finished = False
-            while not finished:
-                batch = [await drawn.get()]
-                while not drawn.empty():
-                    batch.append(drawn.get_nowait())
-                if batch[-1] is None:
-                    finished = True
-                    batch.pop()
-                if batch:
-                    yield ("tokens", batch)
-            yield ("result", local.result())
-        finally:
-            self._running.pop(request_id, None)
-            if not local.done():
-                cancel.set()
-
-    def cancel(self, request_id: str) -> bool:
-        """Stop a sample started by `run` or `stream` (its KV is freed); False if it is not running here."""
-        local, cancel = self._running.get(request_id, (None, None))
-        if local is None:
-            return False
-        self.cancels += 1
-        if cancel is not None:
-            cancel.set()
-        else:
-            self.engine.cancel(local)
-        return True
-
-    async def call(self, incarnation: str | None, name: str, *args: Any) -> Any:
-        self._check(incarnation)
-        return await asyncio.wrap_future(getattr(self.engine, name)(*args))
-
-    def report(self) -> dict[str, Any]:
-        r = self.engine.report()
-        r["queue_depth"] = self.engine.queue_depth()
-        r["incarnation"] = self.incarnation
-        r["cancels"] = self.cancels
-        return r
-
-    def status(self) -> dict[str, Any]:
-        """What report() tells without draining anything: for tests and operators."""
-        import torch
-
-        return {"kv_blocks_in_use": self.engine.sampler.kv_blocks_in_use, "queue_depth": self.engine.queue_depth(),
-                "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals(),
-                "torch_threads": torch.get_num_threads(),
-                "tp_ranks": 1 if self.engine.runner is None else 1 + len(self.engine.runner.followers)}
-
-    def pause(self, after_tokens: int | None = None) -> None:
-        """Hold the engine's worker before its next turn, or, with `after_tokens`, once that many
-        tokens of streamed samples have been drawn here (a gate that lands mid-stream)."""
-        if after_tokens is None:
-            self.engine.pause()
-        else:
-            self._pause_after = after_tokens
-
-    def resume(self) -> None:
-        self._pause_after = None
-        self.engine.resume()
-
-    def shutdown(self, drain: bool) -> None:
-        self.engine.shutdown(drain)
-
-
-def _pin_process(cores: set[int]) -> None:
-    """Pin every thread of this process (Ray's own ones too: sched_setaffinity(0) pins only the
-    calling thread); threads started later inherit it."""
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile
-            pass
-
-
-# --- routing ------------------------------------------------------------------------------------------
-class HashRing:
-    """Consistent hashing of keys onto replica indices."""
-
-    def __init__(self, replicas: int, vnodes: int = VNODES) -> None:
-        points = sorted((_hash(f"replica-{i}#{v}"), i) for i in range(replicas) for v in range(vnodes))
-        self._hashes = [h for h, _ in points]
-        self._owners = [i for _, i in points]
-
-    def home(self, key: str) -> int:
-        at = bisect.bisect(self._hashes, _hash(key)) % len(self._hashes)
-        return self._owners[at]
-
-
-def _hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
-
-
-@dataclass
-class _Replica:
-    index: int
-    handle: Any
-    incarnation: str = ""
-    pid: int = 0
-    up: bool = True
-    inflight: int = 0  # requests routed to it and not finished (the router's own count: no RPC)
-    capacity: int = 1  # adapter slots on its device: its share of a wave of cold adapters
-    restarts: int = 0
-    report: dict[str, Any] = field(default_factory=dict)
-    step_count: int = 0
-    step_sum: float = 0.0
-    retired: dict[str, Any] = field(default_factory=dict)  # cumulative counts of its dead incarnations
-
-
-@dataclass(eq=False)
-class _Tracked:
-    """A sample request in flight: where it runs now (so a cancel can reach it) and, when streamed,
-    the caller's callback, its cancel event and how many tokens of each sample it has seen."""
-
-    request_id: str
-    on_token: TokenCallback | None
-    cancel: threading.Event | None
-    delivered: Counter[int] = field(default_factory=Counter)
-    replica: _Replica | None = None
-    cancel_requested: bool = False  # FleetEngine.cancel
-
-    @property
-    def streamed(self) -> bool:
-        return self.on_token is not None or self.cancel is not None
-
-    @property
-    def cancelled(self) -> bool:
-        return self.cancel_requested or (self.cancel is not None and self.cancel.is_set())
-
-
-@dataclass
-class _Placement:
-    """Where a training adapter lives: its replica, its id there, and that replica's incarnation."""
-
-    replica: int
-    local_id: str
-    incarnation: str
 
 
 class FleetEngine(JobParsing):
@@ -368,7 +88,7 @@ class FleetEngine(JobParsing):
                          object_store_memory=f.local_object_store_mb * 1024 * 1024)
                 self._started_ray = True
         actor_cls = ray.remote(ReplicaActor)
-        self._replicas: list[_Replica] = []
+        self._replicas: list[ReplicaView] = []
         for i in range(f.replicas):
             replica_settings = s if s.store_dir is None else dataclasses.replace(
                 s, store_dir=Path(s.store_dir) / f"replica-{i}")  # page dirs: one per replica
@@ -379,13 +99,13 @@ class FleetEngine(JobParsing):
                 max_task_retries=0, max_concurrency=1000, name=None,
             ).remote(i, str(self.model_dir), base_model, replica_settings, device, dtype,
                      int(max(1, f.cpus_per_replica)), i if f.pin_cores else None)
-            self._replicas.append(_Replica(i, handle))
+            self._replicas.append(ReplicaView(i, handle))
         for r in self._replicas:
             r.incarnation, r.pid, r.capacity = ray.get(r.handle.hello.remote())
         self._ring = HashRing(f.replicas)
         self._lock = threading.Lock()
         self._homes: OrderedDict[str, int] = OrderedDict()  # read-only adapter key → home replica (LRU)
-        self._adapters: dict[str, _Placement] = {}
+        self._adapters: dict[str, Placement] = {}
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)  # sample requests (a cancel names one on its replica)
         self._tag = uuid.uuid4().hex[:6]
@@ -396,12 +116,12 @@ class FleetEngine(JobParsing):
                         else Path(tempfile.mkdtemp(prefix="mint-fleet-")))
         self._shared.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
-        self._tracked: dict[Future, _Tracked] = {}  # sample futures in flight → their request
+        self._tracked: dict[Future, TrackedRequest] = {}  # sample futures in flight → their request
         # Read-only samples waiting for their replica's next batch: (request id, job, answer).
         self._outbox: dict[int, list[tuple[str, SampleJob, Callable[[Any, BaseException | None], None]]]] = {}
         # Streamed samples are consumed here (Ray streaming generators, awaited on one event loop).
         self._loop = asyncio.new_event_loop()
-        self._watched: set[_Tracked] = set()  # streams whose cancel event the loop looks at
+        self._watched: set[TrackedRequest] = set()  # streams whose cancel event the loop looks at
         self._watcher: asyncio.Future | None = None
         self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="mint-fleet-streams")
         self._loop_thread.start()
@@ -429,6 +149,10 @@ class FleetEngine(JobParsing):
     def replicas(self) -> int:
         return len(self._replicas)
 
+    def replica_views(self) -> list[ReplicaView]:
+        """The router's record of each replica (up, in flight, last report): what metrics read."""
+        return list(self._replicas)
+
     # --- routing --------------------------------------------------------------------------------
     def home_of(self, key: str) -> int:
         """The replica where a read-only adapter's requests go (where it is hot). A key seen for the
@@ -451,15 +175,15 @@ class FleetEngine(JobParsing):
         up = [r for r in self._replicas if r.up] or self._replicas
         return min(up, key=lambda r: ((r.inflight + 1) / r.capacity, r.index != ring, r.index)).index
 
-    def _up(self) -> list[_Replica]:
+    def _up(self) -> list[ReplicaView]:
         up = [r for r in self._replicas if r.up]
         return up or self._replicas  # all down: Ray queues calls until a restart answers
 
-    def _least_loaded(self, exclude: int | None = None) -> _Replica:
+    def _least_loaded(self, exclude: int | None = None) -> ReplicaView:
         candidates = [r for r in self._up() if r.index != exclude] or self._up()
         return min(candidates, key=lambda r: (r.inflight, r.index))
 
-    def _route_key(self, key: str, exclude: int | None = None) -> tuple[_Replica, str]:
+    def _route_key(self, key: str, exclude: int | None = None) -> tuple[ReplicaView, str]:
         """The replica for work on a read-only adapter: its home, unless saturated or down."""
         home = self._replicas[self.home_of(key)]
         if exclude is None and home.up and home.inflight < self.fleet.spill_inflight:
@@ -471,7 +195,7 @@ class FleetEngine(JobParsing):
             return home, "home"  # the others are nearly as busy: stay where the adapter is hot
         return other, "spill" if exclude is None else "retry"
 
-    def _placement(self, fleet_id: str) -> _Placement:
+    def _placement(self, fleet_id: str) -> Placement:
         with self._lock:
             p = self._adapters.get(fleet_id)
         if p is None:
@@ -485,7 +209,7 @@ class FleetEngine(JobParsing):
     def _place(self, replica: int, local_id: str) -> str:
         fleet_id = f"fa-{self._tag}-{next(self._ids)}"
         with self._lock:
-            self._adapters[fleet_id] = _Placement(replica, local_id, self._replicas[replica].incarnation)
+            self._adapters[fleet_id] = Placement(replica, local_id, self._replicas[replica].incarnation)
         return fleet_id
 
     def _portable(self, ref: AdapterRef) -> AdapterRef:
@@ -519,7 +243,7 @@ class FleetEngine(JobParsing):
             raise EngineError("engine is shutting down")
         if isinstance(job, SampleJob):
             out: Future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
-            tracked = _Tracked(f"{self._tag}-{next(self._request_ids)}", job.on_token, job.cancel)
+            tracked = TrackedRequest(f"{self._tag}-{next(self._request_ids)}", job.on_token, job.cancel)
             with self._lock:
                 self._tracked[out] = tracked
             out.add_done_callback(self._untrack)
@@ -559,7 +283,7 @@ class FleetEngine(JobParsing):
         with self._lock:
             self._tracked.pop(out, None)
 
-    def _sample(self, out: Future, job: SampleJob, tracked: _Tracked, attempt: int, failed: int | None) -> None:
+    def _sample(self, out: Future, job: SampleJob, tracked: TrackedRequest, attempt: int, failed: int | None) -> None:
         if out.done():  # cancelled before it was dispatched
             return
         portable = job.on(self._portable(job.adapter))
@@ -579,7 +303,7 @@ class FleetEngine(JobParsing):
 
     def _dispatch(self, out: Future, index: int, decision: str, incarnation: str | None, job: Job,
                   retry: Callable[[int], bool] | None, record: SampleJob | None = None,
-                  tracked: _Tracked | None = None) -> None:
+                  tracked: TrackedRequest | None = None) -> None:
         replica = self._replicas[index]
         with self._lock:
             self.routed[(index, decision)] += 1
@@ -606,7 +330,7 @@ class FleetEngine(JobParsing):
 
         ref.future().add_done_callback(done)
 
-    def _enqueue(self, replica: _Replica, request_id: str, job: SampleJob,
+    def _enqueue(self, replica: ReplicaView, request_id: str, job: SampleJob,
                  answer: Callable[[Any, BaseException | None], None]) -> None:
         """Queue a sample for the replica's next batch; the first into an empty outbox schedules
         the send on the router's loop, so a burst of submits leaves as one Ray call."""
@@ -617,7 +341,7 @@ class FleetEngine(JobParsing):
         if first:
             self._loop.call_soon_threadsafe(self._send_batch, replica)
 
-    def _send_batch(self, replica: _Replica) -> None:
+    def _send_batch(self, replica: ReplicaView) -> None:
         with self._lock:
             batch = self._outbox.pop(replica.index, [])
         if len(batch) == 1:  # alone: a plain task answers sooner than a streaming generator
@@ -642,7 +366,7 @@ class FleetEngine(JobParsing):
         for answer in waiting.values():  # not expected: the replica answers every request it got
             answer(None, EngineError("the replica ended a batch without answering this request"))
 
-    async def _consume(self, out: Future, replica: _Replica, stream: Any, tracked: _Tracked,
+    async def _consume(self, out: Future, replica: ReplicaView, stream: Any, tracked: TrackedRequest,
                        retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
         """Hand a replica's streamed tokens to the caller's on_token, then finish `out`. A retry on
         another replica replays the same tokens (same job, same seed): only unseen ones go on."""
@@ -685,11 +409,11 @@ class FleetEngine(JobParsing):
                 self._cancel_remote(tracked)
 
     @staticmethod
-    def _cancel_remote(tracked: _Tracked) -> None:
+    def _cancel_remote(tracked: TrackedRequest) -> None:
         if tracked.replica is not None:
             tracked.replica.handle.cancel.remote(tracked.request_id)  # fire and forget: gone is fine
 
-    def _finish(self, out: Future, replica: _Replica, result: Any, error: BaseException | None,
+    def _finish(self, out: Future, replica: ReplicaView, result: Any, error: BaseException | None,
                 retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
         with self._lock:
             replica.inflight -= 1
@@ -729,7 +453,7 @@ class FleetEngine(JobParsing):
         ray = ray_module()
         return isinstance(e, ray.exceptions.RayActorError | ray.exceptions.ActorUnavailableError)
 
-    def _replica_down(self, replica: _Replica) -> None:
+    def _replica_down(self, replica: ReplicaView) -> None:
         """Stop routing to it until Ray's replacement answers; then adopt its new incarnation."""
         with self._lock:
             if not replica.up:
@@ -739,7 +463,7 @@ class FleetEngine(JobParsing):
         threading.Thread(target=self._await_replacement, args=(replica,), daemon=True,
                          name=f"mint-fleet-probe-{replica.index}").start()
 
-    def _await_replacement(self, replica: _Replica) -> None:
+    def _await_replacement(self, replica: ReplicaView) -> None:
         ray = ray_module()
         delay = 0.1
         while self._accepting:
@@ -793,7 +517,7 @@ class FleetEngine(JobParsing):
         ref.future().add_done_callback(finish)
         return out
 
-    def _new_home(self) -> _Replica:
+    def _new_home(self) -> ReplicaView:
         """Where a new training adapter goes: the up replica holding the fewest, then the least busy."""
         with self._lock:
             held = Counter(p.replica for p in self._adapters.values())
@@ -911,7 +635,7 @@ class FleetEngine(JobParsing):
             except Exception:  # noqa: BLE001 - a dying replica: its figures are stale, not fatal
                 continue
             if r.report and r.report.get("incarnation") != fresh["incarnation"]:
-                _add_cumulative(r.retired, r.report)  # what the dead incarnation had counted
+                add_cumulative(r.retired, r.report)  # what the dead incarnation had counted
             r.report = fresh
             r.step_count += len(fresh["step_seconds"])
             r.step_sum += sum(fresh["step_seconds"])
@@ -920,10 +644,10 @@ class FleetEngine(JobParsing):
                                  "kv_blocks_in_use": 0, "sampler": {}, "latencies": []}
         for r in self._replicas:
             rep = r.report
-            _add_cumulative(total, r.retired)
+            add_cumulative(total, r.retired)
             if not rep:
                 continue
-            _add_cumulative(total, rep)
+            add_cumulative(total, rep)
             total["resident"].update(rep["resident"])
             if r.up:
                 total["waiting_for_adapter"] += rep["waiting_for_adapter"]
@@ -943,7 +667,7 @@ class FleetEngine(JobParsing):
         return {**by, "affinity_hit_rate": by["home"] / keyed if keyed else 1.0}
 
     def register_metrics(self, registry: Any) -> None:
-        registry.register(_FleetCollector(self))
+        registry.register(FleetCollector(self))
 
     # --- test and operator hooks ----------------------------------------------------------------
     def replica_of(self, adapter_id: str) -> int:
@@ -997,16 +721,6 @@ class FleetEngine(JobParsing):
             ray.shutdown()
 
 
-def _add_cumulative(into: dict[str, Any], report: dict[str, Any]) -> None:
-    """Add a report's cumulative counts (loads, evictions by reason; sampler totals) into `into`."""
-    for family in ("loads", "evictions"):
-        into.setdefault(family, Counter()).update(report.get(family, {}))
-    sampler = into.setdefault("sampler", {})
-    for kind, phases in report.get("sampler", {}).items():
-        for phase, value in phases.items():
-            sampler.setdefault(kind, {})[phase] = sampler.get(kind, {}).get(phase, 0.0) + value
-
-
 def _settle(out: Future, result: Any = None, error: BaseException | None = None) -> None:
     """Complete `out` unless the caller already cancelled it."""
     try:
@@ -1046,47 +760,3 @@ def _all(futures: list[Future]) -> Future:
     return out
 
 
-class _FleetCollector:
-    """Per-replica figures and routing decisions, read at scrape time (after the engine's report)."""
-
-    def __init__(self, fleet: FleetEngine) -> None:
-        self.fleet = fleet
-
-    def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        routed = CounterMetricFamily("mint_fleet_routed", "Requests routed to a replica, by decision "
-                                     "(home: the adapter's home; spill: home saturated; pinned: a training "
-                                     "adapter's replica; base: no adapter; retry: its replica died)",
-                                     labels=["replica", "decision"])
-        for (i, decision), n in sorted(self.fleet.routed.items()):
-            routed.add_metric([str(i), decision], n)
-        yield routed
-        hit = GaugeMetricFamily("mint_fleet_affinity_hit_rate", "Share of read-only-adapter requests served "
-                                "by their home replica")
-        hit.add_metric([], self.fleet.affinity()["affinity_hit_rate"])
-        yield hit
-        up = GaugeMetricFamily("mint_fleet_replica_up", "1 when the replica answers", labels=["replica"])
-        inflight = GaugeMetricFamily("mint_fleet_replica_inflight", "Requests routed and unfinished",
-                                     labels=["replica"])
-        queue = GaugeMetricFamily("mint_fleet_replica_queue_depth", "Work queued inside the replica's engine",
-                                  labels=["replica"])
-        resident = GaugeMetricFamily("mint_fleet_replica_adapters", "Adapters by tier", labels=["replica", "tier"])
-        kv = GaugeMetricFamily("mint_fleet_replica_kv_blocks_in_use", "KV cache blocks held by running samples",
-                               labels=["replica"])
-        steps = CounterMetricFamily("mint_fleet_replica_step_seconds", "Engine worker turns (count, seconds)",
-                                    labels=["replica", "stat"])
-        restarts = CounterMetricFamily("mint_fleet_replica_restarts", "Times Ray replaced the replica",
-                                       labels=["replica"])
-        for r in self.fleet._replicas:
-            i = str(r.index)
-            up.add_metric([i], 1.0 if r.up else 0.0)
-            inflight.add_metric([i], r.inflight)
-            queue.add_metric([i], r.report.get("queue_depth", 0))
-            kv.add_metric([i], r.report.get("kv_blocks_in_use", 0))
-            for tier, n in r.report.get("resident", {}).items():
-                resident.add_metric([i, tier], n)
-            steps.add_metric([i, "count"], r.step_count)
-            steps.add_metric([i, "sum"], r.step_sum)
-            restarts.add_metric([i], r.restarts)
-        yield from (up, inflight, queue, resident, kv, steps, restarts)
