@@ -4,7 +4,8 @@ uvicorn (h11) on its own answers oversized headers with a plain-text 400 and nev
 client that sends its request head slowly. The protocol subclass here answers both in JSON, as
 every other error: 431 for a request head over `max_header_bytes`, 408 for one not complete within
 `header_timeout_s` (a slowloris holds no connection for long). Slow bodies are timed out by
-`BodyLimit` (http.py), idle keep-alive connections by uvicorn's own `timeout_keep_alive`.
+`BodyLimit` (http.py), idle keep-alive connections by uvicorn's own `timeout_keep_alive` (re-armed
+here where uvicorn leaves a connection idle without it).
 """
 
 from __future__ import annotations
@@ -63,6 +64,14 @@ class BoundedH11Protocol(H11Protocol):
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._cancel_head_timer()
+        elif (self.conn.our_state is h11.IDLE and self.timeout_keep_alive_task is None and self._head_timer is None
+              and not self.transport.is_closing()):
+            # uvicorn cancels the keep-alive timer on every read and re-arms it only when a response
+            # completes. The rest of a body the route never read (telemetry, session finish) arriving
+            # after its response ends the cycle here, idle with no timer: the connection stayed open
+            # for good, one per SDK client. Arm the keep-alive timer for it.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:

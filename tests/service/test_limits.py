@@ -73,6 +73,25 @@ def test_slow_head_408(server: LiveServer) -> None:
     _still_serves(server)
 
 
+def test_an_unread_body_arriving_after_the_answer_leaves_no_connection_open(server: LiveServer) -> None:
+    """The SDK's telemetry and session-finish bodies are never read by their routes; when the rest of
+    such a body reaches the server after its answer, the connection must still close once idle for
+    keep_alive_s (uvicorn alone left it open for good: one socket per SDK client)."""
+    body = b'{"events": []}'
+    head = (f"POST /api/v1/telemetry HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.endswith(b"}"):
+            answer += sock.recv(65536)  # the route answered without reading the body
+        assert answer.startswith(b"HTTP/1.1 200")
+        sock.sendall(body)  # now the body: it ends the request cycle after its answer
+        # Idle from here; the server hangs up after keep_alive_s (the 30 s socket timeout is a guard).
+        assert sock.recv(65536) == b""
+    _still_serves(server)
+
+
 def test_stalled_body_408(server: LiveServer) -> None:
     head = (
         f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\n"
