@@ -62,25 +62,6 @@ def optimizer_config(family: str) -> types.OptimizerConfig:
     return types.DimuonOptimizerConfig() if family == "dimuon" else types.AdamOptimizerConfig()
 
 
-def check_optim_params(params: Any, family: str) -> types.AdamParams | types.DimuonParams:
-    """The step's hyperparameters, which must be of the model's optimizer family (else 400)."""
-    if isinstance(params, types.AdamParams):
-        if family != "adamw":
-            raise InvalidInput(f"optim_params: this model uses the {family!r} optimizer; pass DimuonParams "
-                               "(AdamParams are for AdamW models; optimizer families cannot be mixed)")
-        return params  # the engine's prepare_optim checks the values
-    data = params.model_dump()
-    if data.get("type") != "dimuon":
-        raise InvalidInput(f"optim_params.type {data.get('type')!r} is not supported; AdamParams or DimuonParams")
-    if family != "dimuon":
-        raise InvalidInput(f"optim_params: this model uses the {family!r} optimizer; pass AdamParams "
-                           "(DimuonParams are for Dimuon models; optimizer families cannot be mixed)")
-    try:
-        return types.DimuonParams.model_validate(data)
-    except ValidationError as e:
-        raise InvalidInput(describe_validation_error(e, prefix="optim_params")) from None
-
-
 MAX_AGE_RECIPIENTS = 10
 
 
@@ -341,7 +322,7 @@ class TrainingService:
 
     def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
-            job = self.engine.prepare_optim(check_optim_params(req.optim_params, model.optimizer))
+            job = self.engine.prepare_optim(req.optim_params, family=model.optimizer)
 
             async def run() -> types.OptimStepResponse:
                 out = await self.core.call(self.engine.submit(job.on(model.adapter())))

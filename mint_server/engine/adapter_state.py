@@ -14,7 +14,7 @@ from tinker import types
 
 from mint_server.engine import state_io
 from mint_server.engine.jobs import OptimJob
-from mint_server.engine.optim import FAMILIES, Pairs, adamw_step, dimuon_step, step_or_rollback
+from mint_server.engine.optim import STEP_OF, Pairs, check_family, family_named, step_or_rollback
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.engine.values import AdamState, EngineError
@@ -47,11 +47,7 @@ class AdapterState:
         """
         params = job.params
         a = self._adapter(job.adapter_id)
-        family = "dimuon" if isinstance(params, types.DimuonParams) else "adamw"
-        if a.optim.family != family:
-            expected = "DimuonParams" if a.optim.family == "dimuon" else "AdamParams"
-            raise EngineError(f"optim_params: this model was created with the {a.optim.family!r} optimizer; "
-                              f"pass {expected} (optimizer families cannot be mixed)")
+        check_family(params, a.optim.family)
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
         runner = self.residency.runner
@@ -59,8 +55,7 @@ class AdapterState:
             return types.OptimStepResponse(metrics=runner.call(
                 "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
         weights = self._params(a)
-        step = dimuon_step if family == "dimuon" else adamw_step
-        metrics = step_or_rollback(step, weights, a.grads, a.optim, params)
+        metrics = step_or_rollback(STEP_OF[a.optim.family], weights, a.grads, a.optim, params)
         if self.residency.dtype != torch.float32:  # publish the fp32 masters into the bank slot
             with torch.no_grad():
                 for t, (A, B) in self._bank_views(a).items():
@@ -114,7 +109,7 @@ class AdapterState:
         if adapter_id is not None:
             family = self.residency.get(adapter_id).optim.family
         else:
-            family = check_family(optimizer or (st.optim.family if st.optim else "adamw"))
+            family = family_named(optimizer or (st.optim.family if st.optim else "adamw"))
         if st.optim is not None and st.optim.family != family:
             raise EngineError(f"path: the state holds {st.optim.family!r} optimizer state, this model uses "
                               f"the {family!r} optimizer (optimizer families cannot be mixed)")
@@ -180,9 +175,3 @@ class AdapterState:
         if out.non_finite_target() is not None:
             raise EngineError("coefficients: the interpolated weights would be non-finite; nothing was created")
         return self.residency.install(out, trainable=trainable).id
-
-
-def check_family(optimizer: str) -> str:
-    if optimizer not in FAMILIES:
-        raise EngineError(f"optimizer: {optimizer!r} is not supported (one of {list(FAMILIES)})")
-    return optimizer

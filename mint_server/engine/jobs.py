@@ -33,7 +33,7 @@ from mint_server.engine.losses import (
     parse_kl_datum,
     resolve_config,
 )
-from mint_server.engine.optim import check_adam_params, check_dimuon_params
+from mint_server.engine.optim import check_adam_params, check_dimuon_params, check_family
 from mint_server.engine.sampler_ops import StopCondition
 from mint_server.engine.settings import EngineLimits
 from mint_server.engine.values import AdapterSource, EngineError, Priority, TokenCallback
@@ -180,10 +180,13 @@ class Preparer:
         rows = tuple(parse_kl_datum(d, i, lim.vocab_size, lim.max_context) for i, d in enumerate(datums))
         return ReverseKLJob(rows, float(temperature), reference, adapter_id)
 
-    def optim(self, params: Any, adapter_id: str | None = None) -> OptimJob:
-        """AdamParams, or DimuonParams (which may arrive as the SDK's generic OptimParamsBase)."""
+    def optim(self, params: Any, adapter_id: str | None = None, family: str | None = None) -> OptimJob:
+        """AdamParams, or DimuonParams (which may arrive as the SDK's generic OptimParamsBase); with
+        `family`, they must be that optimizer family's (the adapter's, fixed for its life)."""
         if isinstance(params, types.AdamParams):
             check_adam_params(params)
+            if family is not None:
+                check_family(params, family)
             return OptimJob(params, adapter_id)
         data = params.model_dump() if hasattr(params, "model_dump") else params
         if not isinstance(data, dict) or data.get("type") != "dimuon":
@@ -195,6 +198,8 @@ class Preparer:
             raise EngineError(f"optim_params: invalid DimuonParams ({str(e).splitlines()[0]}: "
                               f"{'; '.join(line.strip() for line in str(e).splitlines()[1:3])})") from None
         check_dimuon_params(dimuon)
+        if family is not None:
+            check_family(dimuon, family)
         return OptimJob(dimuon, adapter_id)
 
     def custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
@@ -353,8 +358,8 @@ class JobParsing:
     def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
         return self.prepare.reverse_kl(datums, temperature, reference)
 
-    def prepare_optim(self, params: Any) -> OptimJob:
-        return self.prepare.optim(params)
+    def prepare_optim(self, params: Any, family: str | None = None) -> OptimJob:
+        return self.prepare.optim(params, family=family)
 
     def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from tinker import types
 
-from mint_server.engine.adapter_state import AdapterState, check_family
+from mint_server.engine.adapter_state import AdapterState
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -41,6 +41,7 @@ from mint_server.engine.jobs import (
     TrainJob,
 )
 from mint_server.engine.losses import LOSSES
+from mint_server.engine.optim import family_named
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.reverse_kl import ReverseKL
@@ -197,7 +198,7 @@ class LocalEngine(JobParsing):
         """A trainable adapter whose optimizer family ("adamw" or "dimuon") is fixed for its life."""
         def create(_a: list[Adapter | None]) -> str:
             a = self.residency.create(lora.rank, lora.seed, lora.train_attn, lora.train_mlp, lora.train_unembed)
-            a.optim = AdamState(family=check_family(optimizer))
+            a.optim = AdamState(family=family_named(optimizer))
             return a.id
 
         return self._op(create, on_device=False)

@@ -38,6 +38,26 @@ from mint_server.engine.values import AdamState, EngineError, NotSupportedError
 from mint_server.model.tp import split_dim as tp_split_dim
 
 FAMILIES = ("adamw", "dimuon")
+
+
+def family_named(optimizer: str) -> str:
+    """An optimizer family by name ("adamw" | "dimuon"); EngineError naming the field otherwise."""
+    if optimizer not in FAMILIES:
+        raise EngineError(f"optimizer: {optimizer!r} is not supported (one of {list(FAMILIES)})")
+    return optimizer
+
+
+def family_of(params: Any) -> str:
+    """The optimizer family a step's hyperparameters belong to."""
+    return "dimuon" if isinstance(params, types.DimuonParams) else "adamw"
+
+
+def check_family(params: Any, family: str) -> None:
+    """EngineError unless `params` are of `family` (an adapter's family is fixed for its life)."""
+    if family_of(params) != family:
+        expected = "DimuonParams" if family == "dimuon" else "AdamParams"
+        raise EngineError(f"optim_params: this model uses the {family!r} optimizer; pass {expected} "
+                          "(optimizer families cannot be mixed)")
 NS_STEPS = 5  # Newton–Schulz iterations of the matrix sign
 NS_EPS = 1e-7
 _NS_COEFFS = (3.4445, -4.7750, 2.0315)  # a quintic that pushes all singular values toward 1 fast
@@ -198,3 +218,6 @@ def dimuon_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.DimuonP
             d = torch.where(fro > 0, d * (math.sqrt(rank) / fro.clamp_min(NS_EPS)), torch.zeros_like(d))
             p.sub_(d, alpha=hp.learning_rate)
     return {"grad_norm:mean": norm, "learning_rate:mean": hp.learning_rate}
+
+
+STEP_OF: dict[str, Callable[..., dict[str, float]]] = {"adamw": adamw_step, "dimuon": dimuon_step}

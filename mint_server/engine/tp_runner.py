@@ -35,11 +35,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from tinker import types
 from torch import Tensor
 
 from mint_server.engine import executor
-from mint_server.engine.optim import Pairs, adamw_step, dimuon_step, step_or_rollback
+from mint_server.engine.optim import STEP_OF, Pairs, family_of, step_or_rollback
 from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.engine.values import AdamState, EngineError, EngineFailed
 from mint_server.model import tp as tpmod
@@ -343,12 +342,10 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
             rec.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
         params_ = rec.master
     norm = tpmod.grad_norm(rec.grads, sh.tp)
-    if isinstance(params, types.DimuonParams):  # rank 0 fixed the family when the adapter was created
-        rec.optim.family = "dimuon"
-        metrics = step_or_rollback(dimuon_step, params_, rec.grads, rec.optim, params, sh.tp.all_true,
-                                   norm=norm, tp=sh.tp)
-    else:
-        metrics = step_or_rollback(adamw_step, params_, rec.grads, rec.optim, params, sh.tp.all_true, norm=norm)
+    rec.optim.family = family = family_of(params)  # rank 0 checked it against the adapter's
+    extra = {"tp": sh.tp} if family == "dimuon" else {}  # Dimuon orthogonalizes over the full factor
+    metrics = step_or_rollback(STEP_OF[family], params_, rec.grads, rec.optim, params, sh.tp.all_true,
+                               norm=norm, **extra)
     if sh.dtype != torch.float32:
         with torch.no_grad():
             for t, (A, B) in views.items():
