@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mint_server.engine.interface import Priority
+from mint_server.engine.interface import Engine, Priority
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -74,24 +74,19 @@ class Metrics:
         self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
                                registry=self.registry)
         self.streams = Gauge("mint_openai_streams", "OpenAI-face responses in flight", registry=self.registry)
-        self._engine: object | None = None
+        self._engine: Engine | None = None
         self._seen: dict[tuple[str, str], float] = {}
 
-    def watch_engine(self, engine: object) -> None:
-        """Export the engine's own figures (queue, residency, step times) when it reports them."""
+    def watch_engine(self, engine: Engine) -> None:
+        """Export the engine's own figures (queue, residency, step times) at each scrape."""
         self._engine = engine
-        depth = getattr(engine, "queue_depth", None)
-        if callable(depth):
-            self.engine_queue.set_function(lambda: float(depth()))
-        register = getattr(engine, "register_metrics", None)  # an engine's own families (a fleet's routing)
-        if callable(register):
-            register(self.registry)
+        self.engine_queue.set_function(lambda: float(engine.queue_depth()))
+        engine.register_metrics(self.registry)  # an engine's own families (a fleet's routing)
 
     def _pull_engine(self) -> None:
-        report = getattr(self._engine, "report", None)
-        if not callable(report):
+        if self._engine is None:
             return
-        r = report()
+        r = self._engine.report()
         for tier, n in r["resident"].items():
             self.adapters_resident.labels(tier).set(n)
         for family, counter in (("loads", self.adapter_loads), ("evictions", self.adapter_evictions)):
@@ -104,21 +99,21 @@ class Metrics:
             self.adapter_load_seconds.observe(seconds)
         for seconds in r["step_seconds"]:
             self.engine_step.observe(seconds)
-        for kind, phases in r.get("sampler", {}).items():  # cumulative in the engine: add what is new
+        for kind, phases in r["sampler"].items():  # cumulative in the engine: add what is new
             for phase, total in phases.items():
                 delta = total - self._seen.get((f"sampler_{kind}", phase), 0)
                 if delta > 0:
                     self.sampler_totals[kind].labels(phase).inc(delta)
                 self._seen[(f"sampler_{kind}", phase)] = total
-        for kind, total in r.get("step_tokens", {}).items():
+        for kind, total in r["step_tokens"].items():
             delta = total - self._seen.get(("step_tokens", kind), 0)
             if delta > 0:
                 self.step_tokens.labels(kind).inc(delta)
             self._seen[("step_tokens", kind)] = total
         names = {"ttft": "time_to_first_token", "itl": "inter_token", "queue": "queue_wait"}
-        for priority, kind, seconds in r.get("latencies", ()):
+        for priority, kind, seconds in r["latencies"]:
             self.latency[names[kind]].labels(Priority(priority).name.lower()).observe(seconds)
-        for key, tokens in r.get("served", {}).items():
+        for key, tokens in r["served"].items():
             self.key_tokens.labels(key[:12] or "-").set(tokens)
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])

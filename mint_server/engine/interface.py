@@ -37,6 +37,7 @@ from mint_server.engine.values import (  # noqa: F401
     AdapterSource,
     EngineError,
     EngineFailed,
+    EngineReport,
     NotSupportedError,
     Priority,
     SampleCancelled,
@@ -95,6 +96,12 @@ class Engine(Protocol):
     def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]: ...
     def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]: ...
     def queue_depth(self) -> int: ...
+    def report(self) -> EngineReport:
+        """Figures for /metrics (drains the per-step lists it hands over)."""
+        ...
+    def register_metrics(self, registry: Any) -> None:
+        """Add the engine's own metric families to the server's Prometheus registry (or none)."""
+        ...
     def cancel(self, future: Future) -> None:
         """Stop a submitted sample (its KV blocks are freed); a finished one is left as is."""
         ...

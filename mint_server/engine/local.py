@@ -49,7 +49,7 @@ from mint_server.engine.sampling import SampleFuture, Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
-from mint_server.engine.values import AdamState, AdapterSource, EngineError, NotSupportedError
+from mint_server.engine.values import AdamState, AdapterSource, EngineError, EngineReport, NotSupportedError
 from mint_server.model import invariant
 from mint_server.model.invariant import enable_for_model as enable_invariant
 from mint_server.model.loader import default_device, default_dtype, load_model
@@ -262,7 +262,10 @@ class LocalEngine(JobParsing):
             return len(queue) + index, waiting
         return None
 
-    def report(self) -> dict[str, Any]:
+    def register_metrics(self, registry: Any) -> None:
+        """One engine has no families of its own: report() carries everything."""
+
+    def report(self) -> EngineReport:
         """Figures for /metrics; step and load times are handed over once (drained)."""
         with self._cv:
             steps, self.step_seconds = self.step_seconds, []

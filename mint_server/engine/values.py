@@ -11,6 +11,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from torch import Tensor
 
@@ -99,3 +100,21 @@ class AdapterSource:
     peft_dir: Path | None = None
     state_dir: Path | None = None
     read: Callable[[], dict[str, bytes]] | None = None
+
+
+
+class EngineReport(TypedDict):
+    """What an engine tells /metrics at each scrape (LocalEngine.report; a fleet sums its replicas').
+    Lists are handed over once (drained); counts are cumulative since the engine started."""
+
+    resident: dict[str, int]  # adapters by tier: device, host, store
+    loads: dict[str, int]  # adapter loads by source tier
+    evictions: dict[str, int]  # by reason
+    load_seconds: list[float]
+    step_seconds: list[float]
+    waiting_for_adapter: int
+    kv_blocks_in_use: int
+    sampler: dict[str, dict[str, float]]  # kind → phase → total
+    latencies: list[tuple[int, str, float]]  # (priority, ttft | itl | queue, seconds)
+    served: dict[str, float]  # fair-share key → tokens served
+    step_tokens: dict[str, float]  # decode / prefill / training tokens

@@ -49,7 +49,7 @@ from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.sampling import SampleFuture
 from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
-from mint_server.engine.values import AdapterSource
+from mint_server.engine.values import AdapterSource, EngineReport
 from mint_server.fsutil import write_content_dir
 from mint_server.model.config import ModelConfig
 
@@ -623,7 +623,7 @@ class FleetEngine(JobParsing):
         """Replicas keep their own queues: no per-request position crosses the router."""
         return None
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> EngineReport:
         """The replicas' figures summed, in LocalEngine.report's shape; per-replica ones kept for
         the fleet's own families. A replica that does not answer within 2 s keeps its last report.
         Cumulative counts (loads, evictions, sampler totals) carry over a replica's restart."""
@@ -656,7 +656,9 @@ class FleetEngine(JobParsing):
             total["step_seconds"] += rep["step_seconds"]
             total["latencies"] += rep.get("latencies", [])
             rep["load_seconds"], rep["step_seconds"], rep["latencies"] = [], [], []  # handed over once
-        return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}
+        total.setdefault("served", {})
+        total.setdefault("step_tokens", {})
+        return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}  # type: ignore[return-value]
 
     def affinity(self) -> dict[str, float]:
         """Routing decisions so far: requests for a read-only adapter served by its home replica."""
