@@ -318,11 +318,11 @@ def test_a_cold_wave_spreads_in_proportion_to_free_capacity(fleet: FleetEngine, 
 
 
 def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: FleetEngine, tmp_path: Path) -> None:
-    """The race of two writers staging one adapter: 4 policies trained and published through the SDK,
-    then 4 first-use samples of each at once (a barrier releases 16 threads), with both replicas
-    held so that requests spill and each revision's first load happens on both. Every request
-    succeeds with its policy's greedy tokens; the shared dir holds one copy per revision and no
-    temp dir."""
+    """The race of two writers staging one adapter: 4 policies trained and published through the SDK.
+    First, 12 first-use samples of one revision at once (a barrier releases them) with both replicas
+    held, so that requests spill and its first load happens on both; then 4 first uses of each other
+    revision at once. Every request succeeds with its policy's greedy tokens; the shared dir holds
+    one copy per revision and no temp dir."""
     from concurrent.futures import ThreadPoolExecutor
 
     settings, before = fleet.fleet, dict(fleet.routed)
@@ -334,33 +334,38 @@ def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: Fleet
             train(tc, 1)
             tc.save_weights_for_sampler("published").result()
             paths.append(f"tinker://{tc.model_id.replace(':', '-')}@1")
-        requests = [p for p in paths for _ in range(4)]
-        barrier = threading.Barrier(len(requests))
 
-        def first_use(path: str) -> list[int]:
-            sampler = client.create_sampling_client(model_path=path).result()
-            barrier.wait()
-            return list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result().sequences[0].tokens)
+        def burst(requests: list[str]) -> list[Future]:
+            barrier = threading.Barrier(len(requests))
 
-        fleet.fleet = dataclasses.replace(settings, spill_inflight=1)
-        for r in (0, 1):
-            fleet.pause_replica(r)
-        try:
-            with ThreadPoolExecutor(len(requests)) as pool:
-                futures = [pool.submit(first_use, p) for p in requests]
-                _wait_for(lambda: sum(fleet.routed.values()) - sum(before.values()) >= len(requests))
+            def first_use(path: str) -> list[int]:
+                sampler = client.create_sampling_client(model_path=path).result()
+                barrier.wait()
+                return list(sampler.sample(types.ModelInput.from_ints(PROMPT), 1, GREEDY).result()
+                            .sequences[0].tokens)
+
+            return [pool.submit(first_use, p) for p in requests]
+
+        with ThreadPoolExecutor(12) as pool:
+            fleet.fleet = dataclasses.replace(settings, spill_inflight=1)
+            for r in (0, 1):
+                fleet.pause_replica(r)
+            try:
+                held = burst([paths[0]] * 12)
+                _wait_for(lambda: sum(fleet.routed.values()) - sum(before.values()) >= 12)
                 routed = {k: n - before.get(k, 0) for k, n in fleet.routed.items() if n != before.get(k, 0)}
+            finally:
+                fleet.fleet = settings
                 for r in (0, 1):
                     fleet.resume_replica(r)
-                got = [f.result(timeout=180) for f in futures]
-        finally:
-            fleet.fleet = settings
-            for r in (0, 1):
-                fleet.resume_replica(r)
+            first = [f.result(timeout=180) for f in held]
+            rest = [f.result(timeout=180) for f in burst([p for p in paths[1:] for _ in range(4)])]
         client.close("success")
+    # one revision's first use from both replicas at once: its home took some, the other the spill
     assert {r for r, _decision in routed} == {0, 1} and any(d == "spill" for _r, d in routed)
-    for i in range(0, len(got), 4):  # each policy's four answers agree, whichever replica gave them
-        assert got[i] == got[i + 1] == got[i + 2] == got[i + 3] and len(got[i]) == GREEDY.max_tokens
+    assert all(t == first[0] for t in first) and len(first[0]) == GREEDY.max_tokens
+    for i in range(0, len(rest), 4):  # each policy's four answers agree
+        assert rest[i] == rest[i + 1] == rest[i + 2] == rest[i + 3] and len(rest[i]) == GREEDY.max_tokens
     shared = fleet._shared
     assert not [p.name for p in shared.iterdir() if p.name.startswith(".")]
 
