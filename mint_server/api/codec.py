@@ -116,7 +116,7 @@ def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
     # proto3 has no "unset" for ints: the SDK always sends seq_id >= 1, so 0 means missing.
     seq_id = msg.seq_id or None
     try:
-        config: dict[str, float | str] = {k: v for k, v in msg.loss_fn_config.items()}
+        config: dict[str, float | str] = dict(msg.loss_fn_config.items())
         for k, v in msg.loss_fn_config_v2.items():  # v2 carries strings too and wins when present
             config[k] = v.text if v.WhichOneof("value") == "text" else v.number
         for k, v in config.items():

@@ -18,11 +18,13 @@ from typing import Any, TypeVar
 
 from tinker import types
 
+from mint_server.api.admission import Admission
 from mint_server.api.futures import CompletionLog, FutureStore
 from mint_server.api.metrics import Metrics
 from mint_server.api.ordering import Sequencer
 from mint_server.api.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
 from mint_server.api.policies import Policies
+from mint_server.api.recorded import RecordedSequences
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
 from mint_server.api.sessions import SessionRegistry
 from mint_server.api.settings import Settings
@@ -34,27 +36,13 @@ from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-MAX_RECORDED = 1_000_000  # sample requests whose recorded sequences are tracked for scoping
-# The engine future the current operation waits on, for queue-state answers (see Core.queue_state).
+# The engine future the current operation waits on, for queue-state answers (see Core.queue_position).
 _ENGINE_WAIT: ContextVar[list[Future[Any] | None] | None] = ContextVar("mint_engine_wait", default=None)
 
 
 def waits_on_engine(holder: list[Future[Any] | None]) -> None:
     """Called at the start of an operation's coroutine: its engine calls are noted in `holder`."""
     _ENGINE_WAIT.set(holder)
-
-
-class ShuttingDown(Exception):
-    """The server is draining and takes no new work (HTTP 503, which the SDK retries)."""
-
-
-class Busy(Exception):
-    """Too much work in flight, for the server or for one key (HTTP 429 with Retry-After: the SDK
-    backs off and resubmits the same request, seq_id and all)."""
-
-    def __init__(self, message: str, retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
 
 
 @dataclass
@@ -123,14 +111,10 @@ class Core:
         self.samplers: dict[str, SamplingSession] = {}
         self.custom_losses: dict[str, CustomLoss] = {}  # loss_id → uploaded loss (session-scoped)
         self.engine_waits: dict[str, list[Future[Any] | None]] = {}  # request id → its engine future
-        # Recorded sequences (record_stability_info): id prefix "seq-<run>" → (owner, sampler id);
-        # None once that sampler's session ended (its records are then expired for training).
-        self.recorded: dict[str, tuple[str, str] | None] = {}
+        self.recorded = RecordedSequences()  # which live session recorded which sequences
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}
-        self.sampling_inflight = 0
-        self.pending_by_owner: dict[str, int] = {}  # unfinished requests per key (see admit)
-        self.accepting = True
+        self.admission = Admission(settings)
         # Snapshots behind save_weights_and_get_sampling_client live only as long as their session.
         self.ephemeral_root = settings.data_dir / "ephemeral"
         shutil.rmtree(self.ephemeral_root, ignore_errors=True)
@@ -143,60 +127,11 @@ class Core:
             self._tied = ModelConfig.from_hf_dir(self.engine.model_dir).tie_word_embeddings
         return self._tied
 
-    # --- admission --------------------------------------------------------------------------------
-    def check_accepting(self) -> None:
-        if not self.accepting:
-            raise ShuttingDown("server is shutting down")
-
-    def admit(self, owner: str) -> None:
-        """Take new work from `owner`? One key may hold at most `max_pending_per_key` unfinished
-        requests: beyond that it gets 429 (and its pending futures report "paused_rate_limit"),
-        so one key cannot queue without bound in front of everyone else."""
-        self.check_accepting()
-        limit = self.settings.max_pending_per_key
-        if self.pending_by_owner.get(owner, 0) >= limit:
-            raise Busy(f"this API key already has {limit} requests pending (the per-key limit); retry when some finish",
-                       retry_after=2.0)  # fmt: skip
-
-    def queue_state(self, owner: str) -> str:
-        """Tinker's queue_state for a pending request of `owner` (see retrieve_future)."""
-        if self.pending_by_owner.get(owner, 0) >= self.settings.max_pending_per_key:
-            return "paused_rate_limit"
-        if self.sampling_inflight >= self.settings.max_inflight_samples:
-            return "paused_capacity"
-        return "active"
-
     def model(self, model_id: str, owner: str) -> TrainingModel:
         model = self.models.get(model_id)
         if model is None or model.owner != owner:
             raise NotFound(f"model_id {model_id!r} not found (unknown, unloaded, or not yours)")
         return model
-
-    def check_sequence_ids(self, data: list[types.Datum], owner: str) -> None:
-        """stable_reinforce may only read records of sequences `owner`'s live sampling sessions made.
-
-        Records are session-scoped: once the sampler's session is gone its records are expired, and
-        another key's are unknown; both are a 400 naming the id. Ids never recorded are left to the
-        engine (it uses the datum's own logprobs, or refuses naming the id).
-        """
-        for i, d in enumerate(data):
-            for span in d.loss_fn_input_spans or ():
-                if not isinstance(span, types.SampledProvenanceSpan):
-                    continue
-                prefix = span.sequence_id.rsplit("-", 1)[0]
-                if prefix not in self.recorded:
-                    continue
-                who = self.recorded[prefix]
-                if who is None or who[0] != owner or who[1] not in self.samplers:
-                    raise InvalidInput(
-                        f"datums[{i}].loss_fn_input_spans: sequence_id {span.sequence_id!r} is unknown or "
-                        "expired (its sampling session ended, or it is not yours)"
-                    )
-
-    def note_recorded(self, prefix: str, owner: str, sampler_id: str) -> None:
-        self.recorded[prefix] = (owner, sampler_id)
-        while len(self.recorded) > MAX_RECORDED:  # oldest first: the engine's records expire long before
-            del self.recorded[next(iter(self.recorded))]
 
     def seen(self, scope: str, seq_id: int | None) -> types.UntypedAPIFuture | None:
         return self.dedupe.get((scope, seq_id)) if seq_id is not None else None
@@ -216,7 +151,7 @@ class Core:
 
         `engine_wait` is the holder the operation's coroutine passed to `waits_on_engine`."""
         request_id = self.futures.add(owner, op, future)
-        self.pending_by_owner[owner] = self.pending_by_owner.get(owner, 0) + 1
+        self.admission.pending(owner)
         if engine_wait is not None:
             self.engine_waits[request_id] = engine_wait
         start = time.monotonic()
@@ -224,11 +159,7 @@ class Core:
         self.metrics.queue_depth.labels(queue).inc()
 
         def finished(f: asyncio.Future[Any]) -> None:
-            left = self.pending_by_owner[owner] - 1
-            if left:
-                self.pending_by_owner[owner] = left
-            else:
-                del self.pending_by_owner[owner]
+            self.admission.finished(owner)
             self.engine_waits.pop(request_id, None)
             self.metrics.queue_depth.labels(queue).dec()
             elapsed = time.monotonic() - start

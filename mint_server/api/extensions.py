@@ -76,7 +76,7 @@ class MintService:
         return self.training.sequenced(p, req.model_id, req.seq_id, "forward_backward_reverse_kl", check)
 
     def interpolate(self, p: Principal, req: InterpolateCheckpointsRequest) -> types.UntypedAPIFuture:
-        self.core.admit(p.owner)
+        self.core.admission.admit(p.owner)
         if not req.source_paths:
             raise InvalidInput("source_paths: at least one checkpoint is required")
         if len(req.coefficients) != len(req.source_paths):

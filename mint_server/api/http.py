@@ -24,9 +24,9 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_server.api import jsonsafe
+from mint_server.api.admission import Busy, ShuttingDown
 from mint_server.api.auth import AuthError, Principal, ScopeError
 from mint_server.api.codec import DecodeError, describe_validation_error
-from mint_server.api.core import Busy, ShuttingDown
 from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
 from mint_server.api.openai.errors import OpenAIError, is_openai_path, openai_error_response
 from mint_server.api.ordering import SeqError

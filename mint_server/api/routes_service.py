@@ -94,7 +94,7 @@ async def retrieve_future(request: Request, p: Principal = needs(SERVE)) -> Resp
     svc = service(request)
     entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
-        state = svc.core.queue_state(p.owner)
+        state = svc.core.admission.queue_state(p.owner)
         # A key-wide pause names the cause; otherwise a request behind others' work gets MinT's queue fields.
         if state == "active" and (queued := svc.core.queue_position(req.request_id)) is not None:
             return _queued_response(req.request_id, *queued)

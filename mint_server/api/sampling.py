@@ -16,7 +16,7 @@ from typing import Any
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.core import Busy, Core, SamplingSession, TrainingModel, waits_on_engine
+from mint_server.api.core import Core, SamplingSession, TrainingModel, waits_on_engine
 from mint_server.api.futures import CompletionLog
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
@@ -41,7 +41,7 @@ class SamplingService:
     def create_session(
         self, p: Principal, req: types.CreateSamplingSessionRequest
     ) -> types.CreateSamplingSessionResponse:
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         session = self.core.sessions.live(req.session_id, p.owner)
         sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
         if (existing := self.core.samplers.get(sampler_id)) is not None:
@@ -89,13 +89,13 @@ class SamplingService:
         return types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path)
 
     def asample(self, p: Principal, req: types.SampleRequest, priority: str | None = None) -> types.UntypedAPIFuture:
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         if req.sampling_session_id is None:
             raise InvalidInput("sampling_session_id is required (create one with create_sampling_session)")
         sampler = self.sampler(p, req.sampling_session_id)
         if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
             return hit
-        self.core.admit(p.owner)
+        self.core.admission.admit(p.owner)
         for name, used in _UNSUPPORTED.items():
             if used(req):
                 raise InvalidInput(f"{name} is not supported by this server")
@@ -108,9 +108,8 @@ class SamplingService:
             req.topk_prompt_logprobs, record=bool(req.record_stability_info),
             top_logprobs=req.topk_sample_logprobs, priority=priority,
         )
-        if self.core.sampling_inflight >= self.core.settings.max_inflight_samples:
-            raise Busy("too many sample requests in flight; retry shortly")
-        self.core.sampling_inflight += 1
+        self.core.admission.check_samples()
+        self.core.admission.samples_started()
 
         engine_wait: list[Any] = [None]
 
@@ -118,15 +117,15 @@ class SamplingService:
             waits_on_engine(engine_wait)
             return await self.core.call(self.engine.submit(job))
 
-        if job.record and job.sequence_ids:  # scope the records to this session (Core.check_sequence_ids)
+        if job.record and job.sequence_ids:  # scope the records to this session (RecordedSequences.check)
             prefix = job.sequence_ids[0].rsplit("-", 1)[0]
-            self.core.note_recorded(prefix, p.owner, sampler.sampler_id)
+            self.core.recorded.note(prefix, p.owner, sampler.sampler_id)
             sampler.recorded.append(prefix)
         future = self.core.spawn(run())
 
         def finished(_f: Any) -> None:
             # A callback, not a `finally` in run(): a task cancelled before its first step never runs it.
-            self.core.sampling_inflight -= 1
+            self.core.admission.samples_done()
             sampler.pending.discard(answer.request_id)
 
         answer = self.core.register(
@@ -158,9 +157,7 @@ class SamplingService:
         self.core.samplers.pop(sampler.sampler_id, None)
         for request_id in list(sampler.pending):
             self.core.cancel_sample(request_id, sampler.owner)
-        for prefix in sampler.recorded:
-            if prefix in self.core.recorded:
-                self.core.recorded[prefix] = None  # session over: its records are expired for training
+        self.core.recorded.expire(sampler.recorded)
         if sampler.ephemeral_dir is not None:
             self.core.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
             shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

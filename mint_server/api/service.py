@@ -43,7 +43,7 @@ class Service:
     # --- sessions ---------------------------------------------------------------------------------
     def create_session(self, p: Principal, user_metadata: dict[str, Any] | None, display_name: str | None,
                        project_id: str | None = None) -> str:
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         session = self.core.sessions.create(p.owner, user_metadata, display_name, check_project(project_id))
         self.core.metrics.sessions.set(self.core.sessions.active_count())
         return session.session_id
@@ -100,7 +100,7 @@ class Service:
 
     async def shutdown(self) -> None:
         """Refuse new work, finish what was accepted (up to drain_timeout_s), then stop the engine."""
-        self.core.accepting = False
+        self.core.admission.accepting = False
         if self._upkeep is not None:
             self._upkeep.cancel()
         self.core.futures.release_pollers()

@@ -107,7 +107,7 @@ class TrainingService:
 
     # --- creation -----------------------------------------------------------------------------------
     def create_model(self, p: Principal, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
-        self.core.admit(p.owner)
+        self.core.admission.admit(p.owner)
         session = self.core.sessions.live(req.session_id, p.owner)
         self.core.check_base_model(req.base_model)
         if req.lora_config is None:
@@ -126,7 +126,7 @@ class TrainingService:
 
     def create_from_state(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         """load_weights addressed by session_id + model_seq_id: a new model starting from a checkpoint."""
-        self.core.admit(p.owner)
+        self.core.admission.admit(p.owner)
         if req.model_seq_id is None:
             raise InvalidInput("model_seq_id is required with session_id")
         session = self.core.sessions.live(req.session_id or "", p.owner)
@@ -240,11 +240,11 @@ class TrainingService:
         self, p: Principal, model_id: str, seq_id: int | None, op: str, check: Callable[[TrainingModel], Op]
     ) -> types.UntypedAPIFuture:
         """Validate with `check` (which returns the operation) and queue it in seq_id order."""
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         model = self.core.model(model_id, p.owner)
         if (hit := self.core.seen(model_id, seq_id)) is not None:
             return hit
-        self.core.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
+        self.core.admission.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
         if seq_id is not None:
             try:
                 model.sequencer.check(seq_id)
@@ -276,7 +276,7 @@ class TrainingService:
     # --- server-side custom losses -------------------------------------------------------------------
     def create_custom_loss(self, p: Principal, req: types.CreateCustomLossRequest) -> types.UntypedAPIFuture:
         """Check and store a traced loss; it never runs here (see engine.custom_loss for the rules)."""
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         session = self.core.sessions.live(req.session_id, p.owner)
         loss_id = f"{session.session_id}:loss:{req.custom_loss_seq_id}"
         if (hit := self.core.seen(loss_id, 0)) is not None:
@@ -312,7 +312,7 @@ class TrainingService:
             if call.loss_fn == "custom":
                 return self._custom_loss(model, call)
             if call.loss_fn == "stable_reinforce":  # the one loss that reads sampling records
-                self.core.check_sequence_ids(call.data, model.owner)
+                self.core.recorded.check(call.data, model.owner, self.core.samplers)
             # Parsed once, here, before the request takes its place in the sequence: bad input is a
             # 400 naming the field, and the engine runs the typed job without checking it again.
             job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)

@@ -202,10 +202,10 @@ def _insert(conn: Any, table: Any, columns: list[str], rows: list[tuple[Any, ...
     quote = conn.dialect.identifier_preparer.quote
     names = ", ".join(quote(c) for c in columns)
     if conn.dialect.driver == "psycopg":
-        with conn.connection.driver_connection.cursor() as cursor:
-            with cursor.copy(f"COPY {quote(table.name)} ({names}) FROM STDIN") as copy:
-                for row in rows:
-                    copy.write_row(row)
+        with (conn.connection.driver_connection.cursor() as cursor,
+              cursor.copy(f"COPY {quote(table.name)} ({names}) FROM STDIN") as copy):
+            for row in rows:
+                copy.write_row(row)
         return
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
     conn.exec_driver_sql(

@@ -14,6 +14,7 @@ from tinker import types
 
 from mint_server.engine import state_io
 from mint_server.engine.jobs import OptimJob
+from mint_server.engine.masters import publish, step_params
 from mint_server.engine.optim import STEP_OF, Pairs, check_family, family_named, step_or_rollback
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.state_io import check_shapes
@@ -54,36 +55,18 @@ class AdapterState:
         if runner is not None:  # every rank steps its share (global gradient norm)
             return types.OptimStepResponse(metrics=runner.call(
                 "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
-        weights = self._params(a)
+        views = self._bank_views(a)
+        weights = step_params(views, a.master, self.residency.dtype)
+        if weights is not views:
+            a.master = weights
         metrics = step_or_rollback(STEP_OF[a.optim.family], weights, a.grads, a.optim, params)
-        if self.residency.dtype != torch.float32:  # publish the fp32 masters into the bank slot
-            with torch.no_grad():
-                for t, (A, B) in self._bank_views(a).items():
-                    A.copy_(weights[t][0])
-                    B.copy_(weights[t][1])
+        publish(views, weights)
         a.grads.clear()
         return types.OptimStepResponse(metrics=metrics)
 
     def _bank_views(self, a: Adapter) -> Pairs:
         bank = self.residency.bank
         return {t: (bank.A[t][a.slot][..., : a.rank, :], bank.B[t][a.slot][..., : a.rank]) for t in a.targets}
-
-    def _params(self, a: Adapter) -> Pairs:
-        """The float32 tensors AdamW updates: the bank slot itself when the bank is float32.
-
-        On a lower-precision bank, rounding every step to bf16 would lose small updates, so the
-        adapter keeps float32 masters (`Adapter.master`, which the residency manager pages with it).
-        They are re-read from the bank whenever the slot no longer equals their rounding.
-        """
-        views = self._bank_views(a)
-        if self.residency.dtype == torch.float32:
-            return views
-        if a.master is not None and all(
-            torch.equal(m.to(v.dtype), v) for t, pair in views.items() for m, v in zip(a.master[t], pair, strict=True)
-        ):
-            return a.master
-        a.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
-        return a.master
 
     # --- state and weights on disk --------------------------------------------------------------
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:

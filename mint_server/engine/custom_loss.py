@@ -180,9 +180,9 @@ def _check_operands(step: _Step, args: tuple[Any, ...]) -> None:
         if not isinstance(a, Tensor | bool | int | float):
             raise CustomLossError(f"node {step.name!r}: operators only combine tensors and numbers, "
                                   f"not {type(a).__name__}")
-    if step.fn is operator.pow and all(isinstance(a, int) and not isinstance(a, bool) for a in args):
-        if not 0 <= args[1] <= 64:
-            raise CustomLossError(f"node {step.name!r}: integer powers take exponents in 0..64")
+    if (step.fn is operator.pow and all(isinstance(a, int) and not isinstance(a, bool) for a in args)
+            and not 0 <= args[1] <= 64):
+        raise CustomLossError(f"node {step.name!r}: integer powers take exponents in 0..64")
 
 
 def _check_getitem(step: _Step, args: tuple[Any, ...]) -> None:

@@ -256,9 +256,10 @@ def model_input_tokens(model_input: Any, where: str, vocab: int, max_len: int) -
 
 
 def _check_ids(ids: np.ndarray, where: str, vocab: int) -> None:
-    if ids.dtype.kind not in "iu":
-        if ids.dtype.kind != "f" or not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids)):
-            raise EngineError(f"{where}: token ids must be integers")
+    if ids.dtype.kind not in "iu" and (
+        ids.dtype.kind != "f" or not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids))
+    ):
+        raise EngineError(f"{where}: token ids must be integers")
     if ids.size and (ids.min() < 0 or ids.max() >= vocab):
         bad = int(ids.max() if ids.max() >= vocab else ids.min())
         raise EngineError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab})")

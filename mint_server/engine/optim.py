@@ -78,7 +78,7 @@ def check_adam_params(p: types.AdamParams) -> None:
         ("beta1", 0 <= p.beta1 < 1, "in [0, 1)"),
         ("beta2", 0 <= p.beta2 < 1, "in [0, 1)"),
         ("eps", 0 < p.eps <= 1, "in (0, 1]"),  # 0 would divide 0 by 0 where a gradient was never seen
-        ("weight_decay", 0 <= p.weight_decay and p.learning_rate * p.weight_decay <= 1,
+        ("weight_decay", p.weight_decay >= 0 and p.learning_rate * p.weight_decay <= 1,
          "≥ 0 with learning_rate × weight_decay ≤ 1 (decay multiplies weights by 1 − lr·wd)"),
         ("grad_clip_norm", p.grad_clip_norm >= 0, "≥ 0 (0 = no clipping)"),
     )

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mint_server.engine.masters import masters_for
 from mint_server.engine.settings import EngineSettings
 from mint_server.engine.values import AdamState, AdapterSource, EngineError
 from mint_server.model.config import ModelConfig, ModelError
@@ -336,8 +337,7 @@ class Residency:
                              family=a.optim.family)
         else:
             self.bank.write(slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in a.host.items()}, a.rank, a.alpha)
-            if a.trainable and self.dtype != torch.float32:
-                a.master = {t: (x.to(dev).clone(), y.to(dev).clone()) for t, (x, y) in a.host.items()}
+            a.master = masters_for(_to(a.host, dev), a.trainable, self.dtype)
             a.grads = _to(a.grads, dev)
             a.optim.moments = {t: tuple(m.to(dev) for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
         self._slots[slot] = a
@@ -506,8 +506,7 @@ class Residency:
             return
         self.bank.write(a.slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in weights.weights.items()},  # type: ignore[arg-type]
                         weights.rank, weights.alpha)
-        a.master = ({t: (x.to(dev).float().clone(), y.to(dev).float().clone()) for t, (x, y) in weights.weights.items()}
-                    if a.trainable and self.dtype != torch.float32 else None)
+        a.master = masters_for(_to(weights.weights, dev), a.trainable, self.dtype)
 
     def close(self) -> None:
         """Pages belong to this process's adapters: they go with it."""

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mint_server.engine import executor
+from mint_server.engine.masters import masters_for, publish, step_params
 from mint_server.engine.optim import STEP_OF, Pairs, family_of, step_or_rollback
 from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.engine.values import AdamState, EngineError, EngineFailed
@@ -239,8 +240,7 @@ def promote(sh: Shard, aid: str, slot: int, weights: Pairs, rank: int, alpha: fl
     rec = sh.record(aid)
     local = _to(tpmod.shard_pairs(weights, sh.tp), sh.device)
     sh.bank.write(slot, local, rank, alpha)
-    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
-                  if trainable and sh.dtype != torch.float32 else None)
+    rec.master = masters_for(local, trainable, sh.dtype)
     rec.grads = _to(tpmod.shard_pairs(grads, sh.tp), sh.device)
     rec.optim = AdamState(step, _to(tpmod.shard_moments(moments, family, sh.tp), sh.device), family)
 
@@ -251,8 +251,7 @@ def promote_split(sh: Shard, aid: str, slot: int, rank: int, alpha: float, train
     rec = sh.record(aid)
     local = _to(rec.host, sh.device)
     sh.bank.write(slot, local, rank, alpha)
-    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
-                  if trainable and sh.dtype != torch.float32 else None)
+    rec.master = masters_for(local, trainable, sh.dtype)
     rec.grads = _to(rec.grads, sh.device)
     rec.optim.moments = _to(rec.optim.moments, sh.device)
     rec.host = None
@@ -309,8 +308,7 @@ def set_weights(sh: Shard, aid: str, slot: int, weights: Pairs, rank: int, alpha
     rec = sh.record(aid)
     local = _to(tpmod.shard_pairs(weights, sh.tp), sh.device)
     sh.bank.write(slot, local, rank, alpha)
-    rec.master = ({t: (x.float().clone(), y.float().clone()) for t, (x, y) in local.items()}
-                  if trainable and sh.dtype != torch.float32 else None)
+    rec.master = masters_for(local, trainable, sh.dtype)
 
 
 @op
@@ -335,22 +333,15 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
     """AdamW or Dimuon on every rank's share with the global gradient norm; all or nothing across ranks."""
     rec = sh.record(aid)
     views = _views(sh, slot, rank, targets)
-    if sh.dtype == torch.float32:
-        params_ = views
-    else:
-        if rec.master is None:
-            rec.master = {t: (A.float().clone(), B.float().clone()) for t, (A, B) in views.items()}
-        params_ = rec.master
+    params_ = step_params(views, rec.master, sh.dtype)
+    if params_ is not views:
+        rec.master = params_
     norm = tpmod.grad_norm(rec.grads, sh.tp)
     rec.optim.family = family = family_of(params)  # rank 0 checked it against the adapter's
     extra = {"tp": sh.tp} if family == "dimuon" else {}  # Dimuon orthogonalizes over the full factor
     metrics = step_or_rollback(STEP_OF[family], params_, rec.grads, rec.optim, params, sh.tp.all_true,
                                norm=norm, **extra)
-    if sh.dtype != torch.float32:
-        with torch.no_grad():
-            for t, (A, B) in views.items():
-                A.copy_(params_[t][0])
-                B.copy_(params_[t][1])
+    publish(views, params_)
     rec.grads = {}
     return metrics
 

@@ -107,7 +107,7 @@ class TrainerHarness(Trainer):
         self.prep = preparer(model.config, records=records, max_rank=residency.bank.max_rank)
         self.state = AdapterState(residency, base_model, model.config)
         self.save_state, self.load_state = self.state.save_state, self.state.load_state
-        self.export_peft, self.interpolate, self._params = self.state.export_peft, self.state.interpolate, self.state._params
+        self.export_peft, self.interpolate = self.state.export_peft, self.state.interpolate
 
     def validate(self, req: TrainRequest) -> TrainJob:
         return self.prep.train(req.datums, req.loss_fn, req.loss_fn_config, req.backward).on(req.adapter_id)

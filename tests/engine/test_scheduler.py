@@ -80,7 +80,7 @@ def test_a_long_prompt_is_chunked_to_the_step_budget():
     rows = [Item("a") for _ in range(5)]
     prompt = Item("a", pending=100, running=False, blocks=7)
     plan = s.plan([*rows, prompt], 100, 100)
-    assert plan.tokens == 20 and dict((id(w), n) for w, n in plan.run)[id(prompt)] == 15
+    assert plan.tokens == 20 and {id(w): n for w, n in plan.run}[id(prompt)] == 15
     assert id(prompt) in plan.admit
 
 

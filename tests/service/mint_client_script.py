@@ -94,7 +94,9 @@ def main() -> dict:
     assert {"weights/mint-state", "sampler_weights/teacher", "sampler_weights/merged"} <= ids, ids
     url = rest.get_checkpoint_archive_url_from_tinker_path(teacher).result().url
     with urllib.request.urlopen(url) as resp:
-        names = tarfile.open(fileobj=io.BytesIO(resp.read()), mode="r:gz").getnames()
+        archive = resp.read()
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        names = tar.getnames()
     assert "adapter_config.json" in names, names
 
     # Resume from the saved state in a new training client (0.22: weights_info + create + load).

@@ -204,9 +204,9 @@ def test_the_tinker_sdk_retries_past_the_per_key_limit_and_finishes(server: Live
     try:
         futures = [sampler.sample(types.ModelInput.from_ints([1, 2, i]), 1, params) for i in range(3, 9)]
         deadline = time.monotonic() + 60  # a bound on a wait for an event, not a timing
-        while core.pending_by_owner.get(owner_id(KEY_A), 0) < 3 and time.monotonic() < deadline:
+        while core.admission.pending_by_owner.get(owner_id(KEY_A), 0) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert core.pending_by_owner[owner_id(KEY_A)] == 3 and not any(f.done() for f in futures)
+        assert core.admission.pending_by_owner[owner_id(KEY_A)] == 3 and not any(f.done() for f in futures)
     finally:
         server.engine.resume()
     assert all(len(f.result(timeout=120).sequences[0].tokens) == 3 for f in futures)

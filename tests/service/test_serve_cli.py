@@ -96,7 +96,7 @@ def test_shutdown_drains_in_flight_work(tiny_dir: Path, tmp_path: Path) -> None:
     stopping = threading.Thread(target=server.stop)
     stopping.start()
     # Once the service has stopped accepting work (the drain has begun), let the engine go.
-    while server.service.core.accepting:
+    while server.service.core.admission.accepting:
         time.sleep(0.01)
     assert not any(f.done() for f in pending)
     engine.resume()

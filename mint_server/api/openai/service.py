@@ -26,7 +26,7 @@ from typing import Any
 
 from tinker import types
 
-from mint_server.api.core import Busy, Core, same_base_model
+from mint_server.api.core import Core, same_base_model
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
 from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
@@ -288,8 +288,7 @@ class OpenAIService:
     def _admit(self, owner: str, target: ServedModel, prompts: list[list[int]], n: int, params: types.SamplingParams,
                req: _Sampling, tools: bool, top_logprobs: int = 0) -> Reply:  # fmt: skip
         jobs = [self.prepare(owner, target, p, n, params, req, top_logprobs) for p in prompts]
-        if self.core.sampling_inflight + len(prompts) > self.core.settings.max_inflight_samples:
-            raise Busy("too many sample requests in flight; retry shortly")
+        self.core.admission.check_samples(len(prompts))
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
                    for i in range(len(prompts) * n)]  # fmt: skip
         return Reply(target, prompts, n, jobs, choices)
@@ -312,7 +311,7 @@ class OpenAIService:
             # Through the mailbox too, so the result never overtakes the request's last tokens.
             running.add_done_callback(lambda t, k=k: mailbox.post(events, ("done", k, t, None)))
             tasks.append(running)
-        self.core.sampling_inflight += len(tasks)
+        self.core.admission.samples_started(len(tasks))
         self.core.metrics.streams.inc()
         pending = len(tasks)
         try:
@@ -345,7 +344,7 @@ class OpenAIService:
         try:
             return await self.sample(engine_job, on_token, reply.cancel)
         finally:
-            self.core.sampling_inflight -= 1
+            self.core.admission.samples_done()
 
     @staticmethod
     def _push(choice: Choice, token: int, logprob: float, top: TopLogprobs | None) -> Update | None:
@@ -387,7 +386,7 @@ class OpenAIService:
 
     # --- chat completions -------------------------------------------------------------------------
     def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
         if req.response_format is not None and req.response_format.type != "text":
             raise OpenAIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
@@ -488,7 +487,7 @@ class OpenAIService:
 
     # --- completions ------------------------------------------------------------------------------
     def admit_completion(self, owner: str, req: CompletionRequest) -> Reply:
-        self.core.check_accepting()
+        self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)
         for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, req.n))):
             if bad:

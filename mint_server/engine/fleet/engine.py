@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import itertools
@@ -712,10 +713,8 @@ class FleetEngine(JobParsing):
         ray = ray_module()
         self._accepting = False
         for r in self._replicas:
-            try:
+            with contextlib.suppress(Exception):  # a dead replica has nothing to drain
                 ray.get(r.handle.shutdown.remote(drain), timeout=120)
-            except Exception:  # noqa: BLE001 - a dead replica has nothing to drain
-                pass
             ray.kill(r.handle, no_restart=True)
         self._pool.shutdown(wait=False)
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -725,10 +724,8 @@ class FleetEngine(JobParsing):
 
 def _settle(out: Future, result: Any = None, error: BaseException | None = None) -> None:
     """Complete `out` unless the caller already cancelled it."""
-    try:
+    with contextlib.suppress(InvalidStateError):  # cancelled (or finished) meanwhile
         out.set_exception(error) if error is not None else out.set_result(result)
-    except InvalidStateError:  # cancelled (or finished) meanwhile
-        pass
 
 
 def _wire(job: SampleJob) -> SampleJob:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
@@ -204,9 +205,7 @@ def pin_process(cores: set[int]) -> None:
     """Pin every thread of this process (Ray's own ones too: sched_setaffinity(0) pins only the
     calling thread); threads started later inherit it."""
     for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]:
-        try:
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
             os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile
-            pass
 
 
