@@ -5,7 +5,6 @@ The tests drive the real thing: Ray actors, the real service on loopback, the ti
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 import time
@@ -271,8 +270,8 @@ def test_a_hot_policy_is_served_by_several_replicas(fleet: FleetEngine, tiny_dir
     replica, which serves them while the home is busy; the tokens are the home's."""
     (source,) = _policies(tiny_dir, tmp_path, 1)
     home = fleet.home_of(source.key)
-    settings, before = fleet.fleet, dict(fleet.routed)
-    fleet.fleet = dataclasses.replace(settings, spill_inflight=2)
+    spill, before = fleet.router.spill_inflight, dict(fleet.routed)
+    fleet.router.spill_inflight = 2
     fleet.pause_replica(home)  # the home is busy: what it holds stays in flight
     try:
         futures = [_sample(fleet, source, seed=s) for s in range(8)]
@@ -280,7 +279,7 @@ def test_a_hot_policy_is_served_by_several_replicas(fleet: FleetEngine, tiny_dir
         assert spilled >= 2
         _wait_for(lambda: sum(f.done() for f in futures) >= spilled)  # served while the home is held
     finally:
-        fleet.fleet = settings
+        fleet.router.spill_inflight = spill
         fleet.resume_replica(home)
     got = [f.result(timeout=120).sequences[0].tokens for f in futures]
     again = [_sample(fleet, source, seed=s) for s in range(8)]  # all at home now (default spill)
@@ -325,7 +324,7 @@ def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: Fleet
     one copy per revision and no temp dir."""
     from concurrent.futures import ThreadPoolExecutor
 
-    settings, before = fleet.fleet, dict(fleet.routed)
+    spill, before = fleet.router.spill_inflight, dict(fleet.routed)
     with LiveServer(Shared(fleet), tmp_path / "data") as server:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
         paths = []
@@ -347,7 +346,7 @@ def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: Fleet
             return [pool.submit(first_use, p) for p in requests]
 
         with ThreadPoolExecutor(12) as pool:
-            fleet.fleet = dataclasses.replace(settings, spill_inflight=1)
+            fleet.router.spill_inflight = 1
             for r in (0, 1):
                 fleet.pause_replica(r)
             try:
@@ -355,7 +354,7 @@ def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: Fleet
                 _wait_for(lambda: sum(fleet.routed.values()) - sum(before.values()) >= 12)
                 routed = {k: n - before.get(k, 0) for k, n in fleet.routed.items() if n != before.get(k, 0)}
             finally:
-                fleet.fleet = settings
+                fleet.router.spill_inflight = spill
                 for r in (0, 1):
                     fleet.resume_replica(r)
             first = [f.result(timeout=180) for f in held]

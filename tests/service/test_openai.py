@@ -459,7 +459,8 @@ def test_tool_call_round_trip(tmp_path_factory: pytest.TempPathFactory) -> None:
         ("completions", {"model": BASE, "prompt": "x", "max_tokens": 4, "stream": "yes"}, "stream", "boolean"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "n": True}, "n", "integer"),
         ("chat/completions", {"model": BASE, "messages": HELLO, "temperature": "0.5"}, "temperature", "number"),
-        ("completions", {"model": BASE, "prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "up to 16"),
+        ("completions", {"model": BASE, "prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "at most 16"),
+        ("completions", {"model": BASE, "prompt": [7] * 200, "max_tokens": 100}, "max_tokens", "exceeds the context"),
         # a prompt that fills the context is the prompt's fault, whether max_tokens is given or not
         ("completions", {"model": BASE, "prompt": [7] * 256}, "prompt", "leaves no room"),
         ("completions", {"model": BASE, "prompt": [7] * 256, "max_tokens": 1}, "prompt", "leaves no room"),

@@ -225,9 +225,12 @@ class OpenAIService:
                 target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
                 priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
-        except EngineError as e:
-            field = str(e).partition(":")[0]
-            raise OpenAIError(400, str(e), field if field in _ENGINE_FIELDS else None) from None
+        except EngineError as e:  # the parser names Tinker's fields: say them as this face's
+            name, _, why = str(e).partition(": ")
+            name = _OPENAI_NAME.get(name, name.removeprefix("sampling_params."))
+            if name == "prompt" and isinstance(req, ChatRequest):
+                name = "messages"
+            raise OpenAIError(400, f"{name}: {why}" if why else str(e), name if name in _ENGINE_FIELDS else None) from None
 
     async def sample(self, job: SampleJob, on_token: TokenCallback | None, cancel: threading.Event) -> types.SampleResponse:
         """The one place this face runs engine work (re-point it here when the engine boundary moves).
@@ -246,10 +249,6 @@ class OpenAIService:
         if req.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported by this server", "logit_bias")
         stops = req.stops()
-        lim = self.engine.limits
-        if len(stops) > lim.max_stop_sequences or not all(0 < len(s) <= lim.max_stop_chars for s in stops):
-            raise OpenAIError(400, f"stop: up to {lim.max_stop_sequences} non-empty strings of at most "
-                                   f"{lim.max_stop_chars} characters", "stop")  # fmt: skip
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"n × prompts must be at most {MAX_CHOICES}", "n")
         context = self.engine.limits.max_context
@@ -259,16 +258,8 @@ class OpenAIService:
                                    f"length ({context})", "messages" if isinstance(req, ChatRequest) else "prompt")
         if max_tokens is None:  # OpenAI's default: the rest of the context
             max_tokens = context - longest
-        if longest + max_tokens > context:
-            raise OpenAIError(400, f"the prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the "
-                                   f"model's context length ({context})", "max_tokens")  # fmt: skip
-        for p in prompts:
-            if not p:
-                raise OpenAIError(400, "the prompt is empty", "prompt")
-            bad = [t for t in p if not 0 <= t < self.engine.limits.vocab_size]
-            if bad:
-                raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.engine.limits.vocab_size})",
-                                  "prompt")
+        # Everything else (stop bounds, token ids, prompt + max_tokens within the context) is the job
+        # parser's rule, checked in `prepare`: one rule for both faces.
         top_k = req.top_k if req.top_k not in (None, 0) else -1
         return types.SamplingParams(
             # An explicit list replaces EOS ([] never stops); None stops at EOS. EOS is added back
@@ -572,7 +563,9 @@ class OpenAIService:
 
 
 # Engine fields a refusal may name; the face's own names for them are the same.
-_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "priority")
+_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "priority", "prompt", "messages",
+                  "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n")
+_OPENAI_NAME = {"num_samples": "n"}
 
 
 def _tool_call(t: ToolCall) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from pathlib import Path
@@ -23,13 +23,7 @@ from tinker import types
 
 from mint_server.engine.fleet.metrics import FleetCollector, add_cumulative
 from mint_server.engine.fleet.replica import ReplicaActor, ray_module
-from mint_server.engine.fleet.routing import (
-    HOMES_KEPT,
-    HashRing,
-    Placement,
-    ReplicaView,
-    TrackedRequest,
-)
+from mint_server.engine.fleet.routing import Placement, ReplicaView, Router, TrackedRequest
 from mint_server.engine.interface import (
     AdapterLost,
     EngineError,
@@ -103,9 +97,8 @@ class FleetEngine(JobParsing):
             self._replicas.append(ReplicaView(i, handle))
         for r in self._replicas:
             r.incarnation, r.pid, r.capacity = ray.get(r.handle.hello.remote())
-        self._ring = HashRing(f.replicas)
+        self.router = Router(self._replicas, f.spill_inflight)
         self._lock = threading.Lock()
-        self._homes: OrderedDict[str, int] = OrderedDict()  # read-only adapter key → home replica (LRU)
         self._adapters: dict[str, Placement] = {}
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)  # sample requests (a cancel names one on its replica)
@@ -154,48 +147,7 @@ class FleetEngine(JobParsing):
         """The router's record of each replica (up, in flight, last report): what metrics read."""
         return list(self._replicas)
 
-    # --- routing --------------------------------------------------------------------------------
-    def home_of(self, key: str) -> int:
-        """The replica where a read-only adapter's requests go (where it is hot). A key seen for the
-        first time is placed where free capacity is largest (see `_place_cold`); it stays there."""
-        with self._lock:
-            home = self._homes.get(key)
-            if home is not None:
-                self._homes.move_to_end(key)
-                return home
-            home = self._homes[key] = self._place_cold(key)
-            if len(self._homes) > HOMES_KEPT:
-                self._homes.popitem(last=False)  # a long-unused key: placed afresh if it comes back
-            return home
-
-    def _place_cold(self, key: str) -> int:
-        """The up replica with the fewest requests in flight per adapter slot; on a tie (an idle
-        fleet), the key's consistent-hashing home. A wave of cold adapters submitted at once is so
-        spread in proportion to the replicas' free capacity."""
-        ring = self._ring.home(key)
-        up = [r for r in self._replicas if r.up] or self._replicas
-        return min(up, key=lambda r: ((r.inflight + 1) / r.capacity, r.index != ring, r.index)).index
-
-    def _up(self) -> list[ReplicaView]:
-        up = [r for r in self._replicas if r.up]
-        return up or self._replicas  # all down: Ray queues calls until a restart answers
-
-    def _least_loaded(self, exclude: int | None = None) -> ReplicaView:
-        candidates = [r for r in self._up() if r.index != exclude] or self._up()
-        return min(candidates, key=lambda r: (r.inflight, r.index))
-
-    def _route_key(self, key: str, exclude: int | None = None) -> tuple[ReplicaView, str]:
-        """The replica for work on a read-only adapter: its home, unless saturated or down."""
-        home = self._replicas[self.home_of(key)]
-        if exclude is None and home.up and home.inflight < self.fleet.spill_inflight:
-            return home, "home"
-        other = self._least_loaded(exclude)
-        if other.index == home.index:
-            return home, "home"
-        if exclude is None and home.up and 2 * other.inflight > home.inflight:
-            return home, "home"  # the others are nearly as busy: stay where the adapter is hot
-        return other, "spill" if exclude is None else "retry"
-
+    # --- placement of training adapters and portable sources -----------------------------------
     def _placement(self, fleet_id: str) -> Placement:
         with self._lock:
             p = self._adapters.get(fleet_id)
@@ -289,9 +241,9 @@ class FleetEngine(JobParsing):
             return
         portable = job.on(self._portable(job.adapter))
         if isinstance(job.adapter, AdapterSource):
-            replica, decision = self._route_key(job.adapter.key, exclude=failed)
+            replica, decision = self.router.route(job.adapter.key, exclude=failed)
         else:
-            replica, decision = self._least_loaded(failed), "base" if failed is None else "retry"
+            replica, decision = self.router.least_loaded(failed), "base" if failed is None else "retry"
 
         def retry(dead: int) -> bool:
             if attempt >= self.fleet.sample_retries or tracked.cancelled:
@@ -522,7 +474,7 @@ class FleetEngine(JobParsing):
         """Where a new training adapter goes: the up replica holding the fewest, then the least busy."""
         with self._lock:
             held = Counter(p.replica for p in self._adapters.values())
-        return min(self._up(), key=lambda r: (held[r.index], r.inflight, r.index))
+        return min(self.router.up(), key=lambda r: (held[r.index], r.inflight, r.index))
 
     def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         r = self._new_home()
@@ -574,7 +526,7 @@ class FleetEngine(JobParsing):
             p = self._placement(adapter)
             return self._call(p.replica, p.incarnation, "export_peft", p.local_id, Path(dest))
         if isinstance(adapter, AdapterSource):
-            home = self._route_key(adapter.key)[0].index
+            home = self.router.route(adapter.key)[0].index
             return self._in_pool(lambda: self._call(home, None, "export_peft", self._portable(adapter), Path(dest)))
         raise EngineError("adapter: export needs an adapter, not the bare base")
 
@@ -587,7 +539,7 @@ class FleetEngine(JobParsing):
             index, incarnation = trained[0].replica, trained[0].incarnation
         else:
             first = next((a for a in adapters if isinstance(a, AdapterSource)), None)
-            index, incarnation = (self._route_key(first.key)[0].index if first else self._least_loaded().index), None
+            index, incarnation = (self.router.route(first.key)[0].index if first else self.router.least_loaded().index), None
 
         def go() -> Future:
             local = [self._placement(a).local_id if isinstance(a, str) else self._portable(a) for a in adapters]
@@ -673,6 +625,9 @@ class FleetEngine(JobParsing):
         registry.register(FleetCollector(self))
 
     # --- test and operator hooks ----------------------------------------------------------------
+    def home_of(self, key: str) -> int:
+        return self.router.home_of(key)
+
     def replica_of(self, adapter_id: str) -> int:
         return self._placement(adapter_id).replica
 

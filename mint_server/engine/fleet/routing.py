@@ -1,12 +1,14 @@
-"""Where work goes: the hash ring that breaks placement ties, and the router's records of each
-replica, each tracked request and each training adapter's placement."""
+"""Where work goes: the router's policy (a read-only adapter's home replica, spilling when it is
+saturated), the hash ring that breaks placement ties, and the router's records of each replica, each
+tracked request and each training adapter's placement. No Ray here: the facade (engine.py) acts on
+the decisions."""
 
 from __future__ import annotations
 
 import bisect
 import hashlib
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,3 +81,58 @@ class Placement:
     incarnation: str
 
 
+
+
+class Router:
+    """Which replica takes work on a read-only adapter (`route`) or on the base (`least_loaded`).
+
+    An adapter key has a home, where its requests go so it stays hot on one replica. A key seen for
+    the first time is placed where free capacity is largest (ties: its consistent-hashing home) and
+    stays there; past `spill_inflight` requests in flight at home, new ones spill to the least-loaded
+    replica unless the others are nearly as busy."""
+
+    def __init__(self, replicas: list[ReplicaView], spill_inflight: int) -> None:
+        self.replicas = replicas
+        self.spill_inflight = spill_inflight
+        self._ring = HashRing(len(replicas))
+        self._homes: OrderedDict[str, int] = OrderedDict()  # read-only adapter key → home replica (LRU)
+        self._lock = threading.Lock()
+
+    def home_of(self, key: str) -> int:
+        with self._lock:
+            home = self._homes.get(key)
+            if home is not None:
+                self._homes.move_to_end(key)
+                return home
+            home = self._homes[key] = self._place_cold(key)
+            if len(self._homes) > HOMES_KEPT:
+                self._homes.popitem(last=False)  # a long-unused key: placed afresh if it comes back
+            return home
+
+    def _place_cold(self, key: str) -> int:
+        """The up replica with the fewest requests in flight per adapter slot; on a tie (an idle
+        fleet), the key's ring home. A wave of cold adapters submitted at once is so spread in
+        proportion to the replicas' free capacity."""
+        ring = self._ring.home(key)
+        return min(self.up(), key=lambda r: ((r.inflight + 1) / r.capacity, r.index != ring, r.index)).index
+
+    def up(self) -> list[ReplicaView]:
+        up = [r for r in self.replicas if r.up]
+        return up or self.replicas  # all down: Ray queues calls until a restart answers
+
+    def least_loaded(self, exclude: int | None = None) -> ReplicaView:
+        candidates = [r for r in self.up() if r.index != exclude] or self.up()
+        return min(candidates, key=lambda r: (r.inflight, r.index))
+
+    def route(self, key: str, exclude: int | None = None) -> tuple[ReplicaView, str]:
+        """The replica for work on a read-only adapter, and why: "home", "spill" (home saturated) or
+        "retry" (`exclude` failed it)."""
+        home = self.replicas[self.home_of(key)]
+        if exclude is None and home.up and home.inflight < self.spill_inflight:
+            return home, "home"
+        other = self.least_loaded(exclude)
+        if other.index == home.index:
+            return home, "home"
+        if exclude is None and home.up and 2 * other.inflight > home.inflight:
+            return home, "home"  # the others are nearly as busy: stay where the adapter is hot
+        return other, "spill" if exclude is None else "retry"
