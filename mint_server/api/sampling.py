@@ -10,6 +10,7 @@ concurrently and the engine batches them.
 from __future__ import annotations
 
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,16 @@ _UNSUPPORTED = {
 CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's samples from clone_id * 1e9
 
 
+RETIRED_KEPT = 100_000  # ended sampling sessions remembered for late acknowledgements
+
+
 class SamplingService:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.engine = core.engine
+        # Ended sampling sessions → owner, so an SDK poller's last acknowledgement that arrives after
+        # its session finished gets an empty answer, not a 404 it would log as a failure.
+        self._retired: OrderedDict[str, str] = OrderedDict()
 
     def create_session(
         self, p: Principal, req: types.CreateSamplingSessionRequest
@@ -140,8 +147,15 @@ class SamplingService:
         return answer
 
     async def retrieve_futures(self, p: Principal, req: types.FuturesRetrieveRequest) -> types.FuturesRetrieveResponse:
-        """One long poll of a sampling session's completion queue (SDK `sample_use_retrieve_futures`)."""
-        sampler = self.sampler(p, req.target.sampling_session_id)
+        """One long poll of a sampling session's completion queue (SDK `sample_use_retrieve_futures`).
+
+        An acknowledgement-only poll (timeout 0) of the caller's own session that has ended answers
+        "nothing new" with the cursor it sent: it only reports results as retrieved, and those are gone
+        with the session. Anyone else's, or a waiting poll, is a 404 like any missing session."""
+        sid = req.target.sampling_session_id
+        if sid not in self.core.samplers and req.timeout == 0 and self._retired.get(sid) == p.owner:
+            return types.FuturesRetrieveResponse(completions=[], cursor=max(0, req.prev_cursor))
+        sampler = self.sampler(p, sid)
         if req.prev_cursor < 0 or req.target.cloned_sampler_id < 0:
             raise InvalidInput("prev_cursor and target.cloned_sampler_id must be >= 0")
         limit = self.core.settings.long_poll_s
@@ -155,6 +169,9 @@ class SamplingService:
         """The session is over: its samples are abandoned, so they stop (queued or running) and
         free their KV; its snapshot and records go too."""
         self.core.samplers.pop(sampler.sampler_id, None)
+        self._retired[sampler.sampler_id] = sampler.owner
+        while len(self._retired) > RETIRED_KEPT:
+            self._retired.popitem(last=False)
         for request_id in list(sampler.pending):
             self.core.cancel_sample(request_id, sampler.owner)
         self.core.recorded.expire(sampler.recorded)

@@ -570,3 +570,28 @@ def test_save_weights_external(server: LiveServer) -> None:
             tc.save_weights_external(bad).result()
     assert not any("escape" in str(p) for p in (server.settings.data_dir).rglob("*"))
     client.close("success")
+
+
+def test_a_late_acknowledgement_after_the_session_ended_is_answered_empty(server: LiveServer) -> None:
+    """The SDK's poller may send its last acknowledgement (timeout 0) after close() ended the session:
+    its own key gets "nothing new" (no 404 for the SDK to log as a polling failure); another key, or
+    a poll that waits for results, gets the 404 of any missing session."""
+    import httpx
+
+    key_a = server.settings.api_keys[0]
+    client = tinker.ServiceClient(base_url=server.url, api_key=key_a)
+    sc = client.create_sampling_client(base_model=BASE).result()
+    sid = sc._sampling_session_id
+    assert sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result().sequences
+    client.close("success").result()
+    assert sid not in server.service.core.samplers
+
+    def poll(key: str, **extra: object) -> httpx.Response:
+        body = {"target": {"sampling_session_id": sid, "cloned_sampler_id": 0}, "prev_cursor": 1,
+                "retrieved_request_ids": ["r-1"], **extra}
+        return httpx.post(f"{server.url}/api/v1/retrieve_futures", headers={"X-API-Key": key}, json=body, timeout=30)
+
+    late = poll(key_a, timeout=0)
+    assert late.status_code == 200 and late.json() == {"completions": [], "cursor": 1}, late.text
+    assert poll(KEY_B, timeout=0).status_code == 404
+    assert poll(key_a).status_code == 404
