@@ -21,6 +21,7 @@ process: the before/after ratio of the kernels, measured side by side. Goals: �
 ≥ 75% of the matmul peak. The last stdout line is a JSON summary.
 
     python benchmarks/train.py [--model-dir DIR] [--steps 5] [--warmup 2] [--rounds 1] [--device cpu]
+    python benchmarks/train.py --through sdk   # the same step via `mint serve` + the tinker SDK, vs PEFT
 """
 
 from __future__ import annotations
@@ -221,7 +222,51 @@ def worker_ab(args) -> dict:
     return {**res, "tokens_per_step": args.rows * args.seq}
 
 
-WORKERS = {"ab": worker_ab, "peak": worker_peak, "ours": worker_ours, "peft": worker_peft, "fused": worker_ours,
+def worker_sdk(args) -> dict:
+    """The same training step as a user runs it: `mint serve` in its own process on loopback (its
+    default engine sizes), the official tinker SDK here: forward_backward + optim_step of ROWS × SEQ
+    tokens, rank RANK on every linear layer and the unembedding. Wall seconds per step (this
+    process's CPU time is the client's, not the training's)."""
+    import tempfile
+
+    import tinker
+    from tinker import types
+
+    from tests.service.live import KEY_A, ServeProcess
+
+    path = model_dir(args.model_dir)
+    with tempfile.TemporaryDirectory(prefix="mint-train-sdk-") as data, ServeProcess(
+        "--base-model", str(path), "--data-dir", data, "--max-rank", str(max(args.rank, 32)), "--log-level", "warning",
+        *(["--threads", str(args.threads)] if args.threads else []), *args.serve_args.split(),
+    ) as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        tc = client.create_lora_training_client(base_model=str(path), rank=args.rank, seed=0, train_unembed=True).result()
+        from mint_server.model.config import ModelConfig
+
+        vocab = ModelConfig.from_hf_dir(path).vocab_size
+        seqs = batch_tokens(args, vocab, seed=0, rows=args.rows)
+        data_ = [types.Datum(model_input=types.ModelInput.from_ints(s[:-1].tolist()),
+                             loss_fn_inputs={"target_tokens": s[1:].tolist(), "weights": [1.0] * args.seq})
+                 for s in seqs]
+        adam = types.AdamParams(learning_rate=1e-4)
+        phases: dict[str, list[float]] = {"forward_backward_s": [], "optim_step_s": []}
+
+        def step() -> None:
+            t0 = time.perf_counter()
+            fb = tc.forward_backward(data_, "cross_entropy")
+            opt = tc.optim_step(adam)  # queued behind it, as the cookbook recipes do
+            fb.result()
+            t1 = time.perf_counter()
+            opt.result()
+            phases["forward_backward_s"].append(t1 - t0)
+            phases["optim_step_s"].append(time.perf_counter() - t1)
+
+        times = timed(step, args)
+        client.close("success").result()
+    return {**times, **{k: v[args.warmup:] for k, v in phases.items()}, "tokens_per_step": args.rows * args.seq}
+
+
+WORKERS = {"ab": worker_ab, "sdk": worker_sdk, "peak": worker_peak, "ours": worker_ours, "peft": worker_peft, "fused": worker_ours,
            "fused-microbatch": worker_ours, "sequential": worker_ours}
 
 
@@ -252,7 +297,7 @@ def spawn(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--rows", str(args.rows), "--seq", str(args.seq), "--rank", str(args.rank),
            "--adapters", str(args.adapters), "--device", args.device, "--dtype", args.dtype,
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--serve-args", args.serve_args]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     print(f"[{variant}] running…", file=sys.stderr, flush=True)
@@ -290,7 +335,12 @@ def main() -> None:
     ap.add_argument("--worker", choices=sorted(WORKERS))
     ap.add_argument("--only", help="comma-separated subset of: single,fused,ab (ab: ours vs PEFT alternated "
                                    "in one process, for noisy machines; not in the default set)")
+    ap.add_argument("--through", choices=["engine", "sdk"], default="engine",
+                    help="sdk: the single-adapter step through `mint serve` and the tinker SDK, vs PEFT and the "
+                         "engine directly, all in this run")
+    ap.add_argument("--serve-args", default="", help="extra `mint serve` flags for the sdk side (one string)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.*, tests.* helpers
     if args.worker:
         if args.threads:
             import torch
@@ -300,8 +350,7 @@ def main() -> None:
         print(json.dumps(WORKERS[args.worker](args)))
         return
 
-    only = set((args.only or "single,fused").split(","))
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    only = set((args.only or ("" if args.through == "sdk" else "single,fused")).split(","))
     from benchmarks.common import load_average, machine_floors
 
     floors = machine_floors(args.device)
@@ -330,6 +379,23 @@ def main() -> None:
             "peft_fraction_of_peak": tok_peft * fm["flop_per_token"] / peak["peak_flops"],
             "attention_flops_left_out_vs_model": attn_share,
             "ours_peak_rss_mb": ours["peak_rss_mb"], "peft_peak_rss_mb": peft["peak_rss_mb"],
+        }
+    if args.through == "sdk":
+        fm = flop_model(model_dir(args.model_dir))
+        res = run_variants(["sdk", "ours", "peft"], args)
+        sdk, ours, peft = res["sdk"], res["ours"], res["peft"]
+        tokens = sdk["tokens_per_step"]
+        floor_s = tokens * fm["flop_per_token"] / floors["matmul_flop_per_s"]
+        summary["through_sdk"] = {
+            "sdk_median_step_s": sdk["median_s"], "engine_median_step_s": ours["median_s"],
+            "peft_median_step_s": peft["median_s"],
+            "sdk_forward_backward_median_s": statistics.median(sdk["forward_backward_s"]),
+            "sdk_optim_step_median_s": statistics.median(sdk["optim_step_s"]),
+            "sdk_tokens_per_s": tokens / sdk["median_s"], "peft_tokens_per_s": tokens / peft["median_s"],
+            "sdk_speedup_vs_peft": peft["median_s"] / sdk["median_s"],
+            "engine_speedup_vs_peft": peft["median_s"] / ours["median_s"],
+            "sdk_over_engine": sdk["median_s"] / ours["median_s"],
+            "floor_s": floor_s, "sdk_fraction_of_peak": floor_s / sdk["median_s"],
         }
     if "ab" in only:
         res = spawn("ab", args)  # alternates internally; --rounds does not apply

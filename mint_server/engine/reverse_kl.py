@@ -53,8 +53,7 @@ class ReverseKL:
                 if runner is not None:  # every rank runs the pass on its share; gradients stay pending there
                     el = runner.call("reverse_kl_pass", rows=batch, student=self.trainer.lora_ref(student),
                                      reference_slot=None if reference is None else reference.slot,
-                                     temperature=temperature, checkpoint=self.trainer.recompute(
-                                         max(len(r.student) for r in batch)))
+                                     temperature=temperature, checkpoint=self._recompute(batch))
                 else:
                     el, grads = self._kl_micro_batch(batch, student, reference, temperature)
                     accumulate(pending, grads)
@@ -75,11 +74,15 @@ class ReverseKL:
         return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
                       loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
 
+    def _recompute(self, rows: list[KLRow]) -> bool:
+        padded = len(rows) * max(len(r.student) for r in rows)  # one student's rows: nothing fused
+        return self.trainer.memory_plan(padded, padded)[0]
+
     def _kl_micro_batch(
         self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
     ) -> tuple[np.ndarray, dict[str, Pairs]]:
         tr = self.trainer
-        checkpoint = tr.recompute(len(rows) * max(len(r.student) for r in rows))  # padded tokens
+        checkpoint = self._recompute(rows)
         ref_slot = reference.slot if reference is not None else None
         el, leaves = kl_micro_batch(tr.model, tr.residency.bank, rows, student, ref_slot, temperature, tr.device,
                                     tr.residency.dtype, checkpoint)

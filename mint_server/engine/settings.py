@@ -45,13 +45,14 @@ class EngineSettings:
     sample_steps_per_slice: int = 4
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
-    # Training memory, whatever the fused batch: a pass with at least this many padded tokens
-    # recomputes its transformer blocks in backward (activation checkpointing, about one more
-    # forward); 0: never.
-    checkpoint_from_tokens: int = 2048
+    # Training memory. A fused pass never holds more than its largest request would alone (it
+    # recomputes its blocks and chunks its logits to that size: Trainer.memory_plan); a request alone
+    # runs at full speed up to these bounds. A pass with at least this many padded tokens recomputes
+    # its transformer blocks in backward (activation checkpointing, about one more forward); 0: never.
+    checkpoint_from_tokens: int = 4096
     # The most fp32 logits a training pass materialises at once (MiB); above it the lm_head and
     # log-softmax run in position chunks, recomputed in backward.
-    logits_chunk_mb: float = 128.0
+    logits_chunk_mb: float = 1024.0
     max_num_samples: int = 128
     # Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).
     max_top_logprobs: int = 20

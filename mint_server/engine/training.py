@@ -81,11 +81,16 @@ class Trainer:
         batch is split into micro-batches, longest rows first. None = never split.
     checkpoint_from_tokens: recompute transformer blocks in backward (activation checkpointing) when
         a micro-batch has at least this many padded tokens (rows × longest row): the blocks' saved
-        activations grow with the padded tokens, so a big fused batch costs about one more forward
+        activations grow with the padded tokens, so a big batch costs about one more forward
         instead of its activations. None = never.
     logits_chunk: most logits elements materialised at once; above it the lm_head + log-softmax
         run in position chunks that are recomputed in backward, so the [rows, T, vocab] logits
         (the biggest tensors of a small-hidden, big-vocab model) never exist whole.
+
+    Fusing never raises the peak: a micro-batch that holds more padded tokens than the largest of
+    its requests would alone also recomputes its blocks and chunks its logits at that request's size
+    (`memory_plan`), so fused policies train within the memory of the biggest one; a request alone
+    runs at full speed up to the two bounds above.
     """
 
     def __init__(
@@ -156,10 +161,12 @@ class Trainer:
         loss_sum = [0.0] * len(preps)
         pending: dict[str, Pairs] = {}
         runner = self.residency.runner
+        # Padded tokens of the largest request alone (in micro-batches of the same budget).
+        alone = max(min(len(p.datums) * max(len(d.tokens) for d in p.datums), budget or 1 << 62) for p in preps)
         try:
             batches = self.plan(rows, budget)
             for i, mb in enumerate(batches):
-                grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum)
+                grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum, alone)
                 accumulate(pending, grads)
                 if between is not None and i + 1 < len(batches):
                     between()
@@ -207,10 +214,12 @@ class Trainer:
         logprobs: dict[tuple[int, int], np.ndarray],
         losses: dict[tuple[int, int], np.ndarray],
         loss_sum: list[float],
+        alone: int,
     ) -> dict[str, Pairs]:
         """One padded forward (+ backward) over `mb`; returns the adapters' gradients of this batch."""
         datums = [preps[r.req].datums[r.datum] for r in mb]
         T, K = max(r.length for r in mb), max(d.width for d in datums)
+        recompute, logits_chunk = self.memory_plan(len(mb) * T, alone)
         tokens = np.zeros((len(mb), T), dtype=np.int64)
         targets = np.zeros((len(mb), T, K), dtype=np.int64)
         for i, d in enumerate(datums):
@@ -226,7 +235,8 @@ class Trainer:
             row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
         runner = self.residency.runner
         if runner is not None:  # every rank runs the forward on its share; the loss stays here
-            lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward)
+            lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward,
+                                  recompute, logits_chunk)
         elif backward:
             lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
@@ -237,8 +247,8 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             if runner is None:
                 h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                             checkpoint=self.recompute(len(mb) * T))
-                lp = self._target_logprobs(h, lora, torch.from_numpy(targets).to(self.device))
+                                             checkpoint=recompute)
+                lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
             for q in dict.fromkeys(r.req for r in mb):
@@ -275,13 +285,13 @@ class Trainer:
         return LoraRef(a.id, a.slot, a.rank, a.targets, a.scale)  # type: ignore[arg-type]
 
     def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
-                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool) -> Tensor:
+                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool,
+                    recompute: bool, logits_chunk: int) -> Tensor:
         refs = [self.lora_ref(a) for a in adapters] if backward else None
         slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
         return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
                            row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,
-                           backward=backward, checkpoint=self.recompute(tokens.shape[0] * tokens.shape[1]),
-                           logits_chunk=self.logits_chunk)
+                           backward=backward, checkpoint=recompute, logits_chunk=logits_chunk)
 
     def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
         """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
@@ -294,12 +304,15 @@ class Trainer:
         """
         return training_lora(self.residency.bank, adapters, row_adapter, self.device, self.residency.dtype)
 
-    def recompute(self, padded_tokens: int) -> bool:
-        """Recompute transformer blocks in backward (activation checkpointing) for a batch this big."""
-        return self.checkpoint_from_tokens is not None and padded_tokens >= self.checkpoint_from_tokens
-
-    def _target_logprobs(self, h: Tensor, lora: LoraBatch | None, targets: Tensor) -> Tensor:
-        return target_logprobs(self.model, h, lora, targets, self.logits_chunk)
+    def memory_plan(self, padded_tokens: int, alone: int) -> tuple[bool, int]:
+        """(recompute the blocks in backward?, most logits elements at once) for a micro-batch of
+        `padded_tokens`, in a pass whose largest request alone holds `alone` padded tokens."""
+        recompute = self.checkpoint_from_tokens is not None and padded_tokens >= self.checkpoint_from_tokens
+        chunk = self.logits_chunk
+        if padded_tokens > alone:  # fused beyond its largest request: hold no more than that request would
+            recompute = True
+            chunk = max(1, min(chunk, alone * self.vocab))
+        return recompute, chunk
 
     def commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
         """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""

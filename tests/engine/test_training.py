@@ -223,13 +223,14 @@ def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
 
 
 def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
-    """One fused pass of three adapters (importance sampling, GRPO's loss) with blocks recomputed
-    because of its padded tokens (no row is long) and logits built a few positions at a time gives
-    the losses and gradients of the plain pass."""
+    """One fused pass of three adapters (importance sampling, GRPO's loss) recomputes its blocks and
+    chunks its logits because it is bigger than any of its requests alone (fusing never raises the
+    peak), with no threshold set, and gives the losses and gradients of each request run alone."""
     plain = new_trainer(model, checkpoint_from_tokens=None)
     lengths = [13, 9, 11, 6]
-    # 3 adapters × 4 rows × 13 = 156 padded tokens: recomputed; the longest row (13) alone is not
-    budget = new_trainer(model, checkpoint_from_tokens=100, logits_chunk=12 * 320 * 3)
+    # 3 adapters × 4 rows × 13 = 156 padded tokens fused; each request alone holds 4 × 13 = 52
+    chunk = 12 * 320 * 3
+    budget = new_trainer(model, checkpoint_from_tokens=None, logits_chunk=chunk)
     g = torch.Generator().manual_seed(4)
     reqs = []
     for k in range(3):
@@ -246,10 +247,14 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
         for aid, datums in zip(ids, reqs, strict=True):  # a step, so B is nonzero and A gets a gradient
             tr.run([TrainRequest(aid, datums, "cross_entropy")])
             tr.optim_step(aid, ADAM)
-        outs = tr.run([TrainRequest(aid, datums, "importance_sampling") for aid, datums in zip(ids, reqs, strict=True)])
+        jobs = [TrainRequest(aid, datums, "importance_sampling") for aid, datums in zip(ids, reqs, strict=True)]
+        outs = [tr.run([job])[0] for job in jobs] if tr is plain else tr.run(jobs)
         results.append((outs, [tr.residency.get(aid).grads for aid in ids]))
-    assert checkpointed[-1] is True and checkpointed[len(checkpointed) // 2 - 1] is False
-    assert budget.recompute(156) and not budget.recompute(13)
+    assert checkpointed[-1] is True and not any(checkpointed[: len(checkpointed) // 2 + 1])
+    vocab = model.config.vocab_size
+    assert budget.memory_plan(156, 52) == (True, min(chunk, 52 * vocab)) and budget.memory_plan(52, 52) == (False, chunk)
+    threshold = new_trainer(model, checkpoint_from_tokens=100)  # a request alone recomputes past its threshold
+    assert threshold.memory_plan(156, 156)[0] and not threshold.memory_plan(13, 13)[0]
     (outs_a, grads_a), (outs_b, grads_b) = results
     for oa, ob in zip(outs_a, outs_b, strict=True):
         tol(model).check_scalar(oa.metrics["loss:sum"], ob.metrics["loss:sum"], sum(lengths))
