@@ -107,11 +107,14 @@ def worker_ours(args, build_only: bool = False):
     import torch
     from tinker import types
 
+    from mint_server.engine.host_memory import keep_freed_memory
     from mint_server.model.loader import load_model
     from tests.engine.helpers import AdapterRegistry, TrainRequest
     from tests.engine.helpers import TrainerHarness as Trainer
 
     dtype = getattr(torch, args.dtype)
+    if args.device == "cpu":
+        keep_freed_memory()  # as LocalEngine does (EngineSettings.keep_freed_memory)
     model = load_model(model_dir(args.model_dir), device=args.device, dtype=dtype)
     cfg = model.config
     n_adapters = 1 if args.variant == "ours" else args.adapters

@@ -29,6 +29,7 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState
+from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
@@ -97,6 +98,8 @@ class LocalEngine(JobParsing):
         self.model_dir, self.base_model = Path(model_dir), base_model
         self.device = torch.device(device) if device is not None else default_device()
         self.dtype = dtype or default_dtype(self.device)
+        if s.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         tp, followers, control = self._start_tp() if s.tp > 1 else (None, [], None)
         try:
             # tp: this process is rank 0; it loads only its share and schedules for every rank

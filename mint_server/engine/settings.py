@@ -65,6 +65,9 @@ class EngineSettings:
     store_dir: Path | None = None
     # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
     threads: int | None = None
+    # On a CPU device, keep freed host memory for the next step instead of returning it to the kernel
+    # (engine/host_memory.py: no page faults on every step's big blocks; RSS stays at its peak).
+    keep_freed_memory: bool = True
     # Tensor-parallel ranks of the engine's model (1: one process). Rank 0 is the server process and
     # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
     # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
@@ -108,8 +111,9 @@ class EngineSettings:
             raise ValueError(f"checkpoint_from_tokens must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
         if not (isinstance(self.logits_chunk_mb, int | float) and self.logits_chunk_mb > 0):
             raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be true or false, got {self.batch_invariant!r}")
+        for name in ("batch_invariant", "keep_freed_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batch_invariant and self.tp != 1:
             raise ValueError("batch_invariant is supported on one rank only (tp=1)")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from mint_server.engine import executor
+from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.masters import masters_for, publish, step_params
 from mint_server.engine.optim import STEP_OF, Pairs, family_of, step_or_rollback
 from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
@@ -192,6 +193,8 @@ def follower_main(rank: int, world: int, port: int, model_dir: str, settings: An
     dev = torch.device(device)
     if dev.type == "cuda":
         dev = torch.device("cuda", rank % torch.cuda.device_count())
+    elif settings.keep_freed_memory:
+        keep_freed_memory()
     tp = tpmod.init(rank, world, port, backend="nccl" if dev.type == "cuda" else "gloo",
                     timeout_s=settings.tp_timeout_s)
     control = control_group()

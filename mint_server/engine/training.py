@@ -309,7 +309,10 @@ class Trainer:
         `padded_tokens`, in a pass whose largest request alone holds `alone` padded tokens."""
         recompute = self.checkpoint_from_tokens is not None and padded_tokens >= self.checkpoint_from_tokens
         chunk = self.logits_chunk
-        if padded_tokens > alone:  # fused beyond its largest request: hold no more than that request would
+        # Fused beyond its largest request: hold no more than that request would. Not in batch-invariant
+        # mode, where a request's gradients must not depend on what it was fused with (chunked logits
+        # sum its lm_head gradient in another order).
+        if padded_tokens > alone and not invariant.enabled():
             recompute = True
             chunk = max(1, min(chunk, alone * self.vocab))
         return recompute, chunk
