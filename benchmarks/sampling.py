@@ -2,6 +2,7 @@
 
     python -m benchmarks.sampling [--seqs 64] [--new-tokens 128] [--rank 32] [--profile]
     python -m benchmarks.sampling --step-rounds 10 --skip-full   # quick, load-robust step ratios
+    python -m benchmarks.sampling --through sdk [--seqs 64 --new-tokens 32]   # a and b via mint serve + SDK
 
 Workloads, each `seqs` concurrent sequences × `new-tokens` new tokens (temperature 1, no stop):
   a  every sequence on one adapter          c  base model only
@@ -191,6 +192,82 @@ def profile_decode(sampler: Sampler, adapters: list[str | None], batch: list[lis
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
 
 
+def run_through_sdk(args) -> None:
+    """Workloads a and b as a user drives them: `mint serve` in its own process (--device-slots so
+    every adapter fits, as in the engine runs above), the tinker SDK here, `seqs` concurrent
+    sample requests (one thread each) of `new-tokens` tokens, on one adapter and on `seqs` distinct
+    ones, alternated --sdk-rounds times; tokens/s and b/a, with the server's own decode-step rate
+    (mint_sampler_* totals from /metrics) beside it, so what the service adds shows."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    import tinker
+
+    from tests.service.live import KEY_A, ServeProcess
+
+    model_dir = smollm2_dir()
+    n = args.seqs
+    floors = machine_floors("cpu")
+    print(f"machine: read {floors['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 matmul "
+          f"{floors['matmul_flop_per_s'] / 1e9:.1f} GFLOP/s, load average {load_average()}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="mint-sampling-sdk-") as data, ServeProcess(
+        "--base-model", str(model_dir), "--data-dir", data, "--max-rank", str(args.rank),
+        "--device-slots", str(n + 1), "--log-level", "warning",
+    ) as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        paths = []
+        for i in range(n):  # fresh adapters (B = 0 at init: the LoRA products cost the same)
+            tc = client.create_lora_training_client(base_model=str(model_dir), rank=args.rank, seed=i).result()
+            paths.append(tc.save_weights_for_sampler(f"s{i}").result().path)
+        samplers = [client.create_sampling_client(model_path=p) for p in paths]
+        params = types.SamplingParams(max_tokens=args.new_tokens, temperature=1.0, stop=[])
+        batch = prompts(n, args.prompt_len, 49152)
+
+        def decode_totals() -> tuple[float, float]:
+            text = httpx.get(f"{server.url}/metrics").text
+            tokens = seconds = 0.0
+            for line in text.splitlines():
+                if line.startswith('mint_sampler_tokens_total{phase="decode"}'):
+                    tokens = float(line.split()[-1])
+                elif line.startswith('mint_sampler_seconds_total{phase="step"}'):
+                    seconds = float(line.split()[-1])
+            return tokens, seconds
+
+        def burst(on: list) -> tuple[float, float]:
+            t_before, s_before = decode_totals()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(n) as pool:
+                got = sum(pool.map(lambda k: len(on[k].sample(types.ModelInput.from_ints(batch[k]), 1, params)
+                                                 .result().sequences[0].tokens), range(len(on))))
+            wall = time.perf_counter() - t0
+            t_after, s_after = decode_totals()
+            step_rate = (t_after - t_before) / max(s_after - s_before, 1e-9)
+            return got / wall, step_rate
+
+        burst([samplers[0]] * 4 + samplers[:4])  # warm-up: every path once
+        one, many = {"sdk": [], "step": []}, {"sdk": [], "step": []}
+        for _ in range(args.sdk_rounds):
+            for out, on in ((one, [samplers[0]] * n), (many, samplers)):
+                rate, step_rate = burst(on)
+                out["sdk"].append(rate)
+                out["step"].append(step_rate)
+        client.close("success").result()
+    med = {k: {m: statistics.median(v[m]) for m in v} for k, v in (("one", one), ("many", many))}
+    result = {
+        "seqs": n, "rank": args.rank, "new_tokens": args.new_tokens, "rounds": args.sdk_rounds,
+        "sdk_one_adapter_tokens_per_s": med["one"]["sdk"], "sdk_distinct_adapters_tokens_per_s": med["many"]["sdk"],
+        "sdk_ratio_b_over_a": med["many"]["sdk"] / med["one"]["sdk"],
+        "server_decode_step_one_tokens_per_s": med["one"]["step"],
+        "server_decode_step_distinct_tokens_per_s": med["many"]["step"],
+        "server_step_ratio_b_over_a": med["many"]["step"] / med["one"]["step"],
+        "read_gb_s": floors["read_bytes_per_s"] / 1e9, "matmul_gflop_s": floors["matmul_flop_per_s"] / 1e9,
+        "load_average_end": load_average(),
+    }
+    for k, v in result.items():
+        print(f"{k:40s} {v:,.3f}" if isinstance(v, float) else f"{k:40s} {v}", flush=True)
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seqs", type=int, default=64)
@@ -207,7 +284,13 @@ def main() -> None:
     ap.add_argument("--skip-e", action="store_true", help="skip the shared-prefill comparison (e)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--device", default=None)
+    ap.add_argument("--through", choices=["engine", "sdk"], default="engine",
+                    help="sdk: workloads a and b through `mint serve` and the tinker SDK (see run_through_sdk)")
+    ap.add_argument("--sdk-rounds", type=int, default=3)
     args = ap.parse_args()
+    if args.through == "sdk":
+        run_through_sdk(args)
+        return
 
     model_dir = smollm2_dir()
     model = load_model(model_dir, device=args.device)
