@@ -315,7 +315,8 @@ class TrainingService:
                 self.core.recorded.check(call.data, model.owner, self.core.samplers)
             # Parsed once, here, before the request takes its place in the sequence: bad input is a
             # 400 naming the field, and the engine runs the typed job without checking it again.
-            job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only)
+            job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only,
+                                            key=model.owner)
             return lambda: self.core.call(self.engine.submit(job.on(model.adapter())))
 
         return self.sequenced(p, call.model_id, call.seq_id, "forward" if call.forward_only else "forward_backward", check)

@@ -55,6 +55,7 @@ class TrainJob:
     config: dict[str, float]
     backward: bool
     adapter_id: str | None = None
+    key: str = ""  # the API key's owner: its training tokens count in its fair share of the engine
 
     @property
     def tokens(self) -> int:
@@ -159,7 +160,7 @@ class Preparer:
 
     # --- training -------------------------------------------------------------------------------
     def train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-              backward: bool = True, adapter_id: str | None = None) -> TrainJob:
+              backward: bool = True, adapter_id: str | None = None, key: str = "") -> TrainJob:
         if not datums:
             raise EngineError("datums: empty batch")
         spec = loss_spec(loss_fn)
@@ -167,7 +168,7 @@ class Preparer:
         lim = self.limits
         parsed = tuple(parse_datum(d, i, spec, lim.vocab_size, lim.max_context, self.records)
                        for i, d in enumerate(datums))
-        return TrainJob(parsed, spec, config, bool(backward), adapter_id)
+        return TrainJob(parsed, spec, config, bool(backward), adapter_id, key)
 
     def reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None,
                    adapter_id: str | None = None) -> ReverseKLJob:
@@ -352,8 +353,8 @@ class JobParsing:
     prepare: Preparer
 
     def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
-                      backward: bool = True) -> TrainJob:
-        return self.prepare.train(datums, loss_fn, loss_fn_config, backward)
+                      backward: bool = True, key: str = "") -> TrainJob:
+        return self.prepare.train(datums, loss_fn, loss_fn_config, backward, key=key)
 
     def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob:
         return self.prepare.reverse_kl(datums, temperature, reference)

@@ -469,6 +469,10 @@ class LocalEngine(JobParsing):
         self.stats["train_passes"] += 1
         self.stats["fused_requests"] += len(work)
         self.stats["train_tokens"] += sum(w.train.tokens for w in work)  # type: ignore[union-attr]
+        for w in work:  # training counts in the key's fair share: its samples then yield to lighter keys'
+            job = w.train
+            assert job is not None
+            self.sampler.scheduler.charge(job.key, job.adapter_id or "", job.tokens)
         for w, r in zip(work, results, strict=True):
             for a in w.resolved or ():
                 if a is not None:
