@@ -70,11 +70,13 @@ class Engine(Protocol):
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       priority: Priority = Priority.ROLLOUT) -> SampleJob:
+                       priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
+                       min_p: float = 0.0) -> SampleJob:
         """`stop_at_eos` keeps EOS as a stop next to stop strings (OpenAI's `stop`; Tinker's explicit
         stop list replaces EOS). `top_logprobs` (≤ limits.max_top_logprobs) reports that many
         alternatives per sampled token (`SampledSequence.topk_logprobs_np`, and to `on_token`);
-        the penalties are OpenAI's, shaping the draw only (reported logprobs stay the raw model's).
+        the penalties (OpenAI's frequency/presence, vLLM's repetition) and min_p shape the draw only
+        (reported logprobs stay the raw model's).
         Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
         ...
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",

@@ -41,6 +41,7 @@ from mint_server.engine.values import AdapterSource, EngineError, Priority, Toke
 # Temperatures this small are greedy: dividing logits by them overflows to inf, and the draw would
 # be the argmax anyway.
 GREEDY_BELOW = 1e-5
+MAX_REPETITION_PENALTY = 100.0
 INT64_MAX = 2**63 - 1
 
 AdapterRef = str | AdapterSource | None  # an adapter id, a source to open, or None for the bare base
@@ -97,10 +98,13 @@ class SampleParams:
     # logit[t] - frequency_penalty * count[t] - presence_penalty * (count[t] > 0).
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # vLLM's and transformers' repetition penalty, over the prompt and the tokens generated so far:
+    # a seen token's logit is divided by it when positive, multiplied when negative (1 = off).
+    repetition_penalty: float = 1.0
+    # min-p filtering: tokens whose probability (after temperature, top-k, top-p) is below
+    # min_p × the most likely token's are not drawn (0 = off).
+    min_p: float = 0.0
 
-    @property
-    def penalized(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty)
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,8 @@ class Preparer:
         self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
         stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT,
+        presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
     ) -> SampleJob:
         prompt = self._prompt(prompt_tokens, room=1)
         lim = self.limits
@@ -237,8 +242,16 @@ class Preparer:
             raise EngineError(f"top_logprobs: must be an integer in 0..{lim.max_top_logprobs}, got {top_logprobs!r}")
         run = uuid.uuid4().hex[:16]
         parsed = self._params(params, len(prompt))
+        repetition = _finite(repetition_penalty, "repetition_penalty")
+        if not 0 < repetition <= MAX_REPETITION_PENALTY:
+            raise EngineError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+                              f"got {repetition_penalty!r}")
+        floor = _finite(min_p, "min_p")
+        if not 0 <= floor <= 1:
+            raise EngineError(f"min_p: must be in [0, 1] (0 = off), got {min_p!r}")
         parsed = dataclasses.replace(parsed, frequency_penalty=_finite(frequency_penalty, "frequency_penalty"),
-                                     presence_penalty=_finite(presence_penalty, "presence_penalty"))
+                                     presence_penalty=_finite(presence_penalty, "presence_penalty"),
+                                     repetition_penalty=repetition, min_p=floor)
         if stop_at_eos:
             stop = dataclasses.replace(parsed.stop, token_ids=parsed.stop.token_ids | self.eos.token_ids)
             parsed = dataclasses.replace(parsed, stop=stop)
@@ -366,11 +379,13 @@ class JobParsing:
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0, min_p: float = 0.0,
                        priority: Priority = Priority.ROLLOUT) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
                                    topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos,
                                    top_logprobs=top_logprobs, frequency_penalty=frequency_penalty,
-                                   presence_penalty=presence_penalty, priority=priority)
+                                   presence_penalty=presence_penalty, priority=priority,
+                                   repetition_penalty=repetition_penalty, min_p=min_p)
 
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
                       priority: Priority = Priority.ROLLOUT) -> SampleJob:

@@ -35,22 +35,32 @@ class Chosen(NamedTuple):
 
 def choose_tokens(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
-    penalty: Tensor | None = None, top_n: int = 0,
+    penalty: Tensor | None = None, top_n: int = 0, repetition: tuple[Tensor, Tensor] | None = None,
+    min_p: Tensor | None = None,
 ) -> Chosen:
     """Pick one token per row; return them with their raw logprobs (and the top_n alternatives).
 
     logits [B, V]; temperature [B] (0 = greedy); top_k [B] long (≤ 0 = no limit); top_p [B] in (0, 1];
-    uniform [B] float64 in [0, 1), ignored for greedy rows; penalty [B, V] or None: subtracted from
-    the logits the draw sees (see `penalties`), never from the reported logprobs.
+    uniform [B] float64 in [0, 1), ignored for greedy rows; repetition (seen [B, V] bool, factor [B])
+    or None: seen tokens' logits divided by the factor when positive, multiplied when negative;
+    penalty [B, V] or None: then subtracted (see `penalties`); min_p [B] or None (see `draw`). All of
+    them shape the logits the draw sees, never the reported logprobs.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
-    shaped = logits if penalty is None else logits - penalty
+    shaped = logits
+    if repetition is not None:
+        seen, factor = repetition
+        f = factor[:, None].float()
+        shaped = torch.where(seen, torch.where(shaped > 0, shaped / f, shaped * f), shaped)
+    if penalty is not None:
+        shaped = shaped - penalty
     tokens = shaped.argmax(dim=-1)
     drawn = (temperature > 0).nonzero().flatten()
     if drawn.numel():
         scaled = shaped[drawn] / temperature[drawn, None].float()
-        tokens[drawn] = draw(scaled, top_k[drawn], top_p[drawn], uniform[drawn])
+        tokens[drawn] = draw(scaled, top_k[drawn], top_p[drawn], uniform[drawn],
+                             None if min_p is None else min_p[drawn])
     top_ids = top_logprobs = None
     if top_n > 0:
         top_logprobs, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
@@ -69,10 +79,22 @@ def penalties(histories: Sequence[Sequence[int]], frequency: Sequence[float], pr
     return out.to(device)
 
 
-def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor) -> Tensor:
-    """Inverse-CDF draw from softmax(scaled) restricted to the top-k, then to the top-p nucleus."""
+def seen_tokens(histories: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
+    """[B, V] bool: which tokens each row has seen (its prompt and what it generated so far)."""
+    out = torch.zeros(len(histories), vocab, dtype=torch.bool)
+    for i, tokens in enumerate(histories):
+        if tokens:
+            out[i, torch.tensor(tokens, dtype=torch.long)] = True
+    return out.to(device)
+
+
+def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor, min_p: Tensor | None = None) -> Tensor:
+    """Inverse-CDF draw from softmax(scaled) restricted to the top-k, then to the top-p nucleus, then
+    to the tokens with at least min_p × the most likely token's probability."""
     out = torch.empty(scaled.shape[0], dtype=torch.long, device=scaled.device)
-    filtered = (top_k > 0) | (top_p < 1)
+    if min_p is None:
+        min_p = torch.zeros(scaled.shape[0], device=scaled.device)
+    filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
     plain = (~filtered).nonzero().flatten()
     if plain.numel():  # no filter: no sort needed, the CDF in vocabulary order serves as well
         out[plain] = inverse_cdf(torch.softmax(scaled[plain], dim=-1), uniform[plain])
@@ -88,6 +110,7 @@ def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor) -> Tenso
         # The nucleus: the fewest top tokens whose mass reaches top_p (the token crossing it stays in).
         mass_above = probs.cumsum(dim=-1) - probs
         probs = probs.masked_fill(mass_above >= top_p[rows, None].float(), 0.0)
+        probs = probs.masked_fill(probs < min_p[rows, None].float() * probs[:, :1], 0.0)  # [:, 0]: the likeliest
         out[rows] = order.gather(1, inverse_cdf(probs, uniform[rows])[:, None]).squeeze(1)
     return out
 

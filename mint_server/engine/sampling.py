@@ -49,7 +49,14 @@ from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
-from mint_server.engine.sampler_ops import PromptScores, choose_tokens, penalties, sample_seed, uniforms
+from mint_server.engine.sampler_ops import (
+    PromptScores,
+    choose_tokens,
+    penalties,
+    sample_seed,
+    seen_tokens,
+    uniforms,
+)
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
 from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
 from mint_server.model.transformer import Transformer
@@ -708,10 +715,15 @@ class Sampler:
         """Draw each row's next token from its logits [len(rows), V]; keep it running or finish it."""
         dev = logits.device
         params = [r.request.params for r in rows]
-        penalty = None
-        if any(p.penalized for p in params):
+        penalty = repetition = min_p = None
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
             penalty = penalties([r.tokens for r in rows], [p.frequency_penalty for p in params],
                                 [p.presence_penalty for p in params], logits.shape[-1], dev)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            repetition = (seen_tokens([(*r.request.prompt, *r.tokens) for r in rows], logits.shape[-1], dev),
+                          torch.tensor([p.repetition_penalty for p in params], device=dev))
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
         top_n = max(r.request.job.top_logprobs for r in rows)
         chosen = choose_tokens(
             logits,
@@ -721,6 +733,8 @@ class Sampler:
             uniforms([r.generator for r in rows]).to(dev),
             penalty=penalty,
             top_n=top_n,
+            repetition=repetition,
+            min_p=min_p,
         )
         top_ids = top_lps = None
         if chosen.top_ids is not None and chosen.top_logprobs is not None:

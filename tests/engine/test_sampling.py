@@ -323,6 +323,9 @@ def test_admitted_requests_finish_on_their_revision(model, residency):
         ("top_logprobs", dict(opts={"top_logprobs": True})),
         ("frequency_penalty", dict(opts={"frequency_penalty": float("nan")})),
         ("presence_penalty", dict(opts={"presence_penalty": "high"})),
+        ("repetition_penalty", dict(opts={"repetition_penalty": 0.0})),
+        ("repetition_penalty", dict(opts={"repetition_penalty": float("inf")})),
+        ("min_p", dict(opts={"min_p": 1.5})),
         ("adapter", dict(adapter="no-such-adapter")),
     ],
 )

@@ -12,6 +12,7 @@ from mint_server.engine.sampler_ops import (
     inverse_cdf,
     penalties,
     sample_seed,
+    seen_tokens,
     uniforms,
 )
 
@@ -167,3 +168,36 @@ def test_records_expire_after_inactivity_and_stay_bounded():
     small.put("x", _record(4))  # 3 prompt + 4 sampled = 7 tokens
     small.put("y", _record(4))
     assert small.get("x") is None and small.get_record("y") is not None
+
+
+def test_repetition_penalty_and_min_p_shape_the_draw_as_their_reference_formulas():
+    """Against the formulas written out: a seen token's logit is divided by the penalty when
+    positive and multiplied when negative (transformers' RepetitionPenaltyLogitsProcessor), and
+    min_p drops tokens below min_p × the likeliest token's probability; reported logprobs stay raw."""
+    logits = torch.tensor([[4.0, 3.0, -1.0, 0.5], [2.0, -2.0, 1.9, 0.0]])
+    seen = seen_tokens([[0, 2], [2]], 4, torch.device("cpu"))
+    assert seen.tolist() == [[True, False, True, False], [False, False, True, False]]
+    factor = torch.tensor([2.0, 1.5])
+    ref = logits.clone()
+    for i, toks in enumerate(([0, 2], [2])):
+        for t in toks:
+            ref[i, t] = ref[i, t] / factor[i] if ref[i, t] > 0 else ref[i, t] * factor[i]
+    greedy = torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2, dtype=torch.float64)
+    chosen = choose_tokens(logits, *greedy, repetition=(seen, factor))
+    assert chosen.tokens.tolist() == ref.argmax(-1).tolist() == [1, 0]  # 4 / 2 < 3; 1.9 / 1.5 < 2
+    raw = torch.log_softmax(logits, -1)
+    assert torch.equal(chosen.logprobs, raw.gather(1, chosen.tokens[:, None]).squeeze(1))
+    # min_p: with p = softmax(logits[0]) ≈ [.69, .25, .01, .04], min_p 0.2 keeps tokens 0 and 1 only
+    probs = torch.softmax(logits[0], -1)
+    keep = probs >= 0.2 * probs.max()
+    assert keep.tolist() == [True, True, False, False]
+    row = logits[:1].expand(64, 4)
+    uniform = torch.linspace(0, 1 - 1e-9, 64, dtype=torch.float64)
+    drawn = choose_tokens(row, torch.ones(64), torch.zeros(64, dtype=torch.long), torch.ones(64), uniform,
+                          min_p=torch.full((64,), 0.2)).tokens
+    assert set(drawn.tolist()) == {0, 1}  # never a dropped token, and both survivors drawn
+    # the survivors keep their relative odds: the share of uniforms landing on token 0 is p0 / (p0 + p1)
+    share = (drawn == 0).double().mean().item()
+    assert abs(share - (probs[0] / probs[:2].sum()).item()) <= 1 / 64 + 1e-9
+    unfiltered = choose_tokens(row, torch.ones(64), torch.zeros(64, dtype=torch.long), torch.ones(64), uniform).tokens
+    assert 3 in unfiltered.tolist()  # without min_p a dropped token (p ≈ 0.04 > 1/64) is drawn

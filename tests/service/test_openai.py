@@ -490,6 +490,27 @@ def test_only_sampler_weights_and_revisions_are_served(live: LiveServer, oai: op
     assert metric(live, "mint_kv_blocks_in_use") == 0
 
 
+def test_repetition_penalty_and_min_p_are_honoured(live: LiveServer, oai: openai.OpenAI) -> None:
+    """vLLM's extensions change what is drawn (never answered 200 and ignored): min_p 1 keeps only the
+    likeliest token, so a seeded temperature-1 sample equals greedy; a strong repetition penalty
+    steers greedy off the tokens it has seen."""
+    kw: dict[str, Any] = dict(model=BASE, prompt="one two three", max_tokens=24)
+    greedy = oai.completions.create(**kw, temperature=0).choices[0].text
+    drawn = [oai.completions.create(**kw, temperature=1, seed=s).choices[0].text for s in range(3)]
+    assert any(d != greedy for d in drawn)  # a plain seeded draw wanders off greedy
+    for s in range(3):
+        kept = oai.completions.create(**kw, temperature=1, seed=s, extra_body={"min_p": 1.0}).choices[0].text
+        assert kept == greedy
+    steered = oai.completions.create(**kw, temperature=0, extra_body={"repetition_penalty": 50.0}).choices[0].text
+    assert steered != greedy
+    plain = oai.completions.create(**kw, temperature=0, extra_body={"repetition_penalty": 1.0}).choices[0].text
+    assert plain == greedy  # 1 = off
+    for body, param in (({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                        ({"repetition_penalty": 1000}, "repetition_penalty")):
+        r = httpx.post(f"{live.url}/v1/completions", json={**kw, **body}, headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_request_may_lower_its_priority(live: LiveServer, oai: openai.OpenAI) -> None:
     plain = oai.completions.create(model=BASE, prompt="x", max_tokens=4, temperature=0)
     low = oai.completions.create(model=BASE, prompt="x", max_tokens=4, temperature=0, extra_body={"priority": "batch"})

@@ -30,6 +30,8 @@ class _Sampling(_Body):
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's); the engine bounds it
+    min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

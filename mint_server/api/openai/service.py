@@ -224,6 +224,8 @@ class OpenAIService:
             return self.engine.prepare_sample(
                 target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                min_p=req.min_p or 0.0,
                 priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
         except EngineError as e:  # the parser names Tinker's fields: say them as this face's
             name, _, why = str(e).partition(": ")
@@ -563,7 +565,7 @@ class OpenAIService:
 
 
 # Engine fields a refusal may name; the face's own names for them are the same.
-_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "priority", "prompt", "messages",
+_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "priority", "prompt", "messages",
                   "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n")
 _OPENAI_NAME = {"num_samples": "n"}
 
