@@ -518,11 +518,26 @@ def test_a_request_may_lower_its_priority(live: LiveServer, oai: openai.OpenAI) 
     assert 'mint_time_to_first_token_seconds_count{priority="batch"}' in httpx.get(f"{live.url}/metrics").text
 
 
-def test_unknown_fields_are_ignored_and_bodies_must_be_json(live: LiveServer) -> None:
+def test_unknown_fields_are_refused_by_name_and_bodies_must_be_json(live: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {KEY_A}"}
-    r = httpx.post(f"{live.url}/v1/completions", headers=headers, timeout=30,
-                   json={"model": BASE, "prompt": "x", "max_tokens": 1, "some_new_openai_field": {"x": 1}})  # fmt: skip
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1
+    for path, body in (("completions", {"prompt": "x"}), ("chat/completions", {"messages": HELLO})):
+        for field, value in (("some_new_openai_field", {"x": 1}), ("typical_p", 0.9), ("functions", [])):
+            r = httpx.post(f"{live.url}/v1/{path}", headers=headers, timeout=30,
+                           json={"model": BASE, "max_tokens": 1, **body, field: value})
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == field and f"unknown field {field!r}" in error["message"], error
+        # bookkeeping fields that change no output are accepted; an SDK's echoed assistant message may
+        # carry keys of its own
+        r = httpx.post(f"{live.url}/v1/{path}", headers=headers, timeout=30,
+                       json={"model": BASE, "max_tokens": 1, **body, "user": "u", "store": False,
+                             "metadata": {"k": "v"}, "service_tier": "auto"})
+        assert r.status_code == 200, r.text
+    echoed = [*HELLO, {"role": "assistant", "content": "hi", "refusal": None, "annotations": []},
+              {"role": "user", "content": "again"}]
+    r = httpx.post(f"{live.url}/v1/chat/completions", headers=headers, timeout=30,
+                   json={"model": BASE, "max_tokens": 1, "messages": echoed})
+    assert r.status_code == 200, r.text
     r = httpx.post(f"{live.url}/v1/completions", headers=headers, content=b"{nope", timeout=30)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
 

@@ -1,6 +1,10 @@
-"""Request bodies of the OpenAI face. Unknown fields are ignored, as OpenAI does; a field of the
-wrong type is a 400 naming it, with no coercion ("4" is not an integer, "yes" not a boolean: OpenAI
-answers both with 400, strict mode here does the same). Responses are plain dicts built in `service.py` (OpenAI's shapes)."""
+"""Request bodies of the OpenAI face. A request's own fields are honoured or refused by name, never
+silently ignored: an unknown top-level field is a 400 naming it, as OpenAI answers ("Unrecognized
+request argument"); only bookkeeping fields that change no output (`user`, `store`, `metadata`,
+`service_tier`) are accepted and ignored. Inside messages and tools, unknown keys are ignored (SDKs
+send back assistant messages with extra keys such as `refusal`). A field of the wrong type is a
+400 naming it, with no coercion ("4" is not an integer, "yes" not a boolean: OpenAI answers both
+with 400, strict mode here does the same). Responses are plain dicts built in `service.py` (OpenAI's shapes)."""
 
 from __future__ import annotations
 
@@ -35,7 +39,11 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted and ignored
+    # Bookkeeping that changes no output: accepted and ignored.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
     return_tokens_as_token_ids: bool = False  # extension (vLLM's): logprob tokens as "token_id:N"
     ignore_eos: bool = False  # extension (vLLM's): run to max_tokens or a stop string (benchmarks)
     # extension: scheduling class, "interactive" (the default here) or lowered to "rollout" / "batch"
@@ -85,6 +93,7 @@ class ResponseFormat(_Body):
 
 
 class ChatRequest(_Sampling):
+    model_config = ConfigDict(extra="forbid", strict=True)
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -96,6 +105,7 @@ class ChatRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)  # alternatives per token: at most the engine's max_top_logprobs
