@@ -49,10 +49,12 @@ class EngineSettings:
     # recomputes its blocks and chunks its logits to that size: Trainer.memory_plan); a request alone
     # runs at full speed up to these bounds. A pass with at least this many padded tokens recomputes
     # its transformer blocks in backward (activation checkpointing, about one more forward); 0: never.
-    checkpoint_from_tokens: int = 4096
+    # (0 and logits_chunk_mb 1024 train an 8 x 256 SmolLM2 batch ~1.5x faster, at ~2.5x the memory of
+    # a 3.5K-token GRPO batch: docs/training-speed.md.)
+    checkpoint_from_tokens: int = 2048
     # The most fp32 logits a training pass materialises at once (MiB); above it the lm_head and
     # log-softmax run in position chunks, recomputed in backward.
-    logits_chunk_mb: float = 1024.0
+    logits_chunk_mb: float = 128.0
     max_num_samples: int = 128
     # Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).
     max_top_logprobs: int = 20
@@ -66,8 +68,9 @@ class EngineSettings:
     # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
     threads: int | None = None
     # On a CPU device, keep freed host memory for the next step instead of returning it to the kernel
-    # (engine/host_memory.py: no page faults on every step's big blocks; RSS stays at its peak).
-    keep_freed_memory: bool = True
+    # (engine/host_memory.py: no page faults on every step's big blocks; RSS stays at its peak, and
+    # varied block sizes fragment the heap, so it is opt-in).
+    keep_freed_memory: bool = False
     # Tensor-parallel ranks of the engine's model (1: one process). Rank 0 is the server process and
     # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
     # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
