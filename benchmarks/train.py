@@ -113,8 +113,8 @@ def worker_ours(args, build_only: bool = False):
     from tests.engine.helpers import TrainerHarness as Trainer
 
     dtype = getattr(torch, args.dtype)
-    if args.device == "cpu":
-        keep_freed_memory()  # as LocalEngine does (EngineSettings.keep_freed_memory)
+    if args.device == "cpu" and os.environ.get("MINT_KEEP_FREED_MEMORY") == "1":
+        keep_freed_memory()  # as LocalEngine does with EngineSettings.keep_freed_memory (off by default)
     model = load_model(model_dir(args.model_dir), device=args.device, dtype=dtype)
     cfg = model.config
     n_adapters = 1 if args.variant == "ours" else args.adapters
