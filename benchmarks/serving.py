@@ -96,6 +96,7 @@ class Wire:
         self.refused = 0  # 429/503 answers (the per-key limit pushing back), retried after Retry-After
         self._seq = itertools.count()
         self._sample_seq: dict[str, itertools.count] = {}
+        self._heartbeats: list[asyncio.Task] = []
 
     async def post(self, path: str, body: dict) -> dict:
         while True:
@@ -124,8 +125,17 @@ class Wire:
         return await self.wait((await self.post(path, body))["request_id"])
 
     async def session(self) -> str:
+        """A session kept alive by heartbeats, as the SDK keeps its own (one that misses them for the
+        server's session TTL ends, and its queued samples are cancelled)."""
         body = {"tags": [], "user_metadata": None, "sdk_version": "bench-serving"}
-        return (await self.post("create_session", body))["session_id"]
+        session_id = (await self.post("create_session", body))["session_id"]
+        self._heartbeats.append(asyncio.create_task(self._heartbeat(session_id)))
+        return session_id
+
+    async def _heartbeat(self, session_id: str) -> None:
+        while True:
+            await asyncio.sleep(10.0)
+            await self.http.post("session_heartbeat", json={"session_id": session_id})
 
     async def sampler(self, session_id: str, base: str, policy: str | None) -> str:
         body = {"session_id": session_id, "sampling_session_seq_id": next(self._seq), "base_model": base,
@@ -150,6 +160,8 @@ class Wire:
         return len(out["sequences"][0]["tokens"])
 
     async def close(self) -> None:
+        for task in self._heartbeats:
+            task.cancel()
         await self.http.aclose()
 
 
@@ -432,7 +444,10 @@ async def case_flood(c: Ctx) -> tuple[dict, list[Row]]:
         await b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)
     quiet = [await timed(b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)) for _ in range(c.args.probes)]
     async with c.load("flood", flood=c.args.flood, policies=c.flood_policies) as load:
-        loaded = [await timed(b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)) for _ in range(c.args.probes)]
+        loaded = []
+        for _ in range(c.args.probes):
+            loaded.append(await timed(b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)))
+            print(f"  flood probe {len(loaded)}: {loaded[-1]:.3f} s", file=sys.stderr, flush=True)
         flood = await load.stop()
     await b.close()
     out = {"probes": c.args.probes, "in_flight": c.args.flood, "quiet_p50_s": pct(quiet, 50),

@@ -51,7 +51,7 @@ from mint_server.engine.settings import EngineLimits, EngineSettings
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
 from mint_server.engine.values import AdamState, AdapterSource, EngineError, EngineReport, NotSupportedError
-from mint_server.model import invariant
+from mint_server.model import invariant, kernels
 from mint_server.model.invariant import enable_for_model as enable_invariant
 from mint_server.model.loader import default_device, default_dtype, load_model
 from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config
@@ -355,8 +355,12 @@ class LocalEngine(JobParsing):
         return [], first_op
 
     def _calibrate(self) -> None:
-        """The scheduler's cost model is this machine's: measured on the worker, before any step."""
+        """The skinny-product rule and the scheduler's cost model are this machine's: measured on the
+        worker (its thread team), before any step; the cost model measures steps as they then run."""
         s = self.settings
+        if not self._invariant:
+            kernels.calibrate_skinny_once([m.weight for m in self.model.modules()
+                                           if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2])
         if s.step_overhead_tokens is None:
             cost = self.sampler.measure_costs()
             self.sampler.scheduler.cost = cost

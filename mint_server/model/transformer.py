@@ -350,7 +350,8 @@ def project(linear: nn.Linear, x: Tensor, lora: LoraBatch | None, target: str, l
             tp: TP | None = None) -> Tensor:
     """Base projection plus the batch's LoRA delta for this target (never merged into the base).
     Under tensor parallelism both are this rank's share (see tp.py)."""
-    y = invariant.linear(x, linear.weight, linear.bias) if invariant.enabled() else linear(x)
+    y = invariant.linear(x, linear.weight, linear.bias) if invariant.enabled() else \
+        kernels.linear(x, linear.weight, linear.bias)
     return y if lora is None else lora.apply(target, layer, x, y, tp=tp)
 
 

@@ -6,6 +6,7 @@ import torch
 
 from mint_server.model import kernels
 from mint_server.model.lora import LoraBatch, add_lora
+from tests.tolerance import Tolerance
 
 LAYOUTS = {
     "distinct": ([0, 1, 2, 3, 4, 5, 6], "range"),
@@ -37,3 +38,37 @@ def test_fast_mixed_lora_equals_the_reference_gather(layout, tokens):
             results[mode] = (out, xg.grad, Ag.grad, Bg.grad)
     for fast, ref in zip(results["fast"], results["reference"], strict=True):
         torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+def test_skinny_products_equal_f_linear(rows):
+    """kernels.linear takes few-row products as weight × xᵀ (fast kernels, outside autograd): the
+    same values as F.linear within the tolerance policy, for any leading shape and with a bias; more
+    rows than skinny_rows, or autograd, take F.linear itself."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(48, 40, generator=g)
+    b = torch.randn(48, generator=g)
+    x = torch.randn(rows, 1, 40, generator=g)
+    old = kernels.skinny_rows()
+    try:
+        kernels.set_skinny_rows(8)
+        with kernels.use("fast"), torch.no_grad():
+            got = kernels.linear(x, w, b)
+        assert got.shape == (rows, 1, 48) and got.is_contiguous()
+        Tolerance(n=40).check(got, torch.nn.functional.linear(x, w, b), f"{rows} rows")
+        wg = w.clone().requires_grad_()
+        with kernels.use("fast"):
+            y = kernels.linear(x, wg)
+        y.sum().backward()  # autograd goes through F.linear
+        Tolerance(n=40).check(wg.grad, x.reshape(rows, 40).sum(0).expand(48, 40), "grad")
+    finally:
+        kernels.set_skinny_rows(old)
+
+
+def test_skinny_calibration_picks_a_row_count():
+    old = kernels.skinny_rows()
+    try:
+        chosen = kernels.calibrate_skinny([torch.randn(256, 128) for _ in range(4)], candidates=(1, 2, 4), repeats=1)
+        assert chosen in (0, 1, 2, 4) and kernels.skinny_rows() == chosen
+    finally:
+        kernels.set_skinny_rows(old)
