@@ -55,12 +55,20 @@ def choose_tokens(
         shaped = torch.where(seen, torch.where(shaped > 0, shaped / f, shaped * f), shaped)
     if penalty is not None:
         shaped = shaped - penalty
-    tokens = shaped.argmax(dim=-1)
+    rows = shaped.shape[0]
     drawn = (temperature > 0).nonzero().flatten()
+    if drawn.numel() < rows:  # greedy rows
+        tokens = shaped.argmax(dim=-1)
+    else:
+        tokens = torch.empty(rows, dtype=torch.long, device=shaped.device)
     if drawn.numel():
-        scaled = shaped[drawn] / temperature[drawn, None].float()
-        tokens[drawn] = draw(scaled, top_k[drawn], top_p[drawn], uniform[drawn],
-                             None if min_p is None else min_p[drawn])
+        every = drawn.numel() == rows  # then no row-gathering copies of [rows, V]
+        scaled = shaped if every else shaped[drawn]
+        t = temperature if every else temperature[drawn]
+        if bool((t != 1).any()):
+            scaled = scaled / t[:, None].float()
+        pick = (lambda v: v) if every else (lambda v: v[drawn])
+        tokens[drawn] = draw(scaled, pick(top_k), pick(top_p), pick(uniform), None if min_p is None else pick(min_p))
     top_ids = top_logprobs = None
     if top_n > 0:
         top_logprobs, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
@@ -97,7 +105,8 @@ def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor, min_p: T
     filtered = (top_k > 0) | (top_p < 1) | (min_p > 0)
     plain = (~filtered).nonzero().flatten()
     if plain.numel():  # no filter: no sort needed, the CDF in vocabulary order serves as well
-        out[plain] = inverse_cdf(torch.softmax(scaled[plain], dim=-1), uniform[plain])
+        x = scaled if plain.numel() == scaled.shape[0] else scaled[plain]
+        out[plain] = inverse_cdf((x - x.amax(dim=-1, keepdim=True)).exp_(), uniform[plain])  # unnormalised
     rows = filtered.nonzero().flatten()
     if rows.numel():
         vocab = scaled.shape[-1]
@@ -115,14 +124,31 @@ def draw(scaled: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor, min_p: T
     return out
 
 
-def inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
-    """Index i with cdf[i-1] ≤ u·total < cdf[i] per row; zero-probability entries are never chosen."""
-    cdf = probs.double().cumsum(dim=-1)
-    target = (uniform.double() * cdf[:, -1])[:, None]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    # Rounding can put u·total at the very end; fall back to the last token that has mass.
-    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
-    return torch.minimum(idx, last)
+def inverse_cdf(probs: Tensor, uniform: Tensor, block: int = 256) -> Tensor:
+    """Index i with cdf[i-1] ≤ u·total < cdf[i] per row (probs [B, V] ≥ 0, not necessarily
+    normalised); zero-probability entries are never chosen.
+
+    Two levels: the cumulative sums (float64) of `block`-wide blocks' sums find the block, then one
+    block's cumulative sum finds the entry — the same index as one float64 cumulative sum over the
+    whole vocabulary up to rounding at a boundary, for a tenth of its cost on a 49k vocabulary.
+    """
+    rows, vocab = probs.shape
+    pad = (-vocab) % block
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = padded.view(rows, -1, block)
+    block_cdf = blocks.sum(-1).to(torch.float64).cumsum(-1)  # [B, blocks]; a block's own sum in fp32
+    target = (uniform.to(torch.float64) * block_cdf[:, -1])[:, None]
+    b = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)  # [B, 1]
+    base = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+    within = blocks.gather(1, b[:, :, None].expand(rows, 1, block))[:, 0].to(torch.float64).cumsum(-1) + base
+    j = torch.searchsorted(within, target, right=True)[:, 0]
+    idx = b[:, 0] * block + j
+    # Rounding can put u·total at the very end (or just past a block): take the last token with mass.
+    over = (j >= block) | (idx >= vocab)
+    if bool(over.any()):
+        last = vocab - 1 - (probs[over] > 0).flip(-1).int().argmax(dim=-1)
+        idx[over] = last
+    return idx
 
 
 def sample_seed(seed: int, index: int) -> int:

@@ -201,3 +201,22 @@ def test_repetition_penalty_and_min_p_shape_the_draw_as_their_reference_formulas
     assert abs(share - (probs[0] / probs[:2].sum()).item()) <= 1 / 64 + 1e-9
     unfiltered = choose_tokens(row, torch.ones(64), torch.zeros(64, dtype=torch.long), torch.ones(64), uniform).tokens
     assert 3 in unfiltered.tolist()  # without min_p a dropped token (p ≈ 0.04 > 1/64) is drawn
+
+
+@pytest.mark.parametrize("vocab", [7, 256, 1000, 49152])
+def test_inverse_cdf_equals_one_cumulative_sum(vocab):
+    """The two-level search picks the index one float64 cumulative sum over the whole vocabulary
+    picks (unnormalised probabilities, zeros, a vocabulary not a multiple of the block, u near 0
+    and 1)."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(64, vocab, generator=g) * (torch.rand(64, vocab, generator=g) > 0.3)
+    probs[0] = 0.0
+    probs[0, vocab // 2] = 2.5  # one token with all the mass
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[1], u[2] = 0.0, 1.0 - 1e-12
+    cdf = probs.double().cumsum(-1)
+    expected = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    expected = torch.minimum(expected, vocab - 1 - (probs > 0).flip(-1).int().argmax(-1))
+    got = inverse_cdf(probs, u)
+    assert torch.equal(got, expected)
+    assert bool((probs.gather(1, got[:, None]) > 0).all())
