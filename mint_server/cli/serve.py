@@ -71,6 +71,7 @@ def engine_settings(
     batch_invariant: bool | None = None,
     max_slowdown: float | None = None,
     step_overhead_tokens: int | None = None,
+    linger_s: float | None = None,
     train_slice_tokens: int | None = None,
     sample_steps_per_slice: int | None = None,
 ) -> EngineSettings:
@@ -85,7 +86,7 @@ def engine_settings(
              "kv_budget_tokens": kv_budget_tokens, "max_context": max_context, "max_step_tokens": max_step_tokens, "kv_budget_mb": kv_budget_mb,
              "threads": threads, "max_fused_tokens": max_fused_tokens, "tp": tp,
              "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb,
-             "batch_invariant": batch_invariant, "max_slowdown": max_slowdown,
+             "batch_invariant": batch_invariant, "max_slowdown": max_slowdown, "linger_s": linger_s,
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
              "sample_steps_per_slice": sample_steps_per_slice}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
@@ -169,14 +170,19 @@ def register(app: typer.Typer) -> None:
         ),
         max_step_tokens: int = typer.Option(
             None, "--max-step-tokens",
-            help="Tokens one engine step may run, decode rows and prefill chunks together [default: 4 × the "
-            "measured step overhead, within 128..8192]; a longer prompt is prefilled in chunks beside running "
-            "streams, and new work waits at most one step.",
+            help="Tokens one engine step may run, decode rows and prefill chunks together [default: the fewest "
+            "that reach 90% of the measured best throughput]; a longer prompt is prefilled in chunks beside "
+            "running streams, and new work waits at most one step.",
         ),
         max_slowdown: float = typer.Option(
             None, "--max-slowdown",
             help=f"While a lighter key (or a higher priority class) has work in a step, the step costs at most this "
             f"many times that work alone [default: {_default('max_slowdown')}]; see docs/engine.md (scheduler).",
+        ),
+        linger_s: float = typer.Option(
+            None, "--linger-s",
+            help=f"Seconds a lighter key stays protected by --max-slowdown after its work ends, so its next "
+            f"request does not arrive to a full step [default: {_default('linger_s')}].",
         ),
         step_overhead_tokens: int = typer.Option(
             None, "--step-overhead-tokens",
@@ -261,7 +267,7 @@ def register(app: typer.Typer) -> None:
         engine_cfg = engine_settings(device_slots, adapter_slots, host_cache_mb, max_rank, kv_budget_tokens,
                                      max_seq_len, max_step_tokens, root / "pages", kv_budget_mb, threads,
                                      max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb,
-                                     batch_invariant, max_slowdown=max_slowdown,
+                                     batch_invariant, max_slowdown=max_slowdown, linger_s=linger_s,
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
                                      sample_steps_per_slice=sample_steps_per_slice)
         if not keys and not no_auth:

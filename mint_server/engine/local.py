@@ -135,7 +135,7 @@ class LocalEngine(JobParsing):
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
-            step_overhead_tokens=s.step_overhead_tokens or 0,
+            step_overhead_tokens=s.step_overhead_tokens or 0, linger_s=s.linger_s,
         )
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False
@@ -364,7 +364,7 @@ class LocalEngine(JobParsing):
         if s.step_overhead_tokens is None:
             cost = self.sampler.measure_costs()
             self.sampler.scheduler.cost = cost
-            self.sampler.scheduler.max_step_tokens = s.step_tokens(round(cost(0, 0)))
+            self.sampler.scheduler.max_step_tokens = s.step_tokens_for(cost)
 
     def _loop(self) -> None:
         torch.set_num_threads(self.settings.intra_op_threads())  # this thread's OpenMP team (see __init__)

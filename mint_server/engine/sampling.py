@@ -28,7 +28,6 @@ meanwhile) and a pin from admission (its slot is not evicted while rows read it)
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import math
@@ -288,11 +287,12 @@ class Sampler:
         max_slowdown: float = 2.0,
         step_overhead_tokens: int = 0,
         dedupe_prompts: bool = True,
+        linger_s: float = 0.0,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
 
-        max_batch_rows caps the sequences holding KV; max_step_tokens, max_slowdown and
-        step_overhead_tokens are the scheduler's (see scheduler.py). dedupe_prompts shares one
+        max_batch_rows caps the sequences holding KV; max_step_tokens, max_slowdown,
+        step_overhead_tokens and linger_s are the scheduler's (see scheduler.py). dedupe_prompts shares one
         prefill among identical (adapter, prompt) requests (off only to measure what that saves).
         """
         if kv_budget_tokens < max_seq_len or max_seq_len < 2:
@@ -307,7 +307,7 @@ class Sampler:
                                  block_size, runner=residency.runner)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
-        self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens)
+        self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens, linger_s=linger_s)
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
         self._lock = threading.Lock()  # guards _queue, _cancels: has_work/queued/cancel come from other threads
@@ -389,41 +389,73 @@ class Sampler:
     def kv_blocks_in_use(self) -> int:
         return self.pool.used
 
-    def measure_costs(self, probe_tokens: int = 64, repeats: int = 3) -> StepCost:
-        """The scheduler's cost model on this machine, from base-model steps on scratch blocks: a
-        prompt of 1 and of 1 + probe_tokens tokens (a prefill token's cost, the unit), and decode
-        batches of 1, 2, 4 … 64 rows (small batches cost more per row than big ones). Measured at
-        start-up: the weights' read against the compute is the machine's."""
-        n = max(2, min(probe_tokens + 1, self.max_seq_len, self.pool.available - 2))
-        prompt_blocks = self.pool.alloc(blocks_for(n, self.block_size))
-        row_blocks = self.pool.alloc(2)
-        position = min(2 * self.block_size - 1, 31)  # decode rows a little into their context
+    def measure_costs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 3) -> StepCost:
+        """The scheduler's cost model on this machine, from base-model steps on scratch blocks: decode
+        batches of `sizes` rows, each with its rows' token draw (temperature 1, the costliest); one
+        prefill step of 64 tokens as 8 chunks against one of 64 (a chunk's own cost); what a row's
+        adapter, and a second adapter in the step, add (LoRA's own products and their launches). Each
+        figure is the least of a few runs (noise only adds). Measured at start-up: the weights' read
+        against the compute, and where BLAS changes method, are the machine's. The unit is the marginal
+        cost of a token at the largest size."""
+        sizes = tuple(k for k in sizes if k <= self.max_batch_rows) or (1,)
+        bs = self.block_size
+        # a 64-token prompt, and the same as 8 chunks of their own, where the pool holds them
+        chunks = max(1, min(8, (self.pool.available - 2 - blocks_for(64, bs)) // blocks_for(8, bs)))
+        chunk_len = max(1, min(8, (self.pool.available - 2) * bs // (2 * chunks)))
+        probe = chunks * chunk_len
+        held: list[int] = []
 
-        def seconds(batch: StepBatch) -> float:
+        def alloc(n: int) -> list[int]:
+            blocks = self.pool.alloc(n)
+            held.extend(blocks)
+            return blocks
+
+        position = min(2 * self.block_size - 1, 31)  # decode rows a little into their context
+        vocab = self.vocab_size
+
+        def seconds(batch: StepBatch, draws: int = 0) -> float:
+            logits = torch.randn(draws, vocab)
+            params = (torch.ones(draws), torch.zeros(draws, dtype=torch.long), torch.ones(draws))
+            gens = [torch.Generator().manual_seed(i) for i in range(draws)]
             times = []
             for _ in range(repeats + 1):  # the first one warms up
                 t0 = time.perf_counter()
                 self.executor.step(batch)
+                if draws:
+                    choose_tokens(logits, *params, uniforms(gens))
                 times.append(time.perf_counter() - t0)
-            return sorted(times[1:])[repeats // 2]
+            return min(times[1:])  # the machine's cost; noise only adds
 
-        def decode(k: int) -> float:
-            return seconds(StepBatch([0] * k, [position] * k, [1] * k, [-1] * k, [row_blocks] * k, list(range(k))))
+        def decode(k: int, slots: list[int] | None = None) -> float:
+            return seconds(StepBatch([0] * k, [position] * k, [1] * k, slots or [-1] * k, [row_blocks] * k,
+                                     list(range(k))), k)
 
         try:
-            one = seconds(StepBatch([0], [0], [1], [-1], [prompt_blocks], [0]))
-            prompt = seconds(StepBatch([0] * n, list(range(n)), [n], [-1], [prompt_blocks], [0]))
-            sizes = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= self.max_batch_rows]
+            row_blocks = alloc(2)
             times = [decode(k) for k in sizes]
+            # LoRA, where it matters for a protected key: one row on an adapter against one on the base,
+            # and two rows on two adapters far apart in the bank against two on one (empty bank slots
+            # probed as adapters; on one rank only: under tensor parallelism each rank's bank is its own)
+            bank, first, each = self.residency.bank, 0.0, 0.0
+            if self.executor.runner is None and bank.num_slots:
+                with bank.probing(range(bank.num_slots), min(16, bank.max_rank)):
+                    first = decode(1, [0]) - decode(1)
+                    if (far := bank.num_slots - 1) > 0:
+                        each = decode(2, [0, far]) - decode(2, [0, 0])
+            one = seconds(StepBatch([0] * probe, list(range(probe)), [probe], [-1], [alloc(blocks_for(probe, bs))], [0]))
+            tables = [alloc(blocks_for(chunk_len, bs)) for _ in range(chunks)]
+            chunked = seconds(StepBatch([0] * probe, [p for _ in range(chunks) for p in range(chunk_len)],
+                                        [chunk_len] * chunks, [-1] * chunks, tables, [chunks - 1]))
         finally:
-            self.pool.release(prompt_blocks + row_blocks)
-        unit = max((prompt - one) / (n - 1), 1e-9)
+            self.pool.release(held)
         if len(sizes) < 2:
-            return dataclasses.replace(StepCost.linear(max(0.0, one / unit - 1)), unit_s=unit)
+            return StepCost.linear(0.0)
+        unit = max((times[-1] - times[-2]) / (sizes[-1] - sizes[-2]), 1e-9)
         costs = [max(t / unit, 1.0) for t in times]
         for i in range(1, len(costs)):  # noise must not make a bigger batch cheaper
             costs[i] = max(costs[i], costs[i - 1] + 1e-3)
-        return StepCost(tuple(sizes), tuple(costs), unit)
+        return StepCost(sizes, tuple(costs), chunk=max(0.0, (chunked - one) / unit / max(1, chunks - 1)),
+                        adapter_first=max(0.0, first / unit), adapter_each=max(0.0, each / unit), unit_s=unit)
 
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:
@@ -437,7 +469,7 @@ class Sampler:
                 return
             free_rows = self.max_batch_rows - sum(1 for r in self._rows if r.running) - \
                 sum(g.sampler_members for g in self._groups)
-            plan = self.scheduler.plan(items, self.pool.available, free_rows)
+            plan = self.scheduler.plan(items, self.pool.available, free_rows, time.perf_counter())
             for row in plan.preempt:
                 self._swap_out(row)
             runs: list[tuple[_Row | _Group, int]] = []
@@ -638,10 +670,7 @@ class Sampler:
                         batch.logits_at.append(seg)
                 prefill_tokens += n
             self.scheduler.charge(item.key, item.policy, n)
-        t_forward = time.perf_counter()
         result = self.executor.step(batch)
-        self.scheduler.observe(len(decoding), prefill_tokens, len({x for x in batch.slots if x >= 0}),
-                               time.perf_counter() - t_forward)
         for (g, a), piece in zip(scored, result.scores, strict=True):
             if g.scores is None or g.scores.topk_ids.shape[1] != g.score_k:  # first chunk (a == 0)
                 g.scores = PromptScores.empty(len(g.prompt), g.score_k)

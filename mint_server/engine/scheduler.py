@@ -11,20 +11,22 @@ Policy, in order:
 1. **Priorities.** Lower `priority` first (interactive < rollout < batch): a class's work is planned
    before any of the next class's.
 2. **Fair shares** (virtual token counters, after "Fairness in Serving LLMs"): within a class every
-   key with running work first gets one item (a decode row or a prefill chunk), so no active key
-   skips a step; then the key with the fewest tokens served goes next, one item at a time, counting the tokens planned in this
-   step, so a key with one request gets its turn whatever another key queues; within a key, the
-   policy (adapter) served least, then arrival order. A key that becomes active starts at the least
-   count among the active keys (no credit hoarded while idle).
+   key with running work first gets one item (a decode row or a prefill chunk; within the budget but
+   past the latency cap below), so no active key skips a step; then the key with the fewest tokens
+   served goes next, one item at a time, counting the tokens planned in this step, so a key with one
+   request gets its turn whatever another key queues. Within a key: decode rows, then prompts being
+   prefilled, then waiting requests; among those the policy (adapter) served least, then arrival. A
+   key that becomes active starts at the least count among the active keys (no credit hoarded while
+   idle).
 3. **Budget.** A step runs at most `max_step_tokens`. A prompt longer than what is left is prefilled
    in chunks over several steps (chunked prefill), beside everyone's decode rows.
-4. **Latency bound.** Step cost is modelled as `overhead + tokens` (the weights' read, in
-   token-equivalents, plus the tokens' compute; `StepCost`, measured at start-up, since a few
-   decode rows cost more per row than many). While a light key (fewer runnable tokens than the
-   heaviest) or a higher priority class has work in the step, the step is capped so it costs at most
-   `max_slowdown` × what that work alone would cost: a quiet key's 8-token request is not stuck in
-   200-row steps of a flood; the flood gets the rest of the budget, and all of it when the quiet key is
-   gone.
+4. **Latency bound.** A step's cost follows the tokens it runs (`StepCost`, measured at start-up: a
+   curve, since a few tokens cost more per token than many, plus a prefill chunk's and the adapters'
+   own cost). While a light key (cheaper work than the heaviest) or a higher priority class has work
+   in the step, the step is capped so it costs at most `max_slowdown` × what that work alone would
+   cost: a quiet key's 8-token request is not stuck in 200-row steps of a flood; the flood gets the
+   rest of the budget, and all of it when the quiet key is gone — `linger_s` after it is gone, since
+   a closed-loop client's next request is usually on its way.
 5. **Admission and preemption.** Waiting work is admitted when its KV blocks and rows fit. When they
    do not and running items of more-served keys (or of a lower class) hold KV, the most-served of
    those are preempted until it fits. The first waiting item that cannot be admitted even so stops
@@ -103,27 +105,64 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's cost in prefill-token units: `decode[i]` for a step of `rows[i]` decode rows (measured
-    at start-up: small batches cost more per row than big ones), linear between the points and
-    beyond the last, plus one unit per prefill token. A step of prefill alone costs the one-row step
-    less a row, plus its tokens."""
+    """A step's cost in units of `unit_s` seconds, by the tokens it runs — decode rows and prefill
+    tokens alike, since every projection runs once over all of them: `cost[i]` for a step of
+    `tokens[i]` tokens (measured at start-up: a few tokens cost more per token than many, and on
+    CPUs the row counts where BLAS changes method show), linear between the points and beyond the
+    last; plus `chunk` per prefill chunk (its own attention call in every layer) and, for decode rows,
+    what drawing their tokens costs, which the measurement includes. An empty step costs nothing."""
 
-    rows: tuple[int, ...] = (1, 2)
-    decode: tuple[float, ...] = (1.0, 2.0)
-    unit_s: float = 0.0  # seconds of one unit on this machine (0: unknown, nothing is learnt online)
+    tokens: tuple[int, ...] = (1, 2)
+    cost: tuple[float, ...] = (1.0, 2.0)
+    chunk: float = 0.0
+    # LoRA: the first adapter in a step (its products in every layer), and each further distinct one
+    adapter_first: float = 0.0
+    adapter_each: float = 0.0
+    unit_s: float = 0.0  # seconds of one unit on this machine (0: unknown)
 
     @classmethod
-    def linear(cls, overhead: float, row: float = 1.0) -> StepCost:
-        return cls((1, 2), (overhead + row, overhead + 2 * row))
+    def linear(cls, overhead: float, per_token: float = 1.0) -> StepCost:
+        """overhead + per_token × tokens."""
+        return cls((1, 2), (overhead + per_token, overhead + 2 * per_token))
 
-    def at(self, k: float) -> float:
-        xs, ys = self.rows, self.decode
-        i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= k), len(xs) - 1)))
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (k - x0) / (x1 - x0)
+    def _segment(self, n: float) -> tuple[int, int, float, float]:
+        xs, ys = self.tokens, self.cost
+        i = max(1, min(len(xs) - 1, next((j for j, x in enumerate(xs) if x >= n), len(xs) - 1)))
+        return xs[i - 1], xs[i], ys[i - 1], ys[i]
 
-    def __call__(self, rows: int, tokens: int) -> float:
-        return (self.at(rows) if rows else self.at(1) - 1) + tokens
+    def at(self, n: float) -> float:
+        """The cost of a step of n tokens (n ≥ 1), interpolated."""
+        x0, x1, y0, y1 = self._segment(n)
+        return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
+
+    def __call__(self, rows: int, tokens: int, chunks: int = 0, adapters: int = 0) -> float:
+        n = rows + tokens
+        return (self.at(n) if n else 0.0) + self.chunk * chunks + self.lora(adapters)
+
+    def lora(self, adapters: int) -> float:
+        """What `adapters` distinct adapters add to a step."""
+        return self.adapter_first + self.adapter_each * (adapters - 1) if adapters > 0 else 0.0
+
+    def tokens_within(self, budget: float) -> int:
+        """The most tokens a step may run for at most `budget` (0 if not even one)."""
+        if budget < self.at(1):
+            return 0
+        lo, hi = 1, 2
+        while self.at(hi) <= budget:
+            lo, hi = hi, hi * 2
+            if hi > 1 << 30:
+                return lo
+        while hi - lo > 1:  # at() is increasing: the boundary lies in [lo, hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.at(mid) <= budget else (lo, mid)
+        return lo
+
+    def saturation(self, share: float = 0.9) -> int:
+        """The fewest measured tokens per step that reach `share` of the best measured tokens per
+        second: bigger steps gain little throughput, and everything arriving meanwhile waits them out."""
+        rates = [n / c for n, c in zip(self.tokens, self.cost, strict=True) if c > 0]
+        best = max(rates, default=0.0)
+        return next((n for n, r in zip(self.tokens, rates, strict=False) if r >= share * best), self.tokens[-1])
 
 
 @dataclass
@@ -132,28 +171,21 @@ class Scheduler:
     max_slowdown: float = 2.0
     overhead_tokens: int = 0  # the cost model when `cost` is not given: StepCost.linear(overhead_tokens)
     cost: StepCost | None = None
-    # What each distinct adapter in a step adds (its LoRA products in every layer), learnt from the
-    # steps' times (`observe`): the start-up measurement runs on the base.
-    adapter_cost: float = 0.0
     served: dict[str, float] = field(default_factory=dict)  # key → tokens served (virtual counter)
     served_policy: dict[tuple[str, str], float] = field(default_factory=dict)
     tokens_by_key: dict[str, float] = field(default_factory=dict)  # what each key was actually served
+    # A protected key whose work just ended stays protected this long (seconds): a closed-loop client's
+    # next request (a chat turn, an SDK loop) is on its way, and would otherwise arrive to find a full
+    # step of the heavy key's in flight and wait it out.
+    linger_s: float = 0.0
     _active: set[str] = field(default_factory=set)
+    _protected: dict[tuple[int, str], float] = field(default_factory=dict)  # (class, key) → its cost alone
+    _lingering: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)  # → (until, cost)
     _active_policies: set[tuple[str, str]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if self.cost is None:
             self.cost = StepCost.linear(self.overhead_tokens)
-
-    def observe(self, rows: int, tokens: int, adapters: int, seconds: float) -> None:
-        """A step of `rows` decode rows, `tokens` prefill tokens and `adapters` distinct adapters took
-        `seconds`: what the cost model leaves unexplained, per adapter, moves adapter_cost (a running
-        average, so one noisy step moves it little)."""
-        assert self.cost is not None
-        if self.cost.unit_s <= 0 or not adapters:
-            return
-        unexplained = seconds / self.cost.unit_s - self.cost(rows, tokens)
-        self.adapter_cost += 0.1 * (max(0.0, unexplained / adapters) - self.adapter_cost)
 
     def charge(self, key: str, policy: str, tokens: float) -> None:
         """Count tokens served to a key (and its policy): prefill, decode or training."""
@@ -165,15 +197,17 @@ class Scheduler:
         """Tokens served per key since start (for /metrics)."""
         return dict(self.tokens_by_key)
 
-    def plan(self, work: Sequence[Work], free_blocks: int, free_rows: int) -> StepPlan:
+    def plan(self, work: Sequence[Work], free_blocks: int, free_rows: int, now: float | None = None) -> StepPlan:
+        """The next step's plan; `now` (seconds, any monotonic clock) lets recently protected keys
+        linger (linger_s)."""
         plan = StepPlan()
         self._activate(work)
         candidates = [w for w in work if w.running or w.ready]
         if not candidates:
             return plan
         tokens_left = self.max_step_tokens
-        allowed = self._cap(candidates)  # the step's cost bound (StepCost units)
-        rows = tokens = 0  # decode rows and prefill tokens planned so far
+        allowed = self._cap(candidates, now)  # the step's cost bound (StepCost units)
+        rows = tokens = chunks = 0  # decode rows, prefill tokens and prefill chunks planned so far
         policies: set[str] = set()  # distinct adapters planned so far
         planned: dict[str, float] = {}
         preempted: set[int] = set()
@@ -182,7 +216,9 @@ class Scheduler:
             queues = self._queues(w for w in candidates if w.priority == cls)
             # First one running item of every key (least served first): no active key skips a step.
             first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
-            while queues and tokens_left >= 1 and self._room(rows, tokens, len(policies), allowed, False) >= 1:
+            while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
+                                                   or self._room(rows, tokens, chunks, len(policies), allowed, False) >= 1):
+                forced = bool(first)  # a running key's one item per step: within the budget, past the latency cap
                 if first:
                     key = first.popleft()
                 else:
@@ -191,7 +227,8 @@ class Scheduler:
                 if not queues[key]:
                     del queues[key]
                 adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
-                if id(item) in preempted or self._room(rows, tokens, adapters, allowed, item.decoding) < 1:
+                room = max(self._room(rows, tokens, chunks, adapters, allowed, item.decoding), int(forced))
+                if id(item) in preempted or room < 1:
                     continue
                 if not item.running:
                     if not admitting:
@@ -209,7 +246,8 @@ class Scheduler:
                             free_rows += v.held_rows
                         for w, n in plan.run:
                             if id(w) in preempted:
-                                rows, tokens = (rows - 1, tokens) if w.decoding else (rows, tokens - n)
+                                rows, tokens, chunks = (rows - 1, tokens, chunks) if w.decoding else \
+                                    (rows, tokens - n, chunks - 1)
                                 tokens_left += n
                                 planned[w.key] -= n
                         plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
@@ -220,11 +258,11 @@ class Scheduler:
                     free_blocks -= fit.blocks
                     free_rows -= fit.rows
                     admitting = fit.complete
-                n = min(item.pending, tokens_left, self._room(rows, tokens, adapters, allowed, item.decoding))  # ≥ 1
+                n = min(item.pending, tokens_left, room)  # ≥ 1
                 plan.run.append((item, n))
                 if item.policy:
                     policies.add(item.policy)
-                rows, tokens = (rows + 1, tokens) if item.decoding else (rows, tokens + n)
+                rows, tokens, chunks = (rows + 1, tokens, chunks) if item.decoding else (rows, tokens + n, chunks + 1)
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
         return plan
@@ -251,46 +289,67 @@ class Scheduler:
             self.served_policy = {kp: v for kp, v in self.served_policy.items() if kp in policies}
 
     def _queues(self, items: Iterable[Work]) -> dict[str, list[Work]]:
-        """Per key, its items in order: running before waiting (they hold KV), then the policy served
-        least, then arrival."""
+        """Per key, its items in order: decode rows, then prompts being prefilled (both hold KV; a
+        running stream's next token before a new request's first), then waiting work; within each the
+        policy served least, then arrival."""
         out: dict[str, list[Work]] = {}
         for w in items:
             out.setdefault(w.key, []).append(w)
         for key, q in out.items():
-            q.sort(key=lambda w: (not w.running, self.served_policy.get((key, w.policy), 0.0), w.arrival))
+            q.sort(key=lambda w: (not w.running, not w.decoding, self.served_policy.get((key, w.policy), 0.0),
+                                  w.arrival))
         return out
 
-    def _room(self, rows: int, tokens: int, adapters: int, allowed: float, decoding: bool) -> int:
+    def _room(self, rows: int, tokens: int, chunks: int, adapters: int, allowed: float, decoding: bool) -> int:
         """How many tokens one more item may run within `allowed` (with `adapters` distinct adapters
-        in the step once it is in): a decode row its one or none, a prefill the tokens that fit."""
+        in the step once it is in): a decode row its one or none, a prefill chunk the tokens that fit."""
         assert self.cost is not None
-        extra = self.adapter_cost * adapters
         if decoding:
-            return 1 if self.cost(rows + 1, tokens) + extra <= allowed else 0
-        left = allowed - self.cost(rows, tokens) - extra
-        return self.max_step_tokens if math.isinf(left) else max(0, math.floor(left))
+            return 1 if self.cost(rows + 1, tokens, chunks, adapters) <= allowed else 0
+        if math.isinf(allowed):
+            return self.max_step_tokens
+        budget = allowed - self.cost.lora(adapters) - self.cost.chunk * (chunks + 1)
+        return max(0, self.cost.tokens_within(budget) - rows - tokens)
 
-    def _cap(self, items: Sequence[Work]) -> float:
-        """The latency bound (4. above): the most tokens a step may carry given who is in it."""
-        demand: dict[tuple[int, str], tuple[int, int]] = {}  # (class, key) → (decode rows, prefill tokens)
+    def _cap(self, items: Sequence[Work], now: float | None = None) -> float:
+        """The latency bound (4. above): the most a step may cost given who is in it (and who just
+        left, within linger_s)."""
+        # (class, key) → (decode rows, prefill tokens, prefill chunks)
+        demand: dict[tuple[int, str], tuple[int, int, int]] = {}
         adapters: dict[tuple[int, str], set[str]] = {}
         for w in items:
-            r, t = demand.get((w.priority, w.key), (0, 0))
-            demand[w.priority, w.key] = (r + 1, t) if w.decoding else (r, t + w.pending)
+            r, t, c = demand.get((w.priority, w.key), (0, 0, 0))
+            demand[w.priority, w.key] = (r + 1, t, c) if w.decoding else (r, t + min(w.pending, self.max_step_tokens), c + 1)
             if w.policy:
                 adapters.setdefault((w.priority, w.key), set()).add(w.policy)
         assert self.cost is not None
-        a = self.adapter_cost
-        costs = {k: self.cost(*d) + a * len(adapters.get(k, ())) for k, d in demand.items()}
+        costs = {k: self.cost(*d, len(adapters.get(k, ()))) for k, d in demand.items()}
         top = min(p for p, _ in demand)
         heaviest = max(costs.values())
         lower_classes = any(p > top for p, _ in demand)
         protected = [k for k, c in costs.items() if c < heaviest or (lower_classes and k[0] == top)]
-        if not protected:
+        lingering = self._linger(now, demand, {k: costs[k] for k in protected})
+        bounds = [self.max_slowdown * costs[k] for k in protected]
+        bounds += [self.max_slowdown * c for k, c in lingering.items() if k[0] <= top and c < heaviest]
+        if not bounds:
             return math.inf
         shared = set().union(*(adapters.get(k, set()) for k in protected))
-        together = self.cost(sum(demand[k][0] for k in protected), sum(demand[k][1] for k in protected)) + a * len(shared)
-        return max(min(self.max_slowdown * costs[k] for k in protected), together)
+        together = self.cost(*(sum(demand[k][i] for k in protected) for i in range(3)), len(shared))
+        return max(min(bounds), together)
+
+    def _linger(self, now: float | None, demand: dict[tuple[int, str], tuple[int, int, int]],
+                protected: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
+        """Keys protected last step whose work is gone now linger, with their cost alone, until
+        linger_s has passed (or they come back); returns the ones still lingering."""
+        if now is None or self.linger_s <= 0:
+            self._protected, self._lingering = {}, {}
+            return {}
+        for k, cost in self._protected.items():
+            if k not in demand:
+                self._lingering[k] = (now + self.linger_s, cost)
+        self._lingering = {k: v for k, v in self._lingering.items() if v[0] > now and k not in demand}
+        self._protected = protected
+        return {k: cost for k, (_, cost) in self._lingering.items()}
 
     def _victims(self, item: Work, work: Sequence[Work], preempted: set[int], free_blocks: int,
                  free_rows: int) -> list[Work] | None:

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from mint_server.engine.scheduler import StepCost
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -30,13 +32,18 @@ class EngineSettings:
     max_context: int | None = None
     # Tokens one engine step may run: decode rows (one each) plus chunks of prefill (engine/scheduler.py).
     # A longer prompt is prefilled in chunks over several steps, beside everyone's decode rows. It
-    # bounds how long new work waits for the step in flight; None: step_tokens(overhead) below.
+    # bounds how long new work waits for the step in flight; None: step_tokens_for(the measured cost) below.
     max_step_tokens: int | None = None
     # Fair shares (engine/scheduler.py): while a key that is served less than the busiest one has rows
     # in a step, the step is sized so that it costs at most max_slowdown × what that key's own rows
-    # alone would cost. Step cost is modelled as step_overhead_tokens + tokens (the overhead is the
-    # weights' read, in token-equivalents); None: measured at start-up.
-    max_slowdown: float = 1.5
+    # alone would cost (a quiet key's request then takes at most about max_slowdown × its idle time,
+    # plus the wait for the step in flight when it arrives). Step cost is measured at start-up (the
+    # cost of a step by its tokens, StepCost), or modelled as step_overhead_tokens + tokens if set.
+    max_slowdown: float = 1.25
+    # A key protected so (a light one) stays protected this many seconds after its work ends: a
+    # closed-loop client's next request (a chat turn, an SDK loop) is on its way and would otherwise
+    # arrive to find a full step of the heavy key's in flight. 0: no lingering.
+    linger_s: float = 0.2
     step_overhead_tokens: int | None = None
     # Training beside serving: a forward_backward runs in slices of at most this many padded tokens
     # (gradient accumulation: the result equals one pass) while sampling work waits, and the sampler
@@ -96,6 +103,8 @@ class EngineSettings:
         if not (isinstance(self.max_slowdown, int | float) and math.isfinite(self.max_slowdown)
                 and self.max_slowdown >= 1):
             raise ValueError(f"max_slowdown must be a number >= 1, got {self.max_slowdown!r}")
+        if not (isinstance(self.linger_s, int | float) and math.isfinite(self.linger_s) and self.linger_s >= 0):
+            raise ValueError(f"linger_s must be a number of seconds >= 0, got {self.linger_s!r}")
         if self.max_step_tokens is not None and (not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
             raise ValueError(f"max_step_tokens must be a positive integer, got {self.max_step_tokens!r}")
         if self.step_overhead_tokens is not None and (
@@ -134,13 +143,23 @@ class EngineSettings:
         return max(1, int(self.kv_budget_mb * 2**20) // bytes_per_token)
 
     def step_tokens(self, overhead_tokens: int) -> int:
-        """max_step_tokens, or by default 4 × (step overhead + 1) within 128..8192: a full step then
-        costs about 4 empty ones (prefill still runs at 80 % of its rate), so work arriving mid-step
-        waits about two decode steps, whatever the machine (on CPU the overhead is tens of tokens, on
-        a GPU hundreds or more)."""
+        """max_step_tokens, or, for a cost model of step_overhead_tokens + tokens, 4 × (overhead + 1)
+        within 128..8192: a full step then costs about 4 empty ones."""
         if self.max_step_tokens is not None:
             return self.max_step_tokens
         return min(8192, max(128, 4 * (overhead_tokens + 1)))
+
+    def step_tokens_for(self, cost: StepCost) -> int:
+        """max_step_tokens, or by default from the measured cost curve: the fewest tokens per step that
+        reach 90 % of the best measured throughput (bigger steps gain little, and work arriving
+        mid-step waits the step out), within 16..8192. Where throughput still grows at the largest
+        size measured (an accelerator), 4 × one token's step, as step_tokens does."""
+        if self.max_step_tokens is not None:
+            return self.max_step_tokens
+        chosen = cost.saturation(0.9)
+        if chosen == cost.tokens[-1]:
+            chosen = max(chosen, 4 * (round(cost.at(1)) + 1))
+        return min(8192, max(16, chosen))
 
     def intra_op_threads(self) -> int:
         """threads, or the cores given to this process (its CPU affinity) when unset, shared by the

@@ -22,7 +22,8 @@ dense ones; for dense families that is every layer, so index == layer number.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -282,7 +283,7 @@ class MixedPlan:
         width = hi - lo + 1
         # Padding costs compute on zero rows and reads the weights of unused adapters in the range;
         # a Python-level segment costs a few matmul launches. Allow up to about 2× rows of padding.
-        if width * per <= 2 * len(used) + 8:
+        if width * per <= 2 * len(used):
             seen: dict[int, int] = {}
             dest = []
             for a, _ in used:
@@ -483,6 +484,20 @@ class LoraBank:
             self.scale[slot] = alpha / rank
         self.rank[slot] = rank
         self.targets[slot] = tuple(t for t in self.shapes if t in weights)
+
+    @contextmanager
+    def probing(self, slots: Sequence[int], rank: int) -> Iterator[None]:
+        """Empty slots that a forward treats as rank-`rank` adapters on every target (their weights
+        stay zero) while the block runs: what a step's LoRA costs can be measured before any adapter
+        is loaded."""
+        empty = [s for s in slots if self.rank[s] == 0]
+        for s in empty:
+            self.rank[s], self.targets[s] = rank, tuple(self.shapes)
+        try:
+            yield
+        finally:
+            for s in empty:
+                self.rank[s], self.targets[s] = 0, ()
 
     def clear(self, slot: int) -> None:
         with torch.no_grad():

@@ -143,7 +143,7 @@ def test_waiting_work_whose_adapter_is_loading_is_skipped_not_blocking():
     assert [w for w, _ in plan.run] == [warm]
 
 
-def test_distinct_adapters_count_in_the_latency_bound_and_their_cost_is_learnt():
+def test_distinct_adapters_count_in_the_latency_bound():
     from mint_server.engine.scheduler import StepCost
 
     s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0))
@@ -151,10 +151,50 @@ def test_distinct_adapters_count_in_the_latency_bound_and_their_cost_is_learnt()
     one_policy = [Item("flood", decoding=True, policy="p") for _ in range(40)]
     many_policies = [Item("flood", decoding=True, policy=f"p{i}") for i in range(40)]
     assert len(s.plan([*one_policy, quiet], 1000, 1000).run) == len(s.plan([*many_policies, quiet], 1000, 1000).run)
-    s.cost = StepCost((1, 2), (11.0, 12.0), unit_s=0.001)
-    for _ in range(100):  # steps of 4 rows on 2 adapters that took 25 ms: 25 − 14 = 11 units unexplained
-        s.observe(4, 0, 2, 0.025)
-    assert abs(s.adapter_cost - 5.5) < 0.01
+    s.cost = StepCost((1, 2), (11.0, 12.0), adapter_first=2.0, adapter_each=1.5)
     same = len(s.plan([*one_policy, quiet], 1000, 1000).run)
     spread = len(s.plan([*many_policies, quiet], 1000, 1000).run)
-    assert spread < same  # each new adapter costs: fewer rows fit beside the quiet one
+    # quiet alone: 11 + 2 = 13, cap 26. One flood policy: 11 + k + 2 + 1.5 ≤ 26 → k = 11 more rows;
+    # each flood row on its own adapter costs 2.5: 11 + k + 2 + 1.5·k ≤ 26 → k = 5.
+    assert (same, spread) == (12, 6)
+
+
+def test_every_running_key_gets_an_item_past_the_cap_and_decode_rows_go_before_prefill():
+    """A step capped for a quiet key still carries one item of each running key (no key skips a step
+    because another is protected), and a key's decode rows go before its prompts' chunks."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=64, max_slowdown=1.0, cost=StepCost.linear(10.0, 1.0))
+    quiet = Item("quiet", decoding=True)
+    prompt = Item("flood", pending=30, decoding=False)  # being prefilled (running), arrived first
+    rows = [Item("flood", decoding=True) for _ in range(5)]
+    plan = s.plan([prompt, *rows, quiet], 1000, 1000)
+    assert sorted(keys_of(plan)) == ["flood", "quiet"]  # the cap (quiet alone) holds one row only
+    assert [w for w, _ in plan.run if w.key == "flood"] == [rows[0]]
+
+
+def test_a_protected_key_lingers_after_its_work_ends():
+    """A closed-loop client's next request is on its way: for linger_s after a protected key's last
+    item the heavy key's steps stay capped, then they are whole again."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0), linger_s=0.5)
+    flood = [Item("flood", decoding=True) for _ in range(100)]
+    quiet = Item("quiet", decoding=True)
+    assert s.plan([*flood, quiet], 1000, 1000, now=0.0).tokens == 12
+    assert s.plan(flood, 1000, 1000, now=0.1).tokens == 12  # quiet's request ended: still capped for it
+    assert s.plan(flood, 1000, 1000, now=0.4).tokens == 12
+    assert s.plan(flood, 1000, 1000, now=0.7).tokens == 100  # linger over
+    assert Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0)).plan(
+        flood, 1000, 1000, now=0.1).tokens == 100  # no linger by default
+
+
+def test_the_cost_curve_inverts_and_saturates():
+    from mint_server.engine.scheduler import StepCost
+
+    c = StepCost((1, 2, 4, 8, 16), (10.0, 10.5, 11.0, 14.0, 22.0), chunk=3.0)
+    assert c(0, 0) == 0 and c(1, 0) == 10.0 and c(0, 4, 1) == 14.0 and c(2, 2) == 11.0
+    assert c.tokens_within(9.9) == 0 and c.tokens_within(11.0) == 4 and c.tokens_within(15.0) == 9
+    assert c.tokens_within(30.0) == 24  # beyond the last point: the last segment's slope
+    # tokens per unit: 0.1, 0.19, 0.36, 0.57, 0.73 → 90 % of the best first reached at 16
+    assert c.saturation(0.9) == 16 and c.saturation(0.75) == 8

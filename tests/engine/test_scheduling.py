@@ -174,3 +174,17 @@ def test_a_quiet_key_finishes_in_its_own_steps_under_another_keys_flood(model, r
     assert steps == 8
     drain(sampler)
     assert all(len(f.result().sequences[0].tokens) == 30 for f in flood)
+
+
+def test_the_measured_cost_model_is_a_curve_and_leaves_the_pool_as_it_was(model, residency):
+    """measure_costs (the scheduler's cost model, taken at start-up) runs real steps on scratch
+    blocks: the curve rises with the tokens, the adapter and chunk costs are not negative, every block
+    it took is back, and the probed bank slots are empty again."""
+    sampler = make_sampler(model, residency, kv_slots=20, max_seq_len=40)
+    free = sampler.pool.available
+    cost = sampler.measure_costs(sizes=(1, 2, 4, 8), repeats=1)
+    assert sampler.pool.available == free
+    assert cost.tokens == (1, 2, 4, 8) and all(b > a for a, b in zip(cost.cost, cost.cost[1:], strict=False))
+    assert cost.unit_s > 0 and min(cost.chunk, cost.adapter_first, cost.adapter_each) >= 0
+    assert all(r == 0 and t == () for r, t in zip(residency.bank.rank, residency.bank.targets, strict=True))
+    assert 1 <= cost.saturation() <= 8 and cost.tokens_within(cost.at(4)) >= 4
