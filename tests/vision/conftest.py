@@ -15,3 +15,14 @@ def vl_dir(tmp_path_factory):
 def vl_moe_dir(tmp_path_factory):
     """Qwen3-VL-MoE (8 experts, top-2), its fused experts written transposed as the Hub ships them."""
     return make_tiny_qwen3vl(tmp_path_factory.mktemp("vlmoe") / "qwen3-vl-moe", moe=True, hub_experts=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_server(tmp_path_factory):
+    """A live server over a text-only tiny Llama (it refuses images by name)."""
+    from tests.service.live import LiveServer, tiny_engine
+    from tests.tiny import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path_factory.mktemp("text") / "llama", "llama")
+    with LiveServer(tiny_engine(model_dir), tmp_path_factory.mktemp("text-serve") / "data") as server:
+        yield server
