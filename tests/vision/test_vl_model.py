@@ -245,3 +245,24 @@ def test_prompt_images_identity_is_content_and_place():
     assert len({PromptImages((im(1, "a"),)), PromptImages((im(1, "a"),))}) == 1
     assert PromptImages((im(1, "a"),)) != PromptImages((im(1, "b"),))  # other bytes
     assert PromptImages((im(1, "a"),)) != PromptImages((im(2, "a"),))  # same bytes elsewhere
+
+
+def test_plan_counts_the_tower_and_the_30b_a3b_shape(vl_dir):
+    """`mint plan` counts the tower exactly (its parameters against transformers') and plans Qwen3-VL-30B-A3B."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from mint_server.cli import app
+
+    hf = load_hf(vl_dir)
+    assert ModelConfig.from_hf_dir(vl_dir).vision.num_params() == sum(p.numel() for p in hf.model.visual.parameters())
+    config = Path(__file__).resolve().parents[2] / "docs" / "configs" / "qwen3-vl-30b-a3b.json"
+    out = CliRunner().invoke(app, ["plan", "--config", str(config), "--gpus", "1", "--gpu-mem", "80", "--rank", "32",
+                                   "--json"])
+    assert out.exit_code == 0, out.output
+    p = json.loads(out.output)
+    assert 3.0e10 < sum(p["params"].values()) < 3.2e10  # a 31 B model
+    assert 4e8 < p["params"]["vision_tower"] < 7e8
+    assert p["kv_bytes_per_token_full"] == 48 * 2 * 4 * 128 * 2
