@@ -336,6 +336,9 @@ class Preparer:
                                   f"{image.width}×{image.height} image is {image.tokens} tokens on this model")
             tokens.extend([self.images.image_token_id] * image.tokens)
             images.append(image)
+            if len(tokens) > self.limits.max_context:  # before reading any more images
+                raise EngineError(f"{where}: {len(tokens)} tokens (images counted) by chunk {j} exceed the "
+                                  f"context length {self.limits.max_context}")
         self._check_no_placeholder([t for j, t in enumerate(tokens) if not _in_image(j, images)], where)
         return tokens, PromptImages(tuple(images))
 

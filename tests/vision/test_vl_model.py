@@ -266,3 +266,15 @@ def test_plan_counts_the_tower_and_the_30b_a3b_shape(vl_dir):
     assert 3.0e10 < sum(p["params"].values()) < 3.2e10  # a 31 B model
     assert 4e8 < p["params"]["vision_tower"] < 7e8
     assert p["kv_bytes_per_token_full"] == 48 * 2 * 4 * 128 * 2
+
+
+def test_tensor_parallel_and_batch_invariant_mode_refuse_vision_bases_by_name(vl_dir):
+    from mint_server.model.invariant import InvariantBackendError, enable_for_model
+    from mint_server.model.tp import TPNotSupportedError, check_supported
+
+    cfg = ModelConfig.from_hf_dir(vl_dir)
+    check_supported(cfg, 1)
+    with pytest.raises(TPNotSupportedError, match=r"Qwen3VLForConditionalGeneration \(image input\)"):
+        check_supported(cfg, 2)
+    with pytest.raises(InvariantBackendError, match="Qwen3VLForConditionalGeneration is not supported"):
+        enable_for_model(cfg, max_rank=8)
