@@ -70,9 +70,21 @@ def hf_inputs(cfg: ModelConfig, model_dir, model_input: types.ModelInput) -> dic
 
 
 def load_hf(model_dir):
+    """A fresh transformers model (to change: merge into, wrap with PEFT)."""
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+_SHARED: dict = {}
+
+
+def shared_hf(model_dir):
+    """One transformers model per checkpoint for the tests that only read it (loading is the slow part)."""
+    key = str(model_dir)
+    if key not in _SHARED:
+        _SHARED[key] = load_hf(model_dir).requires_grad_(False)
+    return _SHARED[key]
 
 
 def vl_preparer(cfg: ModelConfig, model_dir):

@@ -18,7 +18,15 @@ from mint_server.model.peft_io import load_peft, save_peft
 from tests.engine.helpers import AdapterRegistry, TrainRequest, preparer
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter
-from tests.vision.helpers import hf_inputs, image_chunk, image_input, load_hf, vl_preparer, vl_tolerance
+from tests.vision.helpers import (
+    hf_inputs,
+    image_chunk,
+    image_input,
+    load_hf,
+    shared_hf,
+    vl_preparer,
+    vl_tolerance,
+)
 from tests.vision.tiny_qwen3vl import PREPROCESSOR, png
 
 FIXTURES = ["vl_dir", "vl_moe_dir"]
@@ -89,7 +97,7 @@ def test_rope_positions_match_transformers_get_rope_index(vl_dir):
     prep = vl_preparer(cfg, vl_dir)
     mi = image_input(cfg, TEXT, IMAGES)
     p = prep.prompt(mi)
-    hf = load_hf(vl_dir)
+    hf = shared_hf(vl_dir)
     inputs = hf_inputs(cfg, vl_dir, mi)
     ref, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], inputs["image_grid_thw"])
     n = len(p.tokens)
@@ -106,7 +114,7 @@ def test_logits_with_images_match_transformers(vl):
     with_images = image_input(cfg, TEXT, IMAGES)
     text_only = types.ModelInput.from_ints([5, 6, 7, 8, 9])
     got = ours(model, prep, [with_images, text_only])  # batched: padding and a text row beside the image row
-    hf = load_hf(model_dir)
+    hf = shared_hf(model_dir)
     with torch.no_grad():
         ref = hf(**hf_inputs(cfg, model_dir, with_images)).logits[0]
         ref_text = hf(**hf_inputs(cfg, model_dir, text_only)).logits[0]
@@ -119,7 +127,8 @@ def test_logits_with_images_match_transformers(vl):
 
 
 def test_lora_logits_match_transformers_peft(vl, tmp_path):
-    """Our PEFT export loads into transformers + PEFT (modules under model.language_model.) and gives our logits."""
+    """Our PEFT export loads into transformers + PEFT (modules under model.language_model.) and gives our
+    logits (MoE: transformers with the adapter merged, as PEFT cannot target fused expert parameters)."""
     from peft import PeftModel
 
     model_dir, model = vl
@@ -137,7 +146,7 @@ def test_lora_logits_match_transformers_peft(vl, tmp_path):
     if cfg.family.moe:  # PEFT cannot target fused expert parameters: merge into transformers instead
         from tests.vision.oracle import merged_logits
 
-        ref = merged_logits(load_hf(model_dir), cfg, adapter, hf_inputs(cfg, model_dir, mi))[0]
+        ref = merged_logits(shared_hf(model_dir), cfg, adapter, hf_inputs(cfg, model_dir, mi))[0]
     else:
         hf = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "a")
         with torch.no_grad():
@@ -160,25 +169,45 @@ def sft_image_datums(cfg, seed: int) -> list[types.Datum]:
     return out
 
 
-def reference_grads(model_dir, cfg, weights, datums):
-    """Loss and LoRA gradients through transformers with the adapter merged into its weights."""
-    from tests.vision.oracle import merged_logits
+def reference_grads(model_dir, cfg, weights, datums, tmp_path):
+    """Loss and per-target LoRA gradients [layers, …] from transformers + PEFT loading our export (dense),
+    or autograd through transformers with the adapter merged into its weights (MoE: PEFT cannot target
+    the fused expert parameters)."""
+    from peft import PeftModel
 
-    hf = load_hf(model_dir)
-    hf.requires_grad_(False)
-    ref = type(weights)({t: (a.clone().requires_grad_(True), b.clone().requires_grad_(True))
-                         for t, (a, b) in weights.weights.items()}, weights.rank, weights.alpha)
+    from tests.vision.oracle import DECODER, merged_logits
+
+    moe = cfg.family.moe
+    if moe:
+        hf = shared_hf(model_dir)
+        ref = type(weights)({t: (a.clone().requires_grad_(True), b.clone().requires_grad_(True))
+                             for t, (a, b) in weights.weights.items()}, weights.rank, weights.alpha)
+    else:
+        save_peft(weights, tmp_path / "ref", str(model_dir), cfg)
+        pm = PeftModel.from_pretrained(load_hf(model_dir), tmp_path / "ref", is_trainable=True)
     total = 0.0
     for d in datums:
-        lp = torch.log_softmax(merged_logits(hf, cfg, ref, hf_inputs(cfg, model_dir, d.model_input))[0], -1)
-        lp = lp.gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
+        inputs = hf_inputs(cfg, model_dir, d.model_input)
+        logits = merged_logits(hf, cfg, ref, inputs)[0] if moe else pm(**inputs).logits[0]
+        lp = torch.log_softmax(logits, -1).gather(-1, d.loss_fn_inputs["target_tokens"].to_torch()[:, None])[:, 0]
         loss = -(d.loss_fn_inputs["weights"].to_torch() * lp).sum()
         loss.backward()
         total += loss.item()
-    return total, ref
+    if moe:
+        return total, {t: (a.grad, b.grad) for t, (a, b) in ref.weights.items()}
+    params = dict(pm.named_parameters())
+
+    def grad(t: str, which: str) -> torch.Tensor:
+        if t == "lm_head":
+            return params[f"base_model.model.lm_head.lora_{which}.default.weight"].grad[None]
+        block = "mlp" if t in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        return torch.stack([params[f"base_model.model.{DECODER}.{i}.{block}.{t}.lora_{which}.default.weight"].grad
+                            for i in range(cfg.num_layers)])
+
+    return total, {t: (grad(t, "A"), grad(t, "B")) for t in weights.weights}
 
 
-def test_training_grads_with_images_match_transformers(vl):
+def test_training_grads_with_images_match_transformers_peft(vl, tmp_path):
     model_dir, model = vl
     cfg = model.config
     residency = AdapterRegistry(cfg, num_slots=4, max_rank=8, device="cpu", dtype=torch.float32)
@@ -192,13 +221,13 @@ def test_training_grads_with_images_match_transformers(vl):
                         loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4})]
     outs = trainer.run([TrainRequest(adapter.id, datums, "cross_entropy"), TrainRequest(other.id, text, "cross_entropy")])
     assert not isinstance(outs[0], Exception), outs[0]
-    total, ref = reference_grads(model_dir, cfg, weights, datums)
+    total, ref = reference_grads(model_dir, cfg, weights, datums, tmp_path)
     tol = vl_tolerance(cfg)
     tol.check_scalar(outs[0].metrics["loss:sum"], total, sum(d.model_input.length for d in datums))
     assert set(adapter.grads) == set(weights.weights)
     for t, (gA, gB) in adapter.grads.items():
-        tol.check_rel(gA, ref.weights[t][0].grad, (t, "A"))
-        tol.check_rel(gB, ref.weights[t][1].grad, (t, "B"))
+        tol.check_rel(gA, ref[t][0], (t, "A"))
+        tol.check_rel(gB, ref[t][1], (t, "B"))
     assert all(p.grad is None for p in model.parameters())  # the tower and the base stay frozen
 
 
@@ -256,7 +285,7 @@ def test_plan_counts_the_tower_and_the_30b_a3b_shape(vl_dir):
 
     from mint_server.cli import app
 
-    hf = load_hf(vl_dir)
+    hf = shared_hf(vl_dir)
     assert ModelConfig.from_hf_dir(vl_dir).vision.num_params() == sum(p.numel() for p in hf.model.visual.parameters())
     config = Path(__file__).resolve().parents[2] / "docs" / "configs" / "qwen3-vl-30b-a3b.json"
     out = CliRunner().invoke(app, ["plan", "--config", str(config), "--gpus", "1", "--gpu-mem", "80", "--rank", "32",

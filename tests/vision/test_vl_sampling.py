@@ -58,20 +58,22 @@ def test_greedy_with_images_matches_transformers_generate(vl):
     assert sampler.stats.prefill_chunks > 6
     got = [f.result().sequences[0].tokens for f in futures]
 
-    base, tuned = load_hf(model_dir), load_hf(model_dir)
-    with torch.no_grad():
-        merged = merged_params(tuned, cfg, weights)
-        for name, p in tuned.named_parameters():
-            if name in merged:
-                p.copy_(merged[name])
-    for hf in (base, tuned):
-        hf.generation_config.eos_token_id = None  # like stop=[]
-    want = []
-    for a, p in zip(adapters, prompts, strict=True):
-        inputs = hf_inputs(cfg, model_dir, p)
-        with torch.no_grad():
-            out = (tuned if a else base).generate(**inputs, do_sample=False, max_new_tokens=8, pad_token_id=0)
-        want.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    hf = load_hf(model_dir)
+    hf.generation_config.eos_token_id = None  # like stop=[]
+    want: list = [None] * len(prompts)
+    for merged in (False, True):  # the base's rows, then the adapter merged into the weights for its rows
+        if merged:
+            with torch.no_grad():
+                new = merged_params(hf, cfg, weights)
+                for name, w in hf.named_parameters():
+                    if name in new:
+                        w.copy_(new[name])
+        for i, (a, p) in enumerate(zip(adapters, prompts, strict=True)):
+            if (a is not None) == merged:
+                inputs = hf_inputs(cfg, model_dir, p)
+                with torch.no_grad():
+                    out = hf.generate(**inputs, do_sample=False, max_new_tokens=8, pad_token_id=0)
+                want[i] = out[0, inputs["input_ids"].shape[1]:].tolist()
     assert got == want
     assert got[0] != got[2]  # the image, not only the adapter, steers the tokens
 
