@@ -71,10 +71,15 @@ def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
 
 
 def _datum_from_proto(msg: pb.Datum, i: int) -> types.Datum:
-    chunks = []
-    for chunk in msg.model_input:
-        if chunk.WhichOneof("chunk") != "encoded_text":
-            raise DecodeError(f"data[{i}].model_input: only token (encoded_text) chunks are supported")
+    chunks: list[types.ModelInputChunk] = []
+    for j, chunk in enumerate(msg.model_input):
+        kind = chunk.WhichOneof("chunk")
+        if kind == "image":
+            chunks.append(_image_from_proto(chunk.image, f"data[{i}].model_input.chunks[{j}]"))
+            continue
+        if kind != "encoded_text":
+            raise DecodeError(f"data[{i}].model_input.chunks[{j}]: {kind!r} chunks are not supported "
+                              "(encoded_text and image are)")
         tokens = chunk.encoded_text.tokens
         if len(tokens) % 4:
             raise DecodeError(f"data[{i}].model_input: token bytes are not int32")
@@ -85,6 +90,17 @@ def _datum_from_proto(msg: pb.Datum, i: int) -> types.Datum:
         model_input_spans=_spans_from_proto(msg.model_input_spans, f"data[{i}].model_input_spans"),
         loss_fn_input_spans=_spans_from_proto(msg.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans"),
     )
+
+
+def _image_from_proto(msg: pb.ImageChunk, where: str) -> types.ImageChunk:
+    """An image chunk's bytes as sent (the engine decodes them: the api never reads pixels)."""
+    if msg.HasField("override_dimensions"):
+        raise DecodeError(f"{where}.override_dimensions is not supported (the image's own size is used)")
+    try:
+        return types.ImageChunk(data=msg.data, format=msg.format,  # type: ignore[arg-type]
+                                expected_tokens=msg.expected_tokens if msg.HasField("expected_tokens") else None)
+    except ValidationError as e:
+        raise DecodeError(describe_validation_error(e, prefix=where)) from None
 
 
 def _spans_from_proto(spans: Any, where: str) -> types.ProvenanceSpans | None:

@@ -248,16 +248,13 @@ class Core:
                    topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0,
                    priority: str | None = None) -> Any:
         """Parse a sample request (EngineError naming the field); fair admission is keyed by owner.
-        Tinker sampling is rollout work unless the request lowers it (`priority`: "batch")."""
-        try:
-            tokens = prompt.to_ints()
-        except ValueError:
-            raise InvalidInput("prompt: only token chunks are supported") from None
+        Tinker sampling is rollout work unless the request lowers it (`priority`: "batch"). The prompt
+        goes to the engine as it came: its parser reads image chunks (or refuses them by name)."""
         try:
             klass = Priority.lowered(priority, Priority.ROLLOUT)
         except EngineError as e:
             raise InvalidInput(f"X-Mint-Priority header: {str(e).partition(': ')[2]}") from None
-        return self.engine.prepare_sample(source, tokens, num_samples, params, prompt_logprobs,
+        return self.engine.prepare_sample(source, prompt, num_samples, params, prompt_logprobs,
                                           topk_prompt_logprobs, record=record, key=owner,
                                           top_logprobs=top_logprobs, priority=klass)
 

@@ -24,7 +24,9 @@ import torch
 from torch import Tensor
 
 from mint_server.engine.sampler_ops import score_targets
+from mint_server.model.images import PromptImages
 from mint_server.model.lora import LoraBank, LoraBatch
+from mint_server.model.qwen3_vl import FeatureCache
 from mint_server.model.transformer import CacheView, KVCache, RaggedView, Transformer
 
 
@@ -39,6 +41,7 @@ class StepBatch:
     tables: list[list[int]]  # per segment: its sequence's KV blocks (covering its last position)
     logits_at: list[int]  # segments whose last token's next-token logits the step returns, in order
     scoring: list[tuple[int, list[int], int]] = field(default_factory=list)  # (segment, targets, top-k)
+    images: dict[int, PromptImages] = field(default_factory=dict)  # segment → its sequence's images (VL bases)
 
     @property
     def starts(self) -> list[int]:
@@ -72,6 +75,7 @@ class LocalRank:
     device: torch.device
     cache: KVCache | None
     swapped: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    features: FeatureCache = field(default_factory=FeatureCache)  # encoded images by digest (VL bases)
 
 
 def lora_for(bank: LoraBank, slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -91,7 +95,11 @@ def _hidden(st: RankState, b: StepBatch) -> Tensor:
         token_slots = [s for s, n in zip(b.slots, b.lengths, strict=True) for _ in range(n)]
         segments = [(a, n, i) for i, (a, n) in enumerate(zip(starts, b.lengths, strict=True))]
         view = RaggedView(cache, table, positions, segments)
-        return st.model.hidden_states(tokens, positions, lora_for(st.bank, token_slots, dev), view)[:, 0]
+        vision = None
+        if b.images:  # token i is row i: a segment's tokens are rows starts[s] … (tensor parallel never has images)
+            vision = st.model.vision_input(  # type: ignore[operator]
+                positions, [(starts[s], b.lengths[s], im) for s, im in b.images.items()], st.features)  # type: ignore[attr-defined]
+        return st.model.hidden_states(tokens, positions, lora_for(st.bank, token_slots, dev), view, vision=vision)[:, 0]
     # Per segment kind: all decode rows as one [rows, 1] batch, each chunk as one [1, n] row.
     out = torch.empty(len(b.tokens), st.model.config.hidden_size, device=dev, dtype=st.model.embed_tokens.weight.dtype)
     singles = [i for i, n in enumerate(b.lengths) if n == 1]

@@ -26,6 +26,7 @@ from mint_server.engine.jobs import (  # noqa: F401
     CustomJob,
     Job,
     OptimJob,
+    Prompt,
     ReverseKLJob,
     SampleJob,
     TrainJob,
@@ -60,13 +61,17 @@ class Engine(Protocol):
     settings: EngineSettings
 
     # --- parse ----------------------------------------------------------------------------------
+    def prepare_prompt(self, prompt: types.ModelInput | Sequence[int]) -> Prompt:
+        """A prompt parsed once (image chunks read and counted in tokens), for `prepare_sample`."""
+        ...
     def prepare_train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
                       backward: bool = True, key: str = "") -> TrainJob: ...
     def prepare_reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None) -> ReverseKLJob: ...
     def prepare_optim(self, params: Any, family: str | None = None) -> OptimJob:
         """With `family` ("adamw" | "dimuon", the adapter's), params of the other family are refused."""
         ...
-    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int] | types.ModelInput | Prompt,
+                       num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
@@ -79,7 +84,7 @@ class Engine(Protocol):
         (reported logprobs stay the raw model's).
         Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
         ...
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
                       priority: Priority = Priority.ROLLOUT) -> SampleJob: ...
     def prepare_custom(self, datums: Sequence[types.Datum], loss: CompiledLoss) -> CustomJob:
         """A forward_backward with a loss compiled by `engine.custom_loss.compile_loss`."""

@@ -36,7 +36,9 @@ from mint_server.engine.losses import (
 from mint_server.engine.optim import check_adam_params, check_dimuon_params, check_family
 from mint_server.engine.sampler_ops import StopCondition
 from mint_server.engine.settings import EngineLimits
-from mint_server.engine.values import AdapterSource, EngineError, Priority, TokenCallback
+from mint_server.engine.values import AdapterSource, EngineError, NotSupportedError, Priority, TokenCallback
+from mint_server.model.config import ModelConfig
+from mint_server.model.images import ImageError, ImageProcessing, PromptImages
 
 # Temperatures this small are greedy: dividing logits by them overflows to inf, and the draw would
 # be the argmax anyway.
@@ -108,11 +110,20 @@ class SampleParams:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """A parsed prompt (`Preparer.prompt`): token ids, each image standing as its run of image tokens,
+    and the images themselves (vision-language bases)."""
+
+    tokens: tuple[int, ...]
+    images: PromptImages | None = None
+
+
+@dataclass(frozen=True)
 class SampleJob:
     """Sampling (or, with score_only, SamplingClient.compute_logprobs) of one prompt."""
 
     adapter: AdapterRef
-    prompt: tuple[int, ...]
+    prompt: tuple[int, ...]  # an image stands as its run of image tokens (`images` holds the pixels)
     num_samples: int
     params: SampleParams
     sequence_ids: tuple[str, ...]  # the ids clients see, one per sample
@@ -127,6 +138,7 @@ class SampleJob:
     # stops the job at the sampler's next step, frees its KV and fails its future (SampleCancelled).
     on_token: TokenCallback | None = dataclasses.field(default=None, compare=False)
     cancel: threading.Event | None = dataclasses.field(default=None, compare=False)
+    images: PromptImages | None = None  # the prompt's images (vision-language bases)
 
     def on(self, adapter: AdapterRef) -> SampleJob:
         return dataclasses.replace(self, adapter=adapter)
@@ -156,11 +168,14 @@ class Preparer:
     """Parses requests into jobs against one engine's limits. Thread-safe (reads only)."""
 
     def __init__(self, limits: EngineLimits, eos_token_ids: Sequence[int],
-                 decode: Callable[[list[int]], str] | None, records: SamplingRecordsLike | None) -> None:
+                 decode: Callable[[list[int]], str] | None, records: SamplingRecordsLike | None,
+                 images: ImageProcessing | None = None) -> None:
+        """images: how the base reads image chunks (None: a base that reads tokens only)."""
         self.limits = limits
         self.eos = StopCondition(token_ids=frozenset(int(t) for t in eos_token_ids))
         self.decode = decode
         self.records = records
+        self.images = images
 
     # --- training -------------------------------------------------------------------------------
     def train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
@@ -169,10 +184,21 @@ class Preparer:
             raise EngineError("datums: empty batch")
         spec = loss_spec(loss_fn)
         config = resolve_config(spec, loss_fn_config)
-        lim = self.limits
-        parsed = tuple(parse_datum(d, i, spec, lim.vocab_size, lim.max_context, self.records)
-                       for i, d in enumerate(datums))
+        parsed = tuple(self._datum(d, i, spec) for i, d in enumerate(datums))
         return TrainJob(parsed, spec, config, bool(backward), adapter_id, key)
+
+    def _datum(self, datum: types.Datum, i: int, spec: LossSpec) -> ParsedDatum:
+        """parse_datum, with a model input's image chunks read into the datum's images."""
+        lim = self.limits
+        model_input = getattr(datum, "model_input", None)
+        images = None
+        if isinstance(model_input, types.ModelInput) and self._has_images(model_input, f"datums[{i}].model_input"):
+            tokens, images = self.expand(model_input, f"datums[{i}].model_input")
+            datum = dataclasses.replace(datum, model_input=types.ModelInput.from_ints(tokens))
+        parsed = parse_datum(datum, i, spec, lim.vocab_size, lim.max_context, self.records)
+        if images is None:
+            self._check_no_placeholder(parsed.tokens, f"datums[{i}].model_input")
+        return dataclasses.replace(parsed, images=images)
 
     def reverse_kl(self, datums: Sequence[Any], temperature: float, reference: AdapterRef = None,
                    adapter_id: str | None = None) -> ReverseKLJob:
@@ -223,13 +249,14 @@ class Preparer:
 
     # --- sampling -------------------------------------------------------------------------------
     def sample(
-        self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int, params: types.SamplingParams,
+        self, adapter: AdapterRef, prompt_tokens: Sequence[int] | types.ModelInput | Prompt, num_samples: int,
+        params: types.SamplingParams,
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
         stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
         min_p: float = 0.0,
     ) -> SampleJob:
-        prompt = self._prompt(prompt_tokens, room=1)
+        prompt, images = self._prompt(prompt_tokens, room=1)
         lim = self.limits
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not (
                 1 <= num_samples <= lim.max_num_samples):
@@ -259,18 +286,89 @@ class Preparer:
             adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
-            top_logprobs=top_logprobs, record=bool(record), key=key, priority=Priority(priority),
+            top_logprobs=top_logprobs, record=bool(record), key=key, priority=Priority(priority), images=images,
         )
 
-    def score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+    def score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
               priority: Priority = Priority.ROLLOUT) -> SampleJob:
         """SamplingClient.compute_logprobs: logprob of every token given the ones before."""
-        prompt = self._prompt(tokens, room=0)
+        prompt, images = self._prompt(tokens, room=0)
         params = SampleParams(max_tokens=0, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop=StopCondition())
         return SampleJob(adapter=adapter, prompt=prompt, num_samples=1, params=params, sequence_ids=(),
-                         prompt_logprobs=True, score_only=True, key=key, priority=Priority(priority))
+                         prompt_logprobs=True, score_only=True, key=key, priority=Priority(priority), images=images)
 
-    def _prompt(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
+    # --- images -------------------------------------------------------------------------------
+    def _has_images(self, model_input: types.ModelInput, where: str) -> bool:
+        """Whether a model input holds anything but token chunks (refused by name if this base cannot read it)."""
+        for j, chunk in enumerate(model_input.chunks):
+            if isinstance(chunk, types.EncodedTextChunk):
+                continue
+            if isinstance(chunk, types.ImageChunk) and self.images is None:
+                raise NotSupportedError(f"{where}.chunks[{j}]: image chunks need a vision-language base model; "
+                                        f"{self.limits.arch} reads tokens only")
+            if isinstance(chunk, types.ImageAssetPointerChunk):
+                raise NotSupportedError(f"{where}.chunks[{j}]: image_asset_pointer chunks are not supported (this "
+                                        "server fetches nothing); send the image's bytes in an image chunk")
+            if not isinstance(chunk, types.ImageChunk):
+                raise NotSupportedError(f"{where}.chunks[{j}]: {getattr(chunk, 'type', type(chunk).__name__)!r} "
+                                        "chunks are not supported (token and image chunks are)")
+            return True
+        return False
+
+    def expand(self, model_input: types.ModelInput, where: str) -> tuple[list[int], PromptImages | None]:
+        """A model input's token ids, each image chunk read (decoded, resized, cut into patches) and
+        standing as its run of image tokens; EngineError names the chunk at fault."""
+        if not self._has_images(model_input, where):
+            return model_input.to_ints(), None
+        assert self.images is not None
+        tokens: list[int] = []
+        images = []
+        for j, chunk in enumerate(model_input.chunks):
+            if isinstance(chunk, types.EncodedTextChunk):
+                tokens.extend(chunk.tokens)
+                continue
+            try:
+                image = self.images.read(chunk.data, chunk.format, start=len(tokens))
+            except ImageError as e:
+                raise EngineError(f"{where}.chunks[{j}]: {e}") from None
+            if chunk.expected_tokens is not None and chunk.expected_tokens != image.tokens:
+                raise EngineError(f"{where}.chunks[{j}].expected_tokens: {chunk.expected_tokens}, but this "
+                                  f"{image.width}×{image.height} image is {image.tokens} tokens on this model")
+            tokens.extend([self.images.image_token_id] * image.tokens)
+            images.append(image)
+            if len(tokens) > self.limits.max_context:  # before reading any more images
+                raise EngineError(f"{where}: {len(tokens)} tokens (images counted) by chunk {j} exceed the "
+                                  f"context length {self.limits.max_context}")
+        self._check_no_placeholder([t for j, t in enumerate(tokens) if not _in_image(j, images)], where)
+        return tokens, PromptImages(tuple(images))
+
+    def _check_no_placeholder(self, tokens: Sequence[int], where: str) -> None:
+        """The image token stands only for an image chunk's pixels: in a token chunk it has none."""
+        if self.images is not None and self.images.image_token_id in tokens:
+            raise EngineError(f"{where}: token id {self.images.image_token_id} is the image placeholder; "
+                              "send images as image chunks")
+
+    def prompt(self, model_input: types.ModelInput | Sequence[int], where: str = "prompt") -> Prompt:
+        """A prompt parsed once: its image chunks read, the image placeholder refused outside them.
+        (Its length against the context is the sample's own check: see `sample`.)"""
+        images = None
+        if isinstance(model_input, types.ModelInput):
+            tokens, images = self.expand(model_input, where)
+        else:
+            tokens = model_input
+        try:
+            ids = tuple(_int(t) for t in tokens)
+        except (TypeError, ValueError):
+            raise EngineError(f"{where}: must be a list of integer token ids") from None
+        if images is None:
+            self._check_no_placeholder(ids, where)
+        return Prompt(ids, images)
+
+    def _prompt(self, tokens: Sequence[int] | types.ModelInput | Prompt, room: int) -> tuple[tuple[int, ...], PromptImages | None]:
+        parsed = tokens if isinstance(tokens, Prompt) else self.prompt(tokens)
+        return self._prompt_tokens(parsed.tokens, room), parsed.images
+
+    def _prompt_tokens(self, tokens: Sequence[int], room: int) -> tuple[int, ...]:
         lim = self.limits
         try:
             prompt = tuple(_int(t) for t in tokens)
@@ -341,6 +439,21 @@ class Preparer:
         raise EngineError("sampling_params.stop: must be a string, a list of strings or a list of token ids")
 
 
+def image_processing(cfg: ModelConfig, model_dir: Any) -> ImageProcessing | None:
+    """How the base reads image chunks (its preprocessor_config.json), or None for a text-only base."""
+    return None if cfg.vision is None else ImageProcessing.for_model(cfg.vision, model_dir)
+
+
+def image_tokens(cfg: ModelConfig) -> tuple[int, int, int] | None:
+    """EngineLimits.image_tokens of this base."""
+    v = cfg.vision
+    return None if v is None else (v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
+
+
+def _in_image(position: int, images: Sequence[Any]) -> bool:
+    return any(im.start <= position < im.end for im in images)
+
+
 def _int(t: Any) -> int:
     if isinstance(t, bool) or not isinstance(t, int):
         if isinstance(t, float) and t.is_integer():
@@ -375,7 +488,11 @@ class JobParsing:
     def prepare_optim(self, params: Any, family: str | None = None) -> OptimJob:
         return self.prepare.optim(params, family=family)
 
-    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int], num_samples: int,
+    def prepare_prompt(self, prompt: types.ModelInput | Sequence[int]) -> Prompt:
+        return self.prepare.prompt(prompt)
+
+    def prepare_sample(self, adapter: AdapterRef, prompt_tokens: Sequence[int] | types.ModelInput | Prompt,
+                       num_samples: int,
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
@@ -387,7 +504,7 @@ class JobParsing:
                                    presence_penalty=presence_penalty, priority=priority,
                                    repetition_penalty=repetition_penalty, min_p=min_p)
 
-    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int], *, key: str = "",
+    def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
                       priority: Priority = Priority.ROLLOUT) -> SampleJob:
         return self.prepare.score(adapter, tokens, key=key, priority=priority)
 

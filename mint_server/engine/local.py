@@ -40,6 +40,8 @@ from mint_server.engine.jobs import (
     ReverseKLJob,
     SampleJob,
     TrainJob,
+    image_processing,
+    image_tokens,
 )
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.optim import family_named
@@ -113,10 +115,12 @@ class LocalEngine(JobParsing):
         if s.batch_invariant:
             enable_invariant(cfg, s.max_rank, self.device, self.dtype)
         self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
-                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
+                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES),
+                                      image_tokens=image_tokens(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records,
+                                images=image_processing(cfg, self.model_dir))
         self._cv = threading.Condition()
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
         self.runner: Runner | None = None

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from mint_server.engine.values import EngineError, NotSupportedError
 from mint_server.model import invariant
+from mint_server.model.images import PromptImages
 
 LossFn = Callable[[Tensor, dict[str, Tensor], Tensor, dict[str, float]], Tensor]
 THRESHOLDS = ("clip_low_threshold", "clip_high_threshold")
@@ -192,6 +193,7 @@ class ParsedDatum:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    images: PromptImages | None = None  # a vision-language base's images in `tokens` (jobs.Preparer reads them)
 
     @property
     def width(self) -> int:  # K: targets per position

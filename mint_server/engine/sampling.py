@@ -58,6 +58,7 @@ from mint_server.engine.sampler_ops import (
 )
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
 from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
+from mint_server.model.images import PromptImages
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ class _Group:
     computed: int = 0  # prompt positions already in the cache
     score_k: int = -1  # top-k of the prompt scores its chunks compute (-1: none wanted)
     scores: PromptScores | None = None
+    images: PromptImages | None = None  # part of the prompt's identity: other images, another prompt
 
     @property
     def has_sampler(self) -> bool:
@@ -562,7 +564,7 @@ class Sampler:
         if not self.dedupe_prompts:
             return None
         for g in self._groups:
-            if g.slot == req.slot and g.prompt == req.prompt and (
+            if g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and (
                     not req.wants_scores or g.computed == 0 or g.score_k >= req.topk_prompt_logprobs):
                 return g
         return None
@@ -590,7 +592,7 @@ class Sampler:
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
         if group is None:
-            group = _Group(req.slot, req.prompt, self.pool.alloc(blocks_for(n, bs)))
+            group = _Group(req.slot, req.prompt, self.pool.alloc(blocks_for(n, bs)), images=req.job.images)
             self._groups.append(group)
             self.stats.prompt_rows += 1
         elif req not in group.requests:
@@ -651,6 +653,8 @@ class Sampler:
                 batch.slots.append(item.request.slot)
                 batch.tables.append(item.blocks)
                 batch.logits_at.append(seg)
+                if item.request.job.images is not None:
+                    batch.images[seg] = item.request.job.images
                 decoding.append(item)
                 decode_tokens += 1
             else:
@@ -660,6 +664,8 @@ class Sampler:
                 batch.lengths.append(n)
                 batch.slots.append(item.slot)
                 batch.tables.append(item.blocks)
+                if item.images is not None:
+                    batch.images[seg] = item.images
                 if item.score_k >= 0:
                     targets = [item.prompt[p + 1] if p + 1 < plen else -1 for p in range(a, a + n)]
                     batch.scoring.append((seg, targets, item.score_k))

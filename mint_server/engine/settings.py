@@ -192,14 +192,18 @@ class EngineLimits:
     max_top_logprobs: int = 20  # alternatives per sampled token (0: none)
     max_stop_sequences: int = 16  # stop strings or stop token ids per request (OpenAI's own bound is 4)
     max_stop_chars: int = 256  # per stop string
+    # Image input (vision-language bases): the token ids an image is written with — vision start, the
+    # image placeholder (one per image token), vision end; None: the base reads tokens only.
+    image_tokens: tuple[int, int, int] | None = None
 
     @classmethod
     def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,
-           loss_fns: frozenset[str]) -> EngineLimits:
+           loss_fns: frozenset[str], image_tokens: tuple[int, int, int] | None = None) -> EngineLimits:
         context = min(model_context, settings.max_context or model_context)
         return cls(base_model=base_model, arch=arch, vocab_size=vocab_size, max_context=context,
                    max_rank=settings.max_rank, max_num_samples=settings.max_num_samples, max_top_k=vocab_size,
-                   loss_fns=loss_fns, max_top_logprobs=min(settings.max_top_logprobs, vocab_size))
+                   loss_fns=loss_fns, max_top_logprobs=min(settings.max_top_logprobs, vocab_size),
+                   image_tokens=image_tokens)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,9 @@ from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.values import EngineError
 from mint_server.model import invariant
 from mint_server.model.lora import LoraBank, LoraBatch, lora_shapes
+from mint_server.model.qwen3_vl import FeatureCache
 from mint_server.model.transformer import Transformer
+from mint_server.model.vision_input import VisionInput
 
 Output = types.ForwardBackwardOutput
 Leaves = dict[str, dict[str, tuple[list[Tensor], list[Tensor]]]]  # adapter id → target → per-layer (A, B)
@@ -108,6 +110,7 @@ class Trainer:
         self.checkpoint_from_tokens = checkpoint_from_tokens
         self.logits_chunk = logits_chunk
         self.device, self.vocab = residency.device, model.config.vocab_size
+        self.features = FeatureCache()  # encoded images by digest (vision-language bases)
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
 
     # --- forward / forward_backward -------------------------------------------------------------
@@ -247,7 +250,7 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             if runner is None:
                 h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                             checkpoint=recompute)
+                                             checkpoint=recompute, vision=self._vision(datums, T))
                 lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
@@ -278,6 +281,14 @@ class Trainer:
                 logprobs[key] = lp_cpu[i, :n, 0].copy() if one_d else lp_cpu[i, :n, : d.width].copy()
                 losses[key] = el_cpu[j, :n].copy()
         return leaf_grads(leaves)
+
+    def _vision(self, datums: list[ParsedDatum], T: int) -> VisionInput | None:
+        """The micro-batch's images (vision-language bases): row i is datum i from position 0."""
+        if not any(d.images is not None for d in datums):
+            return None
+        positions = torch.arange(T, device=self.device).expand(len(datums), T)
+        segments = [(i * T, len(d.tokens), d.images) for i, d in enumerate(datums)]
+        return self.model.vision_input(positions, segments, self.features)  # type: ignore[operator]
 
     @staticmethod
     def lora_ref(a: Adapter) -> LoraRef:
@@ -345,8 +356,8 @@ class Trainer:
         total, metrics = run_per_datum(job.loss, logprobs, job.inputs)
         total.backward()
         datums = tuple(
-            ParsedDatum(d.tokens, {**d.inputs, "weights": -(lp.grad if lp.grad is not None else torch.zeros_like(lp))
-                                   .numpy().astype(np.float32)})
+            dataclasses.replace(d, inputs={**d.inputs, "weights": -(lp.grad if lp.grad is not None else torch.zeros_like(lp))
+                                           .numpy().astype(np.float32)})
             for d, lp in zip(job.forward.datums, logprobs, strict=True)
         )
         backward = dataclasses.replace(job.forward, datums=datums, backward=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
+from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
 
 
 class ModelError(ValueError):
@@ -31,6 +32,7 @@ class Family:
     moe: bool = False  # some layers' MLP is a routed set of experts (Qwen3-MoE style)
     mla: bool = False  # DeepSeek: latent attention, sigmoid-routed MoE with shared experts (mla_spec.py)
     dsa: bool = False  # DeepSeek-V3.2: plus the sparse-attention indexer
+    vision: bool = False  # Qwen3-VL: an image tower, multimodal RoPE and deepstack (vision_spec.py)
 
 
 # HF `architectures[0]` → family switches.
@@ -41,9 +43,13 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, attention_bias=False, moe=True, mla=True),
     "DeepseekV32ForCausalLM": Family("deepseek_v32", qk_norm=False, attention_bias=False, moe=True, mla=True,
                                      dsa=True),
+    "Qwen3VLForConditionalGeneration": Family("qwen3_vl", qk_norm=True, attention_bias=False, vision=True),
+    "Qwen3VLMoeForConditionalGeneration": Family("qwen3_vl_moe", qk_norm=True, attention_bias=False, moe=True,
+                                                 vision=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,10 @@ class ModelConfig:
     # DeepSeek families (family.mla): MLA dims, DeepSeek routing, the V3.2 indexer. Their head_dim
     # is the RoPE part (qk_rope_head_dim) and num_kv_heads == num_heads (neither is a K/V shape).
     mla: MLASpec | None = None
+    # Vision-language families (family.vision): the image tower, and the frequencies per axis
+    # (t, h, w) of the language model's multimodal RoPE.
+    vision: VisionSpec | None = None
+    mrope_section: tuple[int, int, int] | None = None
 
     @property
     def family(self) -> Family:
@@ -104,23 +114,36 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
             )
+        family = FAMILIES[arch]
+        top = hf
         try:
+            if family.vision:
+                hf = flatten_text_config(hf)
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
             rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
             rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
-            family = FAMILIES[arch]
             if rope_type not in ("default", "llama3") and not (family.mla and rope_type == "yarn"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
+            if family.vision and rope_type != "default":
+                raise UnsupportedModelError(f"rope type {rope_type!r} with multimodal RoPE is not supported")
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             moe = _moe_fields(hf) if family.moe else {}
+            if family.moe and family.vision:  # Qwen3-VL-MoE's router always renormalises its top-k
+                moe["norm_topk_prob"] = True
             if family.mla:
                 layers = int(hf["num_hidden_layers"])
                 mla = parse_mla(hf, rope, family.dsa)
                 moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
                 hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
+            if family.vision:
+                head_dim = int(hf.get("head_dim") or hidden // num_heads)
+                try:
+                    moe.update(vision=parse_vision(top, hidden), mrope_section=mrope_section(rope, head_dim))
+                except ValueError as e:
+                    raise ModelError(str(e)) from None
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),

@@ -261,4 +261,8 @@ class DeepseekTransformer(Transformer):
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer]:
+    if cfg.vision is not None:
+        from mint_server.model.qwen3_vl import VisionLanguageModel
+
+        return VisionLanguageModel
     return DeepseekTransformer if cfg.mla is not None else Transformer

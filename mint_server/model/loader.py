@@ -2,7 +2,10 @@
 
 MoE experts come in either of two layouts and are stacked into our [E, out, in] parameters:
 per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, as the Hub ships them) or transformers'
-fused layout (`mlp.experts.gate_up_proj` [E, 2·I, H], gate rows first, and `mlp.experts.down_proj`).
+fused layout (`mlp.experts.gate_up_proj` [E, 2·I, H], gate rows first, and `mlp.experts.down_proj`
+[E, H, I]). Qwen3-VL-MoE checkpoints on the Hub hold the fused tensors transposed ([E, H, 2·I],
+[E, I, H]); like transformers, a fused tensor whose shape is the transpose of ours is transposed
+(when H = 2·I the two cannot be told apart and ours is assumed, as transformers assumes).
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ from safetensors import safe_open
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
-from mint_server.model.transformer import Transformer, rope_inv_freq
+from mint_server.model.transformer import Transformer, mrope_axes, rope_inv_freq
 
-# HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
-NAME_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
+# HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix (a
+# vision-language model's decoder below `model.language_model.`, its tower below `model.visual.`).
+NAME_PREFIXES = (("model.language_model.", ""), ("model.visual.", "visual."), ("model.", ""), ("lm_head.", "lm_head."))
 # DeepSeek's router (weights and choice bias) stays float32 like HF: bf16 would flip expert choices.
 FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -59,6 +63,15 @@ def our_name(hf_name: str) -> str | None:
     return None
 
 
+def _ours_layout(t: torch.Tensor, ours: str, shapes: dict[str, tuple[int, ...]]) -> torch.Tensor:
+    """A fused expert tensor stored transposed (the Hub's Qwen3-VL-MoE down_proj [E, I, H]) in our layout."""
+    want = shapes[ours]
+    if ours.endswith("mlp.experts.down_proj") and tuple(t.shape) != want and t.dim() == 3 \
+            and (t.shape[0], t.shape[2], t.shape[1]) == want:
+        return t.transpose(1, 2)
+    return t
+
+
 def load_model(
     model_dir: str | Path, device: torch.device | str | None = None, dtype: torch.dtype | None = None,
     tp: TP | None = None,
@@ -82,6 +95,7 @@ def load_model(
         return part[shard_of(part.get_shape(), dim, tp)]  # type: ignore[arg-type]
 
     expected = set(model.state_dict())
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
@@ -94,11 +108,14 @@ def load_model(
                     continue
                 if ours in expected:
                     keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
-                    state[ours] = read(sf, name, ours).to(device=device, dtype=keep)
+                    state[ours] = _ours_layout(read(sf, name, ours), ours, shapes).to(device=device, dtype=keep)
                 elif m := _PER_EXPERT.match(ours):
                     per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = read(sf, name, ours)
                 elif m := _FUSED_GATE_UP.match(ours):
-                    gate, up = sf.get_tensor(name).to(device=device, dtype=dtype).chunk(2, dim=1)
+                    fused = sf.get_tensor(name)
+                    if fused.shape[1] != 2 * cfg.moe_intermediate_size and fused.shape[2] == 2 * cfg.moe_intermediate_size:
+                        fused = fused.transpose(1, 2)  # the Hub's Qwen3-VL-MoE layout [E, H, 2·I]
+                    gate, up = fused.to(device=device, dtype=dtype).chunk(2, dim=1)
                     if tp is not None and tp.world > 1:  # gate and up are each split along their rows
                         gate = gate[shard_of(gate.shape, 1, tp)].contiguous()
                         up = up[shard_of(up.shape, 1, tp)].contiguous()
@@ -116,5 +133,9 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)
+    if cfg.mrope_section is not None:
+        model.mrope_axes = mrope_axes(cfg.mrope_section, cfg.head_dim // 2).to(device)
+    if cfg.vision is not None:
+        model.visual.reset_buffers(device)
     model.requires_grad_(False)  # the base is frozen; only adapters ever train
     return model.eval()

@@ -48,7 +48,7 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
 _KEY = re.compile(
-    r"^base_model\.model\.(?:model\.layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?|shared_experts\.)?"
+    r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?|shared_experts\.)?"
     r"(\w+)\.lora_([AB])\.weight$"
 )
 
@@ -71,18 +71,26 @@ class LoraWeights:
         return None
 
 
-def peft_key(target: str, layer: int, which: str, expert: int | None = None) -> str:
-    """The PEFT tensor name; expert targets: packed without `expert`, per-expert with it."""
+def peft_key(target: str, layer: int, which: str, expert: int | None = None, decoder: str = "model.") -> str:
+    """The PEFT tensor name; expert targets: packed without `expert`, per-expert with it. decoder: the
+    module path of the decoder layers (`decoder_prefix`: a vision-language model's is nested)."""
     if target == UNEMBED_TARGET:
         return f"base_model.model.lm_head.lora_{which}.weight"
+    layers = f"base_model.model.{decoder}layers.{layer}"
     if target.startswith(EXPERT_PREFIX):
         proj = target[len(EXPERT_PREFIX):]
         experts = "experts." if expert is None else f"experts.{expert}."
-        return f"base_model.model.model.layers.{layer}.mlp.{experts}{proj}.lora_{which}.weight"
+        return f"{layers}.mlp.{experts}{proj}.lora_{which}.weight"
     if target.startswith(SHARED_PREFIX):
-        return f"base_model.model.model.layers.{layer}.mlp.shared_experts.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
+        return f"{layers}.mlp.shared_experts.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
     block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS else "mlp"
-    return f"base_model.model.model.layers.{layer}.{block}.{target}.lora_{which}.weight"
+    return f"{layers}.{block}.{target}.lora_{which}.weight"
+
+
+def decoder_prefix(cfg: ModelConfig | int) -> str:
+    """Where the decoder layers sit in the HF model: `model.`, or `model.language_model.` for a
+    vision-language model (PEFT names its modules by that path, so transformers + PEFT load ours)."""
+    return "model.language_model." if isinstance(cfg, ModelConfig) and cfg.vision is not None else "model."
 
 
 def _layers_of(cfg: ModelConfig | int, target: str) -> tuple[int, ...]:
@@ -102,17 +110,18 @@ def peft_tensors(adapter: LoraWeights, cfg: ModelConfig | int, moe_layout: str =
     if moe_layout not in MOE_LAYOUTS:
         raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {moe_layout!r}")
     tensors = {}
+    decoder = decoder_prefix(cfg)
     for t, (a, b) in adapter.weights.items():
         a, b = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
         per_expert = t.startswith(EXPERT_PREFIX) and moe_layout == "per-expert"
         for i, layer in enumerate(_layers_of(cfg, t)):
             if per_expert:
                 for e in range(a.shape[1]):
-                    tensors[peft_key(t, layer, "A", e)] = a[i, e].contiguous()
-                    tensors[peft_key(t, layer, "B", e)] = b[i, e].contiguous()
+                    tensors[peft_key(t, layer, "A", e, decoder)] = a[i, e].contiguous()
+                    tensors[peft_key(t, layer, "B", e, decoder)] = b[i, e].contiguous()
             else:
-                tensors[peft_key(t, layer, "A")] = a[i].contiguous()
-                tensors[peft_key(t, layer, "B")] = b[i].contiguous()
+                tensors[peft_key(t, layer, "A", decoder=decoder)] = a[i].contiguous()
+                tensors[peft_key(t, layer, "B", decoder=decoder)] = b[i].contiguous()
     return tensors
 
 

@@ -68,6 +68,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         "routed_experts": sparse * cfg.num_experts * 3 * h * cfg.moe_intermediate_size,
         "shared_experts": sparse * shared,
         "router": sparse * cfg.num_experts * (h + 1),
+        "vision_tower": cfg.vision.num_params() if cfg.vision is not None else 0,  # replicated on every GPU
     }
 
 
@@ -98,9 +99,9 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     base goes to the KV cache, the rest to adapter slots."""
     tp, ep = tp or gpus, ep or gpus
     params = count_params(cfg)
-    experts = params["routed_experts"]
-    rest = sum(params.values()) - experts
-    base_gpu = int((rest / tp + experts / ep) * weight_bytes)
+    experts, tower = params["routed_experts"], params["vision_tower"]
+    rest = sum(params.values()) - experts - tower
+    base_gpu = int((rest / tp + experts / ep + tower) * weight_bytes)
     latent, full = kv_elems_per_token(cfg)
     L = cfg.num_layers
     # Under tensor-parallel attention per-head K/V shard by head; MLA's latent is shared by all heads,

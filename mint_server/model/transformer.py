@@ -18,6 +18,7 @@ from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.moe import SparseMoE
 from mint_server.model.tp import TP, embed
+from mint_server.model.vision_input import VisionInput
 
 
 class RMSNorm(nn.Module):
@@ -74,6 +75,15 @@ def yarn_inv_freq(rs: dict, dim: int, theta: float) -> Tensor:
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
     freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     return freq / factor * ramp + freq * (1 - ramp)
+
+
+def mrope_axes(section: tuple[int, int, int], half: int) -> Tensor:
+    """Which rotary axis (0 t, 1 h, 2 w) each of the head's `half` frequencies turns with (Qwen3-VL's
+    interleaved layout: h on j ≡ 1, w on j ≡ 2 (mod 3) up to 3 × their counts, t on the rest)."""
+    axes = torch.zeros(half, dtype=torch.long)
+    for axis in (1, 2):
+        axes[axis : min(3 * section[axis], half) : 3] = axis
+    return axes
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -419,6 +429,8 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        if cfg.mrope_section is not None:  # multimodal RoPE: the axis (t, h, w) each frequency turns with
+            self.register_buffer("mrope_axes", mrope_axes(cfg.mrope_section, cfg.head_dim // 2), persistent=False)
 
     def hidden_states(
         self,
@@ -427,32 +439,45 @@ class Transformer(nn.Module):
         lora: LoraBatch | None = None,
         cache: CacheView | None = None,
         checkpoint: bool = False,
+        vision: VisionInput | None = None,
     ) -> Tensor:
         """tokens [B, T] → final-norm hidden states [B, T, hidden]. positions default to 0..T-1.
 
         checkpoint: keep only each block's input for backward and recompute the block then (long
         training sequences fit in memory for about one extra forward). Ignored without autograd.
+        vision: the batch's images (qwen3_vl.VisionInput): their features, rotary positions, DeepStack.
         """
         B, T = tokens.shape
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         # a fresh tensor: blocks may add into it in place
         x = self.embed_tokens(tokens) if self.tp is None else embed(self, tokens)
-        cos, sin = self.rope(positions)
+        if vision is not None:
+            x = vision.splice(x)
+        cos, sin = self.rope(positions if vision is None else vision.rope_positions)
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = checkpoint and cache is None and torch.is_grad_enabled()
-        for block in self.layers:
+        for i, block in enumerate(self.layers):
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lora, cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, lora, cache)
+            if vision is not None:
+                x = vision.after_layer(i, x)
         return self.norm(x)
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, 1, T, head_dim] of positions [B, T] (float32). Invariant mode reads them from a
-        table computed once, so a position's values do not depend on how many are computed at once."""
+        table computed once, so a position's values do not depend on how many are computed at once.
+        Multimodal RoPE: positions [3, B, T] (t, h, w), each frequency turning with its own axis."""
+        if positions.dim() == 3:
+            angles = positions[..., None].float() * self.inv_freq  # [3, B, T, half]
+            axes = self.mrope_axes.view(1, 1, 1, -1).expand(1, *angles.shape[1:])
+            angles = angles.gather(0, axes)[0][:, None]
+            angles = torch.cat((angles, angles), dim=-1)
+            return angles.cos(), angles.sin()
         if invariant.enabled():
             need = int(positions.max()) + 1
             table = getattr(self, "_rope_table", None)
@@ -480,5 +505,6 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         lora: LoraBatch | None = None,
         cache: CacheView | None = None,
+        vision: VisionInput | None = None,
     ) -> Tensor:
-        return self.logits(self.hidden_states(tokens, positions, lora, cache), lora)
+        return self.logits(self.hidden_states(tokens, positions, lora, cache, vision=vision), lora)

@@ -9,10 +9,18 @@ their models:
     </tool_call>
 
 Text before the first `<tool_call>` is the message's content.
+
+Images (vision-language models): an `image_url` content part must carry the image itself as a
+`data:image/png|jpeg;base64,…` URL; a remote URL is refused by name (the server fetches nothing). The
+image is written into the message text as the model's own marker (`<|vision_start|><|image_pad|>
+<|vision_end|>` for Qwen3-VL, what its template writes for an image), so the rendered prompt holds one
+image token per image; the engine reads the bytes and widens that token to the image's token count.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import re
 import secrets
@@ -39,37 +47,68 @@ class ToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
 
 
-class ChatTemplate:
-    """Renders messages (plain dicts in OpenAI's shape) to prompt token ids with the tokenizer's template."""
+@dataclass(frozen=True)
+class ChatImage:
+    """An image of a chat request, as sent (the engine decodes it)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    data: bytes
+    format: str  # png | jpeg (the Tinker ImageChunk formats)
+
+
+IMAGE_MEDIA_TYPES = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg"}
+
+
+class ChatTemplate:
+    """Renders messages (plain dicts in OpenAI's shape) to prompt token ids with the tokenizer's template.
+
+    image_tokens: (vision start, image placeholder, vision end) token ids of a vision-language model
+    (EngineLimits.image_tokens); None refuses image parts."""
+
+    def __init__(self, tokenizer: Any, image_tokens: tuple[int, int, int] | None = None) -> None:
         self.tokenizer = tokenizer
         template = getattr(tokenizer, "chat_template", None)
         self.source = template if isinstance(template, str) else ""
         # A template that never reads `tools` would drop them silently: refuse tools for it instead.
         self.supports_tools = bool(re.search(r"\btools\b", self.source))
+        self.image_tokens = image_tokens
+        self.image_text = "".join(tokenizer.convert_ids_to_tokens(list(image_tokens))) if image_tokens else None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        tokens, images = self.render_with_images(messages, tools)
+        if images:
+            raise ChatError("these messages hold images: render them with render_with_images", "messages")
+        return tokens
+
+    def render_with_images(self, messages: list[dict[str, Any]],
+                           tools: list[dict[str, Any]] | None = None) -> tuple[list[int], list[ChatImage]]:
+        """Prompt token ids, with one image placeholder token per image, and the images in order."""
         if not self.source:
             raise ChatError("this model has no chat template; use /completions", "messages")
         if tools and not self.supports_tools:
             raise ChatError("this model's chat template does not support tools", "tools")
         from jinja2 import TemplateError
 
+        images: list[ChatImage] = []
         try:
             text = self.tokenizer.apply_chat_template(
-                [_template_message(m, i) for i, m in enumerate(messages)],
+                [_template_message(m, i, images, self.image_text) for i, m in enumerate(messages)],
                 tools=tools or None, add_generation_prompt=True, tokenize=False,
             )
         except TemplateError as e:  # e.g. raise_exception("roles must alternate")
             raise ChatError(f"the chat template refused these messages: {e}", "messages") from None
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        tokens = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.image_tokens is not None and tokens.count(self.image_tokens[1]) != len(images):
+            raise ChatError(f"the messages' text holds the image placeholder {self.image_text!r} itself; "
+                            "send images as image_url parts", "messages")
+        return tokens, images
 
 
-def _template_message(m: dict[str, Any], index: int) -> dict[str, Any]:
+def _template_message(m: dict[str, Any], index: int, images: list[ChatImage] | None = None,
+                      image_text: str | None = None) -> dict[str, Any]:
     """One message as chat templates expect it: text content, tool-call arguments as objects."""
     role = "system" if m["role"] == "developer" else m["role"]
-    out: dict[str, Any] = {"role": role, "content": message_text(m.get("content"), f"messages[{index}].content")}
+    where = f"messages[{index}].content"
+    out: dict[str, Any] = {"role": role, "content": message_text(m.get("content"), where, images, image_text)}
     if m.get("name"):
         out["name"] = m["name"]
     if m.get("tool_call_id"):
@@ -87,18 +126,49 @@ def _template_message(m: dict[str, Any], index: int) -> dict[str, Any]:
     return out
 
 
-def message_text(content: Any, where: str) -> str:
-    """A message's content as text: a string, or a list of text parts (joined)."""
+def message_text(content: Any, where: str, images: list[ChatImage] | None = None, image_text: str | None = None) -> str:
+    """A message's content as text: a string, or a list of parts (joined). With `image_text` (a
+    vision-language model) an image_url part is appended to `images` and written as image_text."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
     for j, part in enumerate(content):
+        if part.get("type") == "image_url" and image_text is not None and images is not None:
+            images.append(image_part(part, f"{where}[{j}]"))
+            parts.append(image_text)
+            continue
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ChatError(f"{where}[{j}]: only text parts are supported", where)
+            raise ChatError(f"{where}[{j}]: only text parts are supported"
+                            + (" (this model reads no images)" if part.get("type") == "image_url" else ""), where)
         parts.append(part["text"])
     return "".join(parts)
+
+
+def image_part(part: dict[str, Any], where: str) -> ChatImage:
+    """An image_url part's image: a data: URL (base64, png or jpeg). Remote URLs are refused by name."""
+    ref = part.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    if not isinstance(url, str) or not url:
+        raise ChatError(f"{where}.image_url.url: required (a data:image/png;base64,… URL)", where)
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme != "data":
+        raise ChatError(f"{where}.image_url.url: {scheme or 'this'} URLs are not fetched (this server makes no "
+                        "outbound requests); send the image inline as a data:image/png;base64,… URL", where)
+    header, sep, payload = url[5:].partition(",")
+    fields = header.split(";")
+    media = fields[0].strip().lower()
+    if not sep or "base64" not in (f.strip().lower() for f in fields[1:]):
+        raise ChatError(f"{where}.image_url.url: a data URL must be base64 (data:image/png;base64,…)", where)
+    if media not in IMAGE_MEDIA_TYPES:
+        raise ChatError(f"{where}.image_url.url: media type {media or '(none)'!r} is not supported "
+                        f"(image/png, image/jpeg)", where)
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ChatError(f"{where}.image_url.url: the data URL's payload is not valid base64", where) from None
+    return ChatImage(data, IMAGE_MEDIA_TYPES[media])
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

@@ -37,12 +37,13 @@ from mint_server.engine.interface import (
     AdapterSource,
     EngineError,
     Priority,
+    Prompt,
     SampleCancelled,
     SampleJob,
     TokenCallback,
     TopLogprobs,
 )
-from mint_server.serving.chat import ChatError, ChatTemplate, ToolCall, ToolCallGate
+from mint_server.serving.chat import ChatError, ChatImage, ChatTemplate, ToolCall, ToolCallGate
 from mint_server.serving.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class OpenAIService:
 
     @cached_property
     def template(self) -> ChatTemplate:
-        return ChatTemplate(self.tokenizer)
+        return ChatTemplate(self.tokenizer, self.engine.limits.image_tokens)
 
     @cached_property
     def decode(self) -> Callable[[list[int]], str]:
@@ -217,8 +218,8 @@ class OpenAIService:
         return ServedModel(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
 
     # --- the engine -------------------------------------------------------------------------------
-    def prepare(self, owner: str, target: ServedModel, prompt: list[int], n: int, params: types.SamplingParams,
-                req: _Sampling, top_logprobs: int) -> SampleJob:  # fmt: skip
+    def prepare(self, owner: str, target: ServedModel, prompt: list[int] | Prompt, n: int,
+                params: types.SamplingParams, req: _Sampling, top_logprobs: int) -> SampleJob:  # fmt: skip
         """Parse one prompt's engine job now, so bad input is a 400 before any stream starts."""
         try:
             return self.engine.prepare_sample(
@@ -279,8 +280,9 @@ class OpenAIService:
         return asked or 0
 
     def _admit(self, owner: str, target: ServedModel, prompts: list[list[int]], n: int, params: types.SamplingParams,
-               req: _Sampling, tools: bool, top_logprobs: int = 0) -> Reply:  # fmt: skip
-        jobs = [self.prepare(owner, target, p, n, params, req, top_logprobs) for p in prompts]
+               req: _Sampling, tools: bool, top_logprobs: int = 0, parsed: Prompt | None = None) -> Reply:  # fmt: skip
+        """parsed: the one prompt already parsed by the engine (a chat with images)."""
+        jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs) for p in prompts]
         self.core.admission.check_samples(len(prompts))
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
                    for i in range(len(prompts) * n)]  # fmt: skip
@@ -395,12 +397,37 @@ class OpenAIService:
             raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         try:
-            prompt = self.template.render([m.model_dump(exclude_none=True) for m in req.messages], tools)
+            prompt, images = self.template.render_with_images([m.model_dump(exclude_none=True) for m in req.messages],
+                                                              tools)
         except ChatError as e:
             raise OpenAIError(400, str(e), e.param) from None
+        parsed = self._with_images(prompt, images) if images else None
+        if parsed is not None:
+            prompt = list(parsed.tokens)  # each image as its run of image tokens: what the context holds
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._params(req, [prompt], max_tokens)
-        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none", top_logprobs)
+        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none", top_logprobs,
+                           parsed)
+
+    def _with_images(self, tokens: list[int], images: list[ChatImage]) -> Prompt:
+        """The rendered prompt with each image placeholder replaced by its image, parsed by the engine
+        (which decodes the bytes and counts the image's tokens; the api never reads pixels)."""
+        placeholder = self.engine.limits.image_tokens[1]  # type: ignore[index]  # set: the template took images
+        chunks: list[types.ModelInputChunk] = []
+        start, pending = 0, iter(images)
+        for i, t in enumerate(tokens):
+            if t == placeholder:
+                if i > start:
+                    chunks.append(types.EncodedTextChunk(tokens=tokens[start:i]))
+                image = next(pending)
+                chunks.append(types.ImageChunk(data=image.data, format=image.format))  # type: ignore[arg-type]
+                start = i + 1
+        if start < len(tokens):
+            chunks.append(types.EncodedTextChunk(tokens=tokens[start:]))
+        try:
+            return self.engine.prepare_prompt(types.ModelInput(chunks=chunks))
+        except EngineError as e:  # "prompt.chunks[j]: …" → the messages are at fault
+            raise OpenAIError(400, f"messages: {str(e).partition(': ')[2] or e}", "messages") from None
 
     async def chat(self, reply: Reply, req: ChatRequest) -> dict[str, Any]:
         async with contextlib.aclosing(self.run(reply, stream=False)) as updates:

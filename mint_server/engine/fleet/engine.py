@@ -39,6 +39,8 @@ from mint_server.engine.jobs import (
     ReverseKLJob,
     SampleJob,
     TrainJob,
+    image_processing,
+    image_tokens,
 )
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecord, SamplingRecords
@@ -67,12 +69,14 @@ class FleetEngine(JobParsing):
         self.model_dir, self.base_model = Path(model_dir), base_model
         cfg = ModelConfig.from_hf_dir(self.model_dir)
         self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
-                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
+                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES),
+                                      image_tokens=image_tokens(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         # Sampling records live here, where results pass through, so training on any replica can
         # read the logprobs of a sequence sampled on another (stable_reinforce provenance).
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records,
+                                images=image_processing(cfg, self.model_dir))
 
         self._started_ray = False
         if not ray.is_initialized():
