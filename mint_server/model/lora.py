@@ -182,6 +182,8 @@ class LoraBatch:
     # adapter's tokens start at each of its rows, so its gradient sums are the same in any batch.
     row_lengths: list[int] | None = None
     row_list: list[int] = field(init=False, default_factory=list)  # rows as a Python list
+    # plan "gather": each target's A/B of every row, gathered once for all layers
+    gathered: dict[str, tuple[Tensor, Tensor]] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         rows = self.row_list = self.rows.tolist()
@@ -190,7 +192,7 @@ class LoraBatch:
         self.row_index = self.rows.clamp(min=0)
         self.row_scale = torch.where(self.rows >= 0, self.scale[self.row_index], torch.zeros_like(self.scale[:1]))
         if self.uniform is None and kernels.fast() and not invariant.enabled():
-            self.plan = MixedPlan.of(rows, self.rows.device)
+            self.plan = MixedPlan.of(rows, self.rows.device, gather=not torch.is_grad_enabled())
 
     @property
     def num_adapters(self) -> int:
@@ -212,6 +214,10 @@ class LoraBatch:
         ab = self.weights.get(target)
         if ab is None:
             return y
+        if self.plan is not None and self.plan.kind == "gather" and groups is None and tp is None:
+            if (g := self.gathered.get(target)) is None:
+                g = self.gathered[target] = (ab[0].index_select(0, self.row_index), ab[1].index_select(0, self.row_index))
+            return add_lora(y, x, g[0][:, layer], g[1][:, layer], self)
         A, B = sync_replicated(tp, target, ab[0][:, layer], ab[1][:, layer])
         return add_lora(y, x, A, B, self, groups)
 
@@ -222,7 +228,8 @@ def add_lora(
     """y + scale · (x Aᵀ) Bᵀ for x [rows, tokens, in], A [n, r, in], B [n, out, r], y [rows, tokens, out].
 
     One adapter for the whole batch: two plain matmuls. Mixed, fast kernels (`kernels.fast()`):
-    rows grouped by adapter, each adapter's A/B read once straight from its slot (see MixedPlan).
+    rows grouped by adapter, each adapter's A/B read once straight from its slot (see MixedPlan); a
+    few rows outside autograd get A/B already gathered per row (plan "gather", see LoraBatch.apply).
     Mixed, reference kernels: gather each row's A/B and run two batched matmuls (copies rows × A/B).
     The scale is applied to the small rank-r intermediate and the second product accumulates into y
     (addmm), so no output-sized temporary is made — it matters for the 49k-wide lm_head.
@@ -239,10 +246,13 @@ def add_lora(
         u = batch.uniform
         xa = (x.reshape(rows * tokens, -1) @ A[u].transpose(0, 1)) * batch.scale[u].to(x.dtype)
         return torch.addmm(y.reshape(rows * tokens, out), xa, B[u].transpose(0, 1)).view(rows, tokens, out)
-    if batch.plan is not None:
+    if batch.plan is not None and batch.plan.kind == "gather":  # A, B: already each row's own
+        a, b = A, B
+    elif batch.plan is not None:
         return _add_mixed_lora(y, x, A, B, batch.scale, batch.plan)
-    a = A[batch.row_index]  # [rows, r, in]
-    b = B[batch.row_index]  # [rows, out, r]
+    else:
+        a = A[batch.row_index]  # [rows, r, in]
+        b = B[batch.row_index]  # [rows, out, r]
     xa = torch.bmm(x, a.transpose(1, 2)) * batch.row_scale[:, None, None].to(x.dtype)
     return torch.baddbmm(y, xa, b.transpose(1, 2))
 
@@ -261,7 +271,7 @@ class MixedPlan:
     Base rows (-1) get no delta in either.
     """
 
-    kind: str  # "range" | "segments"
+    kind: str  # "range" | "segments" | "gather"
     src: Tensor  # rows with an adapter (range: in padded order; segments: sorted by adapter)
     lo: int = 0
     hi: int = -1
@@ -272,10 +282,14 @@ class MixedPlan:
     sizes: list[int] = field(default_factory=list)  # segments: rows in each
 
     @classmethod
-    def of(cls, rows: list[int], device: torch.device) -> MixedPlan | None:
+    def of(cls, rows: list[int], device: torch.device, gather: bool = False) -> MixedPlan | None:
+        """gather (outside autograd): at most GATHER_ROWS rows take each row's A/B, gathered once per
+        forward for every layer (`LoraBatch.apply`), then one batched product pair per layer."""
         used = [(a, i) for i, a in enumerate(rows) if a >= 0]
         if not used:
             return None
+        if gather and len(rows) <= GATHER_ROWS:
+            return cls("gather", torch.empty(0, dtype=torch.long, device=device))
         counts: dict[int, int] = {}
         for a, _ in used:
             counts[a] = counts.get(a, 0) + 1
@@ -301,6 +315,11 @@ class MixedPlan:
         return cls("segments", torch.tensor([i for _, i in used], device=device),
                    adapters=adapters, sizes=[counts[a] for a in adapters])
 
+
+# A few mixed rows (a decode step of a handful of requests): gathering their A/B once per forward
+# costs little, and each layer then runs the three ops of a single adapter instead of a plan's index
+# ops and per-adapter products (those launches dominate when the products are this small).
+GATHER_ROWS = 8
 
 # Invariant mode, sampling: above this many gathered B elements (adapters × out × r) the adapters
 # run one by one instead of in one bmm over gathered weights (the lm_head's B is large).

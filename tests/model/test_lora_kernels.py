@@ -72,3 +72,23 @@ def test_skinny_calibration_picks_a_row_count():
         assert chosen in (0, 1, 2, 4) and kernels.skinny_rows() == chosen
     finally:
         kernels.set_skinny_rows(old)
+
+
+@pytest.mark.parametrize("rows", [[3, -1, 0, 5], [2, 2, 6], [1, 4, 1, 4, 0, 0, -1, 6]])
+def test_a_few_mixed_rows_gather_their_weights_once_and_equal_the_reference(rows):
+    """Outside autograd, at most GATHER_ROWS mixed rows take the "gather" plan: each target's A/B of
+    every row is gathered once for all layers, and each layer's delta equals the reference's."""
+    g = torch.Generator().manual_seed(len(rows))
+    n, layers, r, fi, fo = 7, 3, 4, 16, 24
+    A, B = torch.randn(n, layers, r, fi, generator=g), torch.randn(n, layers, fo, r, generator=g)
+    scale = torch.rand(n, generator=g)
+    x, y = torch.randn(len(rows), 1, fi, generator=g), torch.randn(len(rows), 1, fo, generator=g)
+    out = {}
+    for mode in kernels.MODES:
+        with kernels.use(mode), torch.no_grad():
+            batch = LoraBatch({"q_proj": (A, B)}, torch.tensor(rows), scale)
+            assert (batch.plan.kind if batch.plan else None) == ("gather" if mode == "fast" else None)
+            out[mode] = [batch.apply("q_proj", layer, x, y.clone()) for layer in range(layers)]
+            assert list(batch.gathered) == (["q_proj"] if mode == "fast" else [])
+    for layer in range(layers):
+        Tolerance(n=fi).check(out["fast"][layer], out["reference"][layer], f"layer {layer}")
