@@ -619,6 +619,17 @@ def seed_policies(data: Path, model_dir: Path, flood: int, cold: int) -> tuple[s
     )
 
 
+def server_calibration(url: str) -> dict[str, float]:
+    """What the server measured at start-up (skinny_rows, max_step_tokens, step costs): /metrics."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("mint_engine_calibration{"):
+            name = line.split('quantity="', 1)[1].split('"', 1)[0]
+            out[name] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -735,6 +746,8 @@ def main() -> None:
                               "tries": args.tries, "probes": args.probes, "client_nice": args.client_nice,
                               "read_bytes_per_s": floors["read_bytes_per_s"],
                               "matmul_flop_per_s": floors["matmul_flop_per_s"], "load_average_start": load0}  # fmt: skip
+    result["calibration"] = server_calibration(url)
+    print(f"server calibration: {json.dumps(result['calibration'])}", flush=True)
     rows: list[tuple[str, Row]] = []
     try:
         for name in cases:

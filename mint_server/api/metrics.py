@@ -74,6 +74,9 @@ class Metrics:
         self.kv_blocks = Gauge("mint_kv_blocks_in_use", "KV cache blocks held by running sequences",
                                registry=self.registry)
         self.streams = Gauge("mint_openai_streams", "OpenAI-face responses in flight", registry=self.registry)
+        self.calibration = Gauge("mint_engine_calibration", "What the engine measured at start-up on this machine "
+                                 "(skinny_rows, max_step_tokens, step and adapter costs in seconds)", ["quantity"],
+                                 registry=self.registry)
         self._engine: Engine | None = None
         self._seen: dict[tuple[str, str], float] = {}
 
@@ -117,6 +120,8 @@ class Metrics:
             self.key_tokens.labels(key[:12] or "-").set(tokens)
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])
+        for quantity, value in r.get("calibration", {}).items():
+            self.calibration.labels(quantity).set(value)
 
     def render(self) -> bytes:
         self._pull_engine()

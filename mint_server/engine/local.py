@@ -287,7 +287,23 @@ class LocalEngine(JobParsing):
                 "latencies": self.sampler.drain_latencies(), "served": self.sampler.scheduler.shares(),
                 "step_tokens": {"decode": float(self.sampler.stats.decode_tokens),
                                 "prefill": float(self.sampler.stats.prefill_tokens),
-                                "training": float(self.stats["train_tokens"])}}
+                                "training": float(self.stats["train_tokens"])},
+                "calibration": self.calibration()}
+
+    def calibration(self) -> dict[str, float]:
+        """What start-up measured on this machine (the skinny-product rule, the scheduler's cost model)."""
+        sc = self.sampler.scheduler
+        cost = sc.cost
+        assert cost is not None
+        out = {"skinny_rows": float(kernels.skinny_rows()), "max_step_tokens": float(sc.max_step_tokens),
+               "max_slowdown": float(sc.max_slowdown)}
+        if cost.unit_s > 0:
+            out.update(one_token_step_seconds=cost.at(1) * cost.unit_s,
+                       full_step_seconds=cost(sc.max_step_tokens, 0) * cost.unit_s,
+                       prefill_chunk_seconds=cost.chunk * cost.unit_s,
+                       adapter_seconds=cost.adapter_first * cost.unit_s,
+                       second_adapter_seconds=cost.adapter_each * cost.unit_s)
+        return out
 
     # --- queue ----------------------------------------------------------------------------------
     def _submit(self, work: _Work) -> Future:
@@ -369,6 +385,7 @@ class LocalEngine(JobParsing):
             cost = self.sampler.measure_costs()
             self.sampler.scheduler.cost = cost
             self.sampler.scheduler.max_step_tokens = s.step_tokens_for(cost)
+        log.info("calibrated: %s", {k: round(v, 4) for k, v in self.calibration().items()})
 
     def _loop(self) -> None:
         torch.set_num_threads(self.settings.intra_op_threads())  # this thread's OpenMP team (see __init__)

@@ -118,3 +118,4 @@ class EngineReport(TypedDict):
     latencies: list[tuple[int, str, float]]  # (priority, ttft | itl | queue, seconds)
     served: dict[str, float]  # fair-share key → tokens served
     step_tokens: dict[str, float]  # decode / prefill / training tokens
+    calibration: dict[str, float]  # what start-up measured: skinny_rows, max_step_tokens, one-token step seconds …

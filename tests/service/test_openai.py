@@ -560,3 +560,12 @@ def test_mint_chat_streams_a_conversation(live: LiveServer, oai: openai.OpenAI) 
     assert f"> {first}\n> {second}\n> " in result.stdout
     result = CliRunner().invoke(app, ["chat", "nope", "--server", live.url, "--api-key", KEY_A], input="hi\n")
     assert "error: 404" in result.output
+
+
+def test_metrics_show_what_the_engine_calibrated(live: LiveServer) -> None:
+    """/metrics carries the start-up measurements the scheduler runs on (its step budget, latency cap,
+    the skinny-product rule), so an operator can see why steps are the size they are."""
+    text = httpx.get(f"{live.url}/metrics").text
+    values = {line.split('quantity="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith("mint_engine_calibration{")}
+    assert values["max_step_tokens"] >= 1 and values["max_slowdown"] >= 1 and values["skinny_rows"] >= 0

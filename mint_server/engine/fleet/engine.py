@@ -615,6 +615,7 @@ class FleetEngine(JobParsing):
             rep["load_seconds"], rep["step_seconds"], rep["latencies"] = [], [], []  # handed over once
         total.setdefault("served", {})
         total.setdefault("step_tokens", {})
+        total["calibration"] = next((dict(r.report.get("calibration", {})) for r in self._replicas if r.report), {})
         return {k: dict(v) if isinstance(v, Counter) else v for k, v in total.items()}  # type: ignore[return-value]
 
     def affinity(self) -> dict[str, float]:
