@@ -746,8 +746,6 @@ def main() -> None:
                               "tries": args.tries, "probes": args.probes, "client_nice": args.client_nice,
                               "read_bytes_per_s": floors["read_bytes_per_s"],
                               "matmul_flop_per_s": floors["matmul_flop_per_s"], "load_average_start": load0}  # fmt: skip
-    result["calibration"] = server_calibration(url)
-    print(f"server calibration: {json.dumps(result['calibration'])}", flush=True)
     rows: list[tuple[str, Row]] = []
     try:
         for name in cases:
@@ -759,6 +757,8 @@ def main() -> None:
             print(f"{name}: {json.dumps(out)}", flush=True)
         if proc.poll() is not None:
             raise SystemExit(f"mint serve died:\n{log_path.read_text()[-5000:]}")
+        result["calibration"] = server_calibration(url)  # measured by the worker before its first step
+        print(f"server calibration: {json.dumps(result['calibration'])}", flush=True)
     finally:
         stop_server(proc)
     result["load_average_end"] = load_average()
