@@ -203,6 +203,10 @@ class _Member:
     request: _Request
     index: int
     own_blocks: list[int]  # reserved at admission, past the shared prompt blocks
+    own_count: int = 0  # how many (they are given back while its prompt is preempted)
+
+    def __post_init__(self) -> None:
+        self.own_count = len(self.own_blocks)
 
 
 @dataclass(eq=False)
@@ -218,6 +222,9 @@ class _Group:
     computed: int = 0  # prompt positions already in the cache
     score_k: int = -1  # top-k of the prompt scores its chunks compute (-1: none wanted)
     scores: PromptScores | None = None
+    swapped: int | None = None  # preempted: the host copy of its computed KV; blocks given back
+    prompt_blocks: int = 0  # blocks its prompt takes (taken back when resumed)
+    pool: BlockPool | None = None  # for held_blocks
     images: PromptImages | None = None  # part of the prompt's identity: other images, another prompt
 
     @property
@@ -228,25 +235,41 @@ class _Group:
     def sampler_members(self) -> int:
         return sum(1 for m in self.members if not m.request.score_only)
 
-    # scheduler.Work: it holds KV and runs until its prompt is in; never preempted (it would lose
-    # its chunks), so admission reserves what it needs up front
+    # scheduler.Work: it holds KV (its prompt's blocks and its samples' reservations) and runs until
+    # its prompt is in. Preempted, its computed KV goes to host memory and every block back to the
+    # pool; resumed, it continues from that KV (no chunk is recomputed).
     key = property(lambda self: self.requests[0].key)
     policy = property(lambda self: self.requests[0].policy)
     priority = property(lambda self: min(r.priority for r in self.requests))
     arrival = property(lambda self: self.requests[0].arrival)
-    running = True
+    running = property(lambda self: self.swapped is None)
     decoding = False
     ready = True
-    preemptible = False
-    held_blocks = 0
-    held_rows = 0
+    preemptible = True
 
     @property
     def pending(self) -> int:
         return len(self.prompt) - self.computed
 
+    @property
+    def reserve(self) -> int:
+        """Blocks it holds when running: its prompt's and its samples' own."""
+        return self.prompt_blocks + sum(m.own_count for m in self.members)
+
+    @property
+    def held_blocks(self) -> int:
+        assert self.pool is not None
+        return self.pool.exclusive(self.blocks) + sum(len(m.own_blocks) for m in self.members)
+
+    @property
+    def held_rows(self) -> int:
+        return self.sampler_members if self.swapped is None else 0
+
     def fit(self, free_blocks: int, free_rows: int) -> Fit:
-        return NO_FIT
+        if self.swapped is None:
+            return NO_FIT
+        rows = self.sampler_members
+        return Fit(1, self.reserve, rows) if self.reserve <= free_blocks and rows <= free_rows else NO_FIT
 
 
 @dataclass(eq=False)
@@ -470,10 +493,10 @@ class Sampler:
             if not items:
                 return
             free_rows = self.max_batch_rows - sum(1 for r in self._rows if r.running) - \
-                sum(g.sampler_members for g in self._groups)
+                sum(g.held_rows for g in self._groups)
             plan = self.scheduler.plan(items, self.pool.available, free_rows, time.perf_counter())
-            for row in plan.preempt:
-                self._swap_out(row)
+            for victim in plan.preempt:
+                self._swap_out(victim)
             runs: list[tuple[_Row | _Group, int]] = []
             seen: set[int] = set()
             for item, n in plan.run:
@@ -482,7 +505,7 @@ class Sampler:
                     if group is None or id(group) in seen:
                         continue
                     item, n = group, min(n, group.pending)
-                elif isinstance(item, _Row) and item.swapped is not None:
+                elif isinstance(item, _Row | _Group) and item.swapped is not None:
                     self._swap_in(item)
                 if id(item) not in seen and n > 0:
                     seen.add(id(item))
@@ -544,7 +567,6 @@ class Sampler:
             else:
                 keep.append(row)
         self._rows = keep
-        self.executor.drop_swapped(dropped_handles)
         for g in list(self._groups):
             members = [m for m in g.members if id(m.request) in gone]
             for m in members:
@@ -554,6 +576,9 @@ class Sampler:
             if not g.requests:
                 self.pool.release(g.blocks)
                 self._groups.remove(g)
+                if g.swapped is not None:
+                    dropped_handles.append(g.swapped)
+        self.executor.drop_swapped(dropped_handles)
         for r in gone.values():
             self._fail(r, SampleCancelled())
 
@@ -564,7 +589,7 @@ class Sampler:
         if not self.dedupe_prompts:
             return None
         for g in self._groups:
-            if g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and (
+            if g.swapped is None and g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and (
                     not req.wants_scores or g.computed == 0 or g.score_k >= req.topk_prompt_logprobs):
                 return g
         return None
@@ -592,7 +617,8 @@ class Sampler:
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
         if group is None:
-            group = _Group(req.slot, req.prompt, self.pool.alloc(blocks_for(n, bs)), images=req.job.images)
+            blocks = self.pool.alloc(blocks_for(n, bs))
+            group = _Group(req.slot, req.prompt, blocks, images=req.job.images, prompt_blocks=len(blocks), pool=self.pool)
             self._groups.append(group)
             self.stats.prompt_rows += 1
         elif req not in group.requests:
@@ -621,19 +647,32 @@ class Sampler:
         return group
 
     # --- preemption ------------------------------------------------------------------------------
-    def _swap_out(self, row: _Row) -> None:
+    def _swap_out(self, item: _Row | _Group) -> None:
+        """Preempt: its KV (a prompt: the part computed so far) to host memory, its blocks back."""
         handle = next(self._handles)
-        self.executor.swap_out(handle, row.blocks)
-        row.reserve = len(row.blocks)
-        self.pool.release(row.blocks)
-        row.blocks, row.swapped = [], handle
+        if isinstance(item, _Row):
+            self.executor.swap_out(handle, item.blocks)
+            item.reserve = len(item.blocks)
+        else:
+            self.executor.swap_out(handle, item.blocks[: blocks_for(item.computed, self.block_size)])
+            for m in item.members:
+                self.pool.release(m.own_blocks)
+                m.own_blocks = []
+        self.pool.release(item.blocks)
+        item.blocks, item.swapped = [], handle
         self.stats.preempted += 1
 
-    def _swap_in(self, row: _Row) -> None:
-        assert row.swapped is not None
-        row.blocks = self.pool.alloc(row.reserve)
-        self.executor.swap_in(row.swapped, row.blocks)
-        row.swapped = None
+    def _swap_in(self, item: _Row | _Group) -> None:
+        assert item.swapped is not None
+        if isinstance(item, _Row):
+            item.blocks = self.pool.alloc(item.reserve)
+            self.executor.swap_in(item.swapped, item.blocks)
+        else:
+            item.blocks = self.pool.alloc(item.prompt_blocks)
+            self.executor.swap_in(item.swapped, item.blocks[: blocks_for(item.computed, self.block_size)])
+            for m in item.members:
+                m.own_blocks = self.pool.alloc(m.own_count)
+        item.swapped = None
         self.stats.resumed += 1
 
     # --- the forward -----------------------------------------------------------------------------
@@ -860,7 +899,7 @@ class Sampler:
         for req in failed:
             self._fail(req, exc)
         # Everything holding blocks was in flight, so the whole pool is free again.
-        self.executor.drop_swapped([r.swapped for r in self._rows if r.swapped is not None])
+        self.executor.drop_swapped([x.swapped for x in (*self._rows, *self._groups) if x.swapped is not None])
         self._rows, self._groups = [], []
         self.pool = BlockPool(self.cache.num_blocks)
 

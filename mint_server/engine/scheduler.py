@@ -216,6 +216,7 @@ class Scheduler:
             queues = self._queues(w for w in candidates if w.priority == cls)
             # First one running item of every key (least served first): no active key skips a step.
             first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
+            share = max(1, tokens_left // len(queues))  # a forced item's most: the others' turns must fit too
             while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
                                                    or self._room(rows, tokens, chunks, len(policies), allowed, False) >= 1):
                 forced = bool(first)  # a running key's one item per step: within the budget, past the latency cap
@@ -258,7 +259,7 @@ class Scheduler:
                     free_blocks -= fit.blocks
                     free_rows -= fit.rows
                     admitting = fit.complete
-                n = min(item.pending, tokens_left, room)  # ≥ 1
+                n = min(item.pending, tokens_left, room, share if forced else tokens_left)  # ≥ 1
                 plan.run.append((item, n))
                 if item.policy:
                     policies.add(item.policy)
@@ -356,10 +357,10 @@ class Scheduler:
         """Running items to preempt so `item` fits: of lower classes or of more-served keys, the least
         entitled first (lowest class, most served, latest arrival); None if that cannot make room."""
         mine = self.served.get(item.key, 0.0)
-        rows: dict[str, int] = {}
+        rows: dict[str, int] = {}  # batch rows each key holds (a prompt being prefilled: its samples')
         for w in work:
             if w.running:
-                rows[w.key] = rows.get(w.key, 0) + 1
+                rows[w.key] = rows.get(w.key, 0) + max(1, w.held_rows)
 
         def ahead(key: str) -> bool:  # served more, or as much (a key that just arrived) with more rows
             theirs = self.served.get(key, 0.0)

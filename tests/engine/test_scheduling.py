@@ -95,6 +95,33 @@ def test_preempted_rows_resume_and_return_what_they_return_unpreempted(model, re
     assert [f.result().sequences[0].tokens for f in heavy] == alone
 
 
+def test_a_prompt_being_prefilled_is_preempted_and_resumes_where_it_was(model, residency):
+    """A long prompt of a busy key is being prefilled in chunks when a less-served key's request
+    finds no KV left: the prompt is swapped out (its computed KV to host memory, every block it held
+    back), the quiet request runs, then the prompt resumes from that KV — no chunk recomputed — and
+    samples what it samples unpreempted."""
+    aid = install(residency, 4, seed=31)
+    long_prompt, p = prompt_of(61, 60), params(temperature=1.0, seed=5, max_tokens=10)
+    alone = solo(model, residency, aid, long_prompt, p, n=2, max_seq_len=88)
+    quiet_alone = solo(model, residency, None, prompt_of(62, 5), params(max_tokens=8), max_seq_len=88)[0]
+    # 11 blocks of 8: the prompt's 8 and its two samples' 3 more
+    sampler = make_sampler(model, residency, kv_slots=1, max_seq_len=88, max_step_tokens=8)
+    heavy = sampler.submit(aid, long_prompt, 2, p, key="heavy")
+    sampler.step()
+    sampler.step()
+    assert sampler._groups and sampler._groups[0].computed == 16 and sampler.pool.available == 0
+    quiet = sampler.submit(None, prompt_of(62, 5), 1, params(max_tokens=8), key="quiet")
+    sampler.step()
+    assert sampler.stats.preempted == 1 and sampler._groups[0].swapped is not None
+    while not quiet.done():
+        sampler.step()
+    assert quiet.result().sequences[0].tokens == quiet_alone
+    drain(sampler)
+    assert sampler.stats.resumed == sampler.stats.preempted
+    assert sampler.stats.prefill_tokens == 60 + 5  # every prompt token ran once: nothing recomputed
+    assert [s.tokens for s in heavy.result().sequences] == alone
+
+
 def test_preemption_round_trip_is_bitwise_in_batch_invariant_mode(sampling_llama_dir):
     from mint_server.model.invariant import enable_for_model
     from mint_server.model.loader import load_model
