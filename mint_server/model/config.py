@@ -1,8 +1,9 @@
 """Model configuration: one dataclass for every supported family, read from an HF config.json.
 
 A family is declarative: an entry in FAMILIES says which HF architecture it is and which switches
-(qk-norm, attention bias, mixture-of-experts MLPs) it turns on. Adding a family is one entry here
-plus, if its weight names differ, a name map in loader.py.
+(qk-norm, attention bias, mixture-of-experts MLPs, MLA, sinks, ...) it turns on. Adding a family is one
+entry here plus, where its blocks differ, a model file on the shared blocks named in
+loader.FAMILY_MODELS (gpt_oss.py, glm_moe_dsa.py; docs/families.md).
 """
 
 from __future__ import annotations

@@ -240,8 +240,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, g
 
     sinks [H] (gpt-oss): each head's learned logit joins the softmax as one more key with a zero value,
     so it only takes weight off the real keys. It rides through SDPA as that key: q gains a column
-    holding sink / scale (padded to 8 more columns, as fused kernels want), the sink key is 1 there and
-    0 elsewhere, the real keys 0 — so q·k is unchanged for them and the sink's logit is its own.
+    holding sink / scale, the sink key is 1 there and 0 elsewhere, the real keys 0 — so q·k is
+    unchanged for them and the sink's logit is its own; its value is 0. q, k and v all get 8 more
+    columns (one head size, a multiple of 8, as fused kernels want); v's are sliced off the output.
     """
     if sinks is None:
         if mask is None:
@@ -255,9 +256,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, g
     q = torch.cat((q, sink_col, q.new_zeros(B, H, T, 7)), dim=-1)
     sink_key = F.pad(k.new_ones(1, 1, 1, 1), (D, 7)).expand(Bk, Hkv, 1, D + 8)
     k = torch.cat((sink_key, F.pad(k, (0, 8))), dim=2)
-    v = F.pad(v, (0, 0, 1, 0))
+    v = F.pad(v, (0, 8, 1, 0))
     mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)[..., :D]
 
 
 def read_blocks(c: Tensor, table: Tensor, kv_len: int) -> Tensor:

@@ -11,6 +11,9 @@ import tinker
 from safetensors import safe_open
 from tinker import types
 
+from mint_server.engine.local import LocalEngine
+from mint_server.engine.settings import EngineSettings
+from mint_server.engine.values import NotSupportedError
 from tests.families.tiny_families import make_tiny_glm, make_tiny_gpt_oss
 from tests.service.live import BASE, KEY_A, LiveServer, ServeProcess, batch, datum, tiny_engine
 
@@ -80,3 +83,9 @@ def test_mint_serve_starts_on_the_family_dir(serve_dir, tmp_path):
         caps = httpx.get(f"{served.url}/api/v1/get_server_capabilities", headers={"X-API-Key": KEY_A}).json()
         assert caps["supported_models"][0]["model_name"] == serve_dir.name
         served.stop()
+
+
+def test_tensor_parallel_engine_is_refused_by_name(serve_dir):
+    """Before any follower is spawned: the error names the architecture and what does not split."""
+    with pytest.raises(NotSupportedError, match=f"tp: tensor parallelism is not supported for {ARCH[serve_dir.name]}"):
+        LocalEngine(serve_dir, base_model=BASE, device="cpu", settings=EngineSettings(tp=2))
