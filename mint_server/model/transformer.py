@@ -320,14 +320,26 @@ class RaggedView(CacheView):
             ck[self.write_block, self.write_offset] = k.transpose(1, 2)
             cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         out = q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])
-        if self.single_len:
+        bs = ck.shape[1]
+        windowed = bool(window) and not invariant.enabled()  # read only the blocks a window can reach
+        if self.single_len and windowed:
+            # each decode row's last `window` positions lie in at most ⌈window / bs⌉ + 1 of its blocks
+            table, pos = self.single_table, self.single_positions
+            nb = min(-(-window // bs) + 1, table.shape[1])
+            cols = (pos - window + 1).clamp(min=0) // bs + torch.arange(nb, device=q.device)  # [rows, nb]
+            table = table.gather(1, cols.clamp(max=table.shape[1] - 1))  # past the row's end: masked below
+            ks, vs = read_blocks(ck, table, nb * bs), read_blocks(cv, table, nb * bs)
+            keys = (cols[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # their positions
+            mask = visible(keys[:, None, None, :], pos[:, None, :, None], window)
+            out[self.single_rows] = attend(q[self.single_rows], ks, vs, mask, scale, gqa, sinks)
+        elif self.single_len:
             rows = self.single_rows
             ks, vs = read_blocks(ck, self.single_table, self.single_len), read_blocks(cv, self.single_table, self.single_len)
             if invariant.enabled():
                 out[rows] = invariant.attention(q[rows], ks, vs, self.single_positions, scale)
-            elif window or sinks is not None:
+            elif sinks is not None:
                 keys = torch.arange(self.single_len, device=q.device)
-                mask = visible(keys, self.single_positions[:, None, :, None], window)
+                mask = visible(keys, self.single_positions[:, None, :, None])
                 out[rows] = attend(q[rows], ks, vs, mask, scale, gqa, sinks)
             else:
                 out[rows] = F.scaled_dot_product_attention(q[rows], ks, vs, attn_mask=self.single_mask, enable_gqa=gqa)
@@ -335,12 +347,13 @@ class RaggedView(CacheView):
             pos = self.positions[start : start + n, 0]
             first, kv_len = int(pos[0]), int(pos[-1]) + 1
             qr = q[start : start + n, :, 0].transpose(0, 1)[None]  # [1, H, n, D]
-            table = table[:, : -(-kv_len // ck.shape[1])]
-            kr, vr = read_blocks(ck, table, kv_len), read_blocks(cv, table, kv_len)
+            lo = max(0, first - window + 1) // bs * bs if windowed else 0  # earlier keys: out of every window
+            table = table[:, lo // bs : -(-kv_len // bs)]
+            kr, vr = read_blocks(ck, table, kv_len - lo), read_blocks(cv, table, kv_len - lo)
             if invariant.enabled():
                 y = invariant.attention(qr, kr, vr, pos[None], scale)
             elif window or sinks is not None:
-                mask = visible(torch.arange(kv_len, device=pos.device), pos[:, None], window)
+                mask = visible(torch.arange(lo, kv_len, device=pos.device), pos[:, None], window)
                 y = attend(qr, kr, vr, mask[None, None], scale, gqa, sinks)
             elif first == 0:  # the whole prefix is this run: plain causal attention
                 y = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=gqa)

@@ -45,23 +45,28 @@ def test_sampled_logprobs_equal_the_training_forward_with_chunked_prefill(fixtur
 
 def test_ragged_step_of_decode_rows_and_chunks_honours_window_and_sinks(gpt_oss_dir):
     """One ragged step: two decode rows far past the window and a prefill chunk starting mid-prompt
-    (past the window too), each on its own adapter — equal to the full forward of each sequence."""
+    (past the window too), each on its own adapter — equal to the full forward of each sequence. The
+    sliding layer reads only the blocks the window reaches: NaN in the others changes nothing."""
     model = load_model(gpt_oss_dir, device="cpu")
     cfg = model.config
     bank = LoraBank(cfg, num_slots=2, max_rank=4, device="cpu", dtype=torch.float32)
     bank.write(1, random_adapter(cfg, 4, seed=3).weights, 4, 8.0)
-    seqs = [prompt_of(s, n) for s, n in ((1, 12), (2, 17), (3, 15))]
+    seqs = [prompt_of(s, n) for s, n in ((1, 12), (2, 17), (3, 20))]
     slots = [1, -1, 1]
     bs = 4
     cache = KVCache(cfg, 1 + 3 * 5, bs, "cpu", torch.float32)
     tables = [[1 + i + 3 * b for b in range(5)] for i in range(3)]  # interleaved: a wrong table reads a neighbour
-    starts = [11, 16, 7]  # rows 0, 1 decode their last token; row 2 runs positions 7..14 as one chunk
+    starts = [11, 16, 12]  # rows 0, 1 decode their last token; row 2 runs positions 12..19 as one chunk
     with torch.no_grad():
         for seq, slot, table, start in zip(seqs, slots, tables, starts, strict=True):  # fill what came before
             pos = torch.arange(start)[None]
             view = RaggedView(cache, torch.tensor([table]), pos.T, [(0, start, 0)])
             lora = None if slot < 0 else bank.batch([slot] * start)
             model.hidden_states(torch.tensor(seq[:start])[:, None], pos.T, lora, view)
+        # the sliding layer (0) never reads blocks wholly before a row's window: poison them there
+        for table, unread in zip(tables, [1, 3, 2], strict=True):  # row 0 at 11, row 1 at 16, row 2 from 12
+            for pool in (cache.k, cache.v):
+                pool[0, table[:unread]] = float("nan")
         tokens = [t for seq, start in zip(seqs, starts, strict=True) for t in seq[start:]]
         positions = [p for seq, start in zip(seqs, starts, strict=True) for p in range(start, len(seq))]
         lengths = [len(seq) - start for seq, start in zip(seqs, starts, strict=True)]
