@@ -47,6 +47,8 @@ def kv_table(budget_gib: float = 64.0, context: int = 8192) -> dict:
     for name, hf in named.items():
         cfg = ModelConfig.from_hf_dict(hf)
         latent, full = kv_elems_per_token(cfg)
+        if latent is None:  # not an MLA base (docs/configs also holds gpt-oss)
+            continue
         lb, fb = latent * cfg.num_layers * 2, full * cfg.num_layers * 2
         budget = int(budget_gib * 2**30)
         out[name] = {"latent_bytes_per_token": lb, "full_bytes_per_token": fb, "ratio": round(fb / lb, 2),

@@ -1,8 +1,9 @@
 """Model configuration: one dataclass for every supported family, read from an HF config.json.
 
 A family is declarative: an entry in FAMILIES says which HF architecture it is and which switches
-(qk-norm, attention bias, mixture-of-experts MLPs) it turns on. Adding a family is one entry here
-plus, if its weight names differ, a name map in loader.py.
+(qk-norm, attention bias, mixture-of-experts MLPs, MLA, sinks, ...) it turns on. Adding a family is one
+entry here plus, where its blocks differ, a model file on the shared blocks named in
+loader.FAMILY_MODELS (gpt_oss.py, glm_moe_dsa.py; docs/families.md).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ class Family:
     mla: bool = False  # DeepSeek: latent attention, sigmoid-routed MoE with shared experts (mla_spec.py)
     dsa: bool = False  # DeepSeek-V3.2: plus the sparse-attention indexer
     vision: bool = False  # Qwen3-VL: an image tower, multimodal RoPE and deepstack (vision_spec.py)
+    sinks: bool = False  # gpt-oss: a learned per-head sink logit joins every attention softmax
+    o_bias: bool = False  # o_proj has a bias too (gpt-oss; attention_bias covers q/k/v)
+    yarn: bool = False  # YaRN rope scaling allowed (MLA families allow it too)
+    index_rope_interleave: bool = False  # GLM-5: the DSA indexer's rope rotates pairs (mla_spec.MLASpec)
+    tp_unsupported: str = ""  # why tensor parallelism refuses this family ("" = it splits)
 
 
 # HF `architectures[0]` → family switches.
@@ -46,10 +52,15 @@ FAMILIES: dict[str, Family] = {
     "Qwen3VLForConditionalGeneration": Family("qwen3_vl", qk_norm=True, attention_bias=False, vision=True),
     "Qwen3VLMoeForConditionalGeneration": Family("qwen3_vl_moe", qk_norm=True, attention_bias=False, moe=True,
                                                  vision=True),
+    "GptOssForCausalLM": Family("gpt_oss", qk_norm=False, attention_bias=True, moe=True, sinks=True, o_bias=True,
+                                yarn=True, tp_unsupported="attention sinks and biased experts do not split yet"),
+    "GlmMoeDsaForCausalLM": Family("glm_moe_dsa", qk_norm=False, attention_bias=False, moe=True, mla=True, dsa=True,
+                                   index_rope_interleave=True, tp_unsupported="shared DSA indexer layers do not split yet"),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-               "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
+               "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+               "gpt_oss": "GptOssForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -85,10 +96,22 @@ class ModelConfig:
     # (t, h, w) of the language model's multimodal RoPE.
     vision: VisionSpec | None = None
     mrope_section: tuple[int, int, int] | None = None
+    # gpt-oss: `layer_types[i]` "sliding_attention" layers see only the last `sliding_window` positions
+    # (their own included); experts use a clamped SwiGLU, (clamp(u, ±limit) + 1) · g·σ(alpha·g) with
+    # g = clamp(gate, max=limit) (limit 0: plain SiLU · up).
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
 
     @property
     def family(self) -> Family:
         return FAMILIES[self.architecture]
+
+    def window(self, layer: int) -> int:
+        """How many positions (its own included) a query of `layer` attends to; 0: all earlier ones."""
+        sliding = bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is the routed experts (else a dense MLP)."""
@@ -124,18 +147,21 @@ class ModelConfig:
             rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
             rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
-            if rope_type not in ("default", "llama3") and not (family.mla and rope_type == "yarn"):
+            if rope_type not in ("default", "llama3") and not ((family.mla or family.yarn) and rope_type == "yarn"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
             if family.vision and rope_type != "default":
                 raise UnsupportedModelError(f"rope type {rope_type!r} with multimodal RoPE is not supported")
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            moe = _moe_fields(hf) if family.moe else {}
+            moe = (_gpt_oss_fields(hf) if family.sinks else _moe_fields(hf)) if family.moe else {}
             if family.moe and family.vision:  # Qwen3-VL-MoE's router always renormalises its top-k
                 moe["norm_topk_prob"] = True
             if family.mla:
                 layers = int(hf["num_hidden_layers"])
-                mla = parse_mla(hf, rope, family.dsa)
+                try:
+                    mla = parse_mla(hf, rope, family.dsa, family.index_rope_interleave)
+                except ValueError as e:
+                    raise ModelError(str(e)) from None
                 moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
                 hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
             if family.vision:
@@ -198,4 +224,27 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
         "decoder_sparse_step": step,
         "mlp_only_layers": tuple(int(i) for i in hf.get("mlp_only_layers") or ()),
+    }
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: every layer's MLP is routed experts of `intermediate_size`; sliding / full layers."""
+    quant = (hf.get("quantization_config") or {}).get("quant_method")
+    if quant:
+        raise UnsupportedModelError(f"quantized checkpoints ({quant}) are not supported: dequantize to bf16 first")
+    layers = int(hf["num_hidden_layers"])
+    types = tuple(hf.get("layer_types") or ("sliding_attention" if i % 2 == 0 else "full_attention"
+                                            for i in range(layers)))
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ModelError(f"layer_types must list sliding_attention / full_attention for each of {layers} layers")
+    window = int(hf.get("sliding_window") or 0)
+    if "sliding_attention" in types and window < 1:
+        raise ModelError("sliding_window must be at least 1 when a layer is sliding_attention")
+    experts, top_k = int(hf.get("num_local_experts", hf.get("num_experts", 0))), int(hf["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise ModelError(f"num_experts_per_tok {top_k} is outside 1..num_local_experts ({experts})")
+    return {
+        "num_experts": experts, "num_experts_per_tok": top_k, "moe_intermediate_size": int(hf["intermediate_size"]),
+        "sliding_window": window, "layer_types": types,
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)), "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
     }

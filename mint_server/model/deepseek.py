@@ -62,6 +62,7 @@ class Indexer(nn.Module):
         m = cfg.mla
         assert m is not None and m.q_lora_rank is not None
         self.n_heads, self.head_dim, self.top_k, self.rope_dim = m.index_n_heads, m.index_head_dim, m.index_topk, m.qk_rope_head_dim
+        self.rope = apply_rope_interleaved if m.index_rope_interleave else apply_rope  # V3.2: rotate-half
         self.wq_b = nn.Linear(m.q_lora_rank, m.index_n_heads * m.index_head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, m.index_head_dim, bias=False)
         self.k_norm = nn.LayerNorm(m.index_head_dim, eps=1e-6)
@@ -75,9 +76,9 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(B, T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x))  # [B, T, D]
         r = self.rope_dim
-        # The indexer rotates its first `r` dims in the rotate-half convention.
-        q = torch.cat((apply_rope(q[..., :r], cos.transpose(1, 2), sin.transpose(1, 2)), q[..., r:]), dim=-1)
-        k = torch.cat((apply_rope(k[..., :r], cos[:, 0], sin[:, 0]), k[..., r:]), dim=-1)
+        # The indexer rotates its first `r` dims.
+        q = torch.cat((self.rope(q[..., :r], cos.transpose(1, 2), sin.transpose(1, 2)), q[..., r:]), dim=-1)
+        k = torch.cat((self.rope(k[..., :r], cos[:, 0], sin[:, 0]), k[..., r:]), dim=-1)
         if cache is not None:
             k = cache.store("index_k", layer, k)  # [B, L, D]
         scores = torch.einsum("bthd,bld->bthl", q.float(), k.float()) * self.head_dim**-0.5
@@ -110,10 +111,16 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * m.v_head_dim, h, bias=bias)
-        if m.dsa:
-            self.indexer = Indexer(cfg)
+        # GLM-5's "shared" layers have no indexer: they reuse an earlier layer's choice of keys.
+        self.indexer = Indexer(cfg) if m.has_indexer(layer) else None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None) -> Tensor:
+        return self.attend(x, cos, sin, lora, cache)[0]
+
+    def attend(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
+               selection: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The attention output and the DSA key selection it used (None without DSA). A layer
+        without its own indexer attends to `selection`, an earlier layer's (same queries, same keys)."""
         m, L, H = self.spec, self.layer, self.n_heads
         B, T, _ = x.shape
         if m.q_lora_rank is None:
@@ -131,14 +138,19 @@ class MLAttention(nn.Module):
             visible = None if not m.dsa else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
         else:
             latent, k_rope, visible = cache.store("latent", L, latent), cache.store("k_rope", L, k_rope), cache.mask
-        if m.dsa:
+        if self.indexer is not None:
             assert q_resid is not None and visible is not None
             visible = self.indexer.select(x, q_resid, cos, sin, visible, cache, L)
+        elif m.dsa:
+            if selection is None:
+                raise ValueError(f"layer {L} reuses an earlier layer's DSA selection but none was given")
+            visible = selection
         if cache is not None and self.absorb:
             y = self._absorbed(q_nope, q_rope, latent, k_rope, visible, lora)
         else:
             y = self._expanded(q_nope, q_rope, latent, k_rope, visible, lora)
-        return project(self.o_proj, y.transpose(1, 2).reshape(B, T, H * m.v_head_dim), lora, "o_proj", L)
+        out = project(self.o_proj, y.transpose(1, 2).reshape(B, T, H * m.v_head_dim), lora, "o_proj", L)
+        return out, visible if m.dsa else None
 
     def _expanded(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, visible: Tensor | None,
                   lora: LoraBatch | None) -> Tensor:
@@ -254,10 +266,10 @@ class DeepseekBlock(nn.Module):
 
 class DeepseekTransformer(Transformer):
     ragged = False  # MLA's latent store reads per query row: the executor runs its steps per segment kind
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, block: type[nn.Module] | None = None) -> None:
         if cfg.mla is None:
             raise ValueError("DeepseekTransformer needs a DeepSeek (MLA) config")
-        super().__init__(cfg, block=DeepseekBlock)
+        super().__init__(cfg, block=block or DeepseekBlock)
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -19,6 +20,8 @@ from safetensors import safe_open
 
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
+from mint_server.model.glm_moe_dsa import GlmMoeDsaTransformer
+from mint_server.model.gpt_oss import GptOssTransformer
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
 from mint_server.model.transformer import Transformer, mrope_axes, rope_inv_freq
 
@@ -29,6 +32,8 @@ NAME_PREFIXES = (("model.language_model.", ""), ("model.visual.", "visual."), ("
 FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.experts)\.gate_up_proj$")
+# Families with a model class of their own (the rest: deepseek.model_class).
+FAMILY_MODELS: dict[str, type[Transformer]] = {"gpt_oss": GptOssTransformer, "glm_moe_dsa": GlmMoeDsaTransformer}
 
 
 def default_device() -> torch.device:
@@ -83,7 +88,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg)
+        model = (FAMILY_MODELS.get(cfg.family.name) or model_class(cfg))(cfg)
         if tp is not None:
             shard_model(model, tp)  # parameters take their per-rank shapes (still meta)
 
@@ -100,13 +105,16 @@ def load_model(
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert → [out, in]
+    convert = getattr(model, "convert_checkpoint", None)  # a family's own checkpoint layout (gpt-oss experts)
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
                 ours = our_name(name)
                 if ours is None:
                     continue
-                if ours in expected:
+                if convert is not None and (parts := convert(ours, partial(sf.get_tensor, name))) is not None:
+                    state.update({k: v.to(device=device, dtype=dtype) for k, v in parts.items()})
+                elif ours in expected:
                     keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
                     state[ours] = _ours_layout(read(sf, name, ours), ours, shapes).to(device=device, dtype=keep)
                 elif m := _PER_EXPERT.match(ours):

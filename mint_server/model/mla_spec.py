@@ -36,10 +36,17 @@ class MLASpec:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    index_rope_interleave: bool = False  # GLM-5 rotates the indexer's rope dims in pairs (V3.2: rotate-half)
+    # GLM-5: per layer "full" (runs its indexer) or "shared" (no indexer: reuses the selection of the
+    # previous full layer); empty = every layer full.
+    indexer_types: tuple[str, ...] = ()
 
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def has_indexer(self, layer: int) -> bool:
+        return self.dsa and (not self.indexer_types or self.indexer_types[layer] == "full")
 
     @property
     def dsa(self) -> bool:
@@ -62,7 +69,7 @@ def rope_attention_factor(rope: dict[str, Any] | None) -> float:
     return yarn_mscale(factor)
 
 
-def parse_mla(hf: dict[str, Any], rope: dict[str, Any], dsa: bool) -> MLASpec:
+def parse_mla(hf: dict[str, Any], rope: dict[str, Any], dsa: bool, index_rope_interleave: bool = False) -> MLASpec:
     """The MLA / DeepSeek-MoE / indexer fields of an HF DeepSeek config (KeyError names a missing one)."""
     nope, rope_dim = int(hf["qk_nope_head_dim"]), int(hf["qk_rope_head_dim"])
     scale = (nope + rope_dim) ** -0.5
@@ -87,7 +94,26 @@ def parse_mla(hf: dict[str, Any], rope: dict[str, Any], dsa: bool) -> MLASpec:
         index_n_heads=int(hf["index_n_heads"]) if dsa else 0,
         index_head_dim=int(hf["index_head_dim"]) if dsa else 0,
         index_topk=int(hf["index_topk"]) if dsa else 0,
+        index_rope_interleave=index_rope_interleave,
+        indexer_types=indexer_types_of(hf) if dsa else (),
     )
+
+
+def indexer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:
+    """Per-layer "full" / "shared" indexers as transformers derives them: `indexer_types`, else the
+    `index_topk_pattern` string (F / S), else every `index_topk_freq`-th layer from
+    `index_skip_topk_offset` on runs its own (the defaults, 1 and 2, make every layer full)."""
+    layers = int(hf["num_hidden_layers"])
+    types = hf.get("indexer_types")
+    if types is None and (pattern := hf.get("index_topk_pattern")) is not None:
+        types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+    if types is None:
+        freq, offset = max(int(hf.get("index_topk_freq") or 1), 1), int(hf.get("index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    types = tuple(types)
+    if len(types) != layers or not set(types) <= {"full", "shared"} or (types and types[0] != "full"):
+        raise ValueError(f"indexer_types must be full / shared for each of {layers} layers, the first full: {types}")
+    return types
 
 
 def dense_layers_of(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -101,7 +127,7 @@ def dense_layers_of(hf: dict[str, Any], num_layers: int) -> tuple[int, ...]:
 
 def mla_token_shapes(spec: MLASpec) -> dict[str, tuple[int, ...]]:
     """The latent KV cache per token and layer: the normed latent, the (roped) shared key, and for
-    V3.2 the indexer's key."""
+    V3.2 the indexer's key (kept for every layer; GLM-5's shared-indexer layers leave theirs unused)."""
     shapes = {"latent": (spec.kv_lora_rank,), "k_rope": (spec.qk_rope_head_dim,)}
     if spec.dsa:
         shapes["index_k"] = (spec.index_head_dim,)

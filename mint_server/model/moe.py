@@ -70,10 +70,14 @@ class SparseMoE(nn.Module):
         xs = flat[pair_token]  # [P, hidden], sorted by (expert, adapter)
         g = self._project("gate_proj", xs, groups, lora)
         u = self._project("up_proj", xs, groups, lora)
-        d = self._project("down_proj", F.silu(g) * u, groups, lora)
+        d = self._project("down_proj", self.act(g, u), groups, lora)
         d = d * weights.reshape(-1)[groups.order, None]
         out = torch.zeros_like(flat).index_add_(0, pair_token, d).view(B, T, H)
         return out if tp is None else tp.reduce(out)
+
+    def act(self, g: Tensor, u: Tensor) -> Tensor:
+        """The experts' gated activation of the gate and up projections (SwiGLU)."""
+        return F.silu(g) * u
 
     def _project(self, name: str, x: Tensor, groups: ExpertGroups, lora: LoraBatch | None) -> Tensor:
         """Each pair through its expert's base projection (one matmul per used expert), plus LoRA."""

@@ -40,6 +40,8 @@ class Plan:
     device_training_adapters_per_gpu: int
     host_adapters: int
     fits: bool
+    sliding_layers: int = 0  # layers that attend to only the last `sliding_window` positions (gpt-oss)
+    sliding_window: int = 0
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -54,18 +56,23 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
         indexer = 0 if not m.dsa else (
             (m.q_lora_rank or 0) * m.index_n_heads * m.index_head_dim + h * m.index_head_dim
             + 2 * m.index_head_dim + h * m.index_n_heads)
+        indexers = sum(m.has_indexer(i) for i in range(L))  # GLM-5's shared layers have none
         shared = 3 * h * m.n_shared_experts * cfg.moe_intermediate_size
     else:
         attn = h * (H + 2 * cfg.num_kv_heads) * cfg.head_dim + H * cfg.head_dim * h
-        indexer, shared = 0, 0
+        indexer, indexers, shared = 0, 0, 0
+    f = cfg.family
+    if f.attention_bias:  # q/k/v biases (gpt-oss: o_proj's too, and a sink logit per head)
+        attn += (H + 2 * cfg.num_kv_heads) * cfg.head_dim + (h if f.o_bias else 0) + (H if f.sinks else 0)
+    expert = 3 * h * cfg.moe_intermediate_size + (2 * cfg.moe_intermediate_size + h if f.sinks else 0)  # + biases
     sparse, dense = len(cfg.sparse_layers), len(cfg.dense_layers)
     return {
         "embedding": cfg.vocab_size * h,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
         "attention": L * (attn + 2 * h),
-        "indexer": L * indexer,
+        "indexer": indexers * indexer,
         "dense_mlp": dense * 3 * h * cfg.intermediate_size,
-        "routed_experts": sparse * cfg.num_experts * 3 * h * cfg.moe_intermediate_size,
+        "routed_experts": sparse * cfg.num_experts * expert,
         "shared_experts": sparse * shared,
         "router": sparse * cfg.num_experts * (h + 1),
         "vision_tower": cfg.vision.num_params() if cfg.vision is not None else 0,  # replicated on every GPU
@@ -124,6 +131,7 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
         sequences_at_context=kv_tokens // context, device_adapters_per_gpu=slots_mem // max(adapter_gpu, 1),
         device_training_adapters_per_gpu=slots_mem // max(train_gpu, 1),
         host_adapters=int(host_mem_gib * GIB) // max(adapter, 1), fits=free > 0,
+        sliding_layers=sum(1 for i in range(L) if cfg.window(i)), sliding_window=cfg.sliding_window,
     )
 
 
@@ -141,6 +149,9 @@ def render(p: Plan, rank: int, context: int) -> str:
                      f"{p.kv_bytes_per_token_full:,} B ({ratio:.1f}x smaller)")
     else:
         lines.append(f"KV per token (all layers) {p.kv_bytes_per_token_full:,} B")
+    if p.sliding_layers:
+        lines.append(f"  ({p.sliding_layers} sliding-window layers attend to the last {p.sliding_window:,} positions only; "
+                     "MinT still caches every position of every layer)")
     lines.append(f"KV per token per GPU      {p.kv_bytes_per_token_per_gpu:,} B; budget {gib(p.kv_budget_bytes_per_gpu)}"
                  f" = {p.kv_tokens:,} positions = {p.sequences_at_context:,} sequences of {context:,}")
     lines.append(f"LoRA params per rank      {p.lora_params_per_rank:,}; rank {rank} adapter {gib(p.adapter_bytes)}"

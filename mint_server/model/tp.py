@@ -88,6 +88,9 @@ def check_supported(cfg: ModelConfig, world: int) -> None:
     """TPNotSupportedError naming the first dimension that does not split over `world` ranks."""
     if world < 1:
         raise TPNotSupportedError(f"tp must be at least 1, got {world}")
+    if cfg.family.tp_unsupported and world > 1:
+        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} "
+                                  f"({cfg.family.tp_unsupported})")
     if cfg.mla is not None:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (MLA attention) yet")
     if cfg.vision is not None and world > 1:

@@ -222,12 +222,53 @@ class CacheView:
     def _read(self, c: Tensor) -> Tensor:
         return read_blocks(c, self.table, self.kv_len)
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
-        """Store this forward's k, v [B, Hkv, T, D] and attend q [B, H, T, D] to each row's keys."""
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool,
+                  window: int = 0, sinks: Tensor | None = None) -> Tensor:
+        """Store this forward's k, v [B, Hkv, T, D] and attend q [B, H, T, D] to each row's keys
+        (window, sinks: see `attend`)."""
         k, v = self.update(layer, k, v)
         if invariant.enabled():
             return invariant.attention(q, k, v, self.positions, scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, enable_gqa=gqa)
+        mask = self.mask
+        if window:
+            keys = torch.arange(self.kv_len, device=q.device)
+            mask = visible(keys, self.positions[:, None, :, None], window)
+        return attend(q, k, v, mask, scale, gqa, sinks)
+
+
+def visible(keys: Tensor, pos: Tensor, window: int = 0) -> Tensor:
+    """Which key positions a query at `pos` sees: all up to its own, or with a sliding `window` only
+    the last `window` of them (its own included), as transformers' sliding-window mask."""
+    mask = keys <= pos
+    return mask & (keys > pos - window) if window else mask
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, gqa: bool,
+           sinks: Tensor | None = None) -> Tensor:
+    """softmax(q·kᵀ·scale over the keys `mask` [B|1, 1, T, S] allows) · v for q [B, H, T, D], k / v
+    [B, Hkv, S, D]; mask None: causal (S == T).
+
+    sinks [H] (gpt-oss): each head's learned logit joins the softmax as one more key with a zero value,
+    so it only takes weight off the real keys. It rides through SDPA as that key: q gains a column
+    holding sink / scale, the sink key is 1 there and 0 elsewhere, the real keys 0 — so q·k is
+    unchanged for them and the sink's logit is its own; its value is 0. q, k and v all get 8 more
+    columns (one head size, a multiple of 8, as fused kernels want); v's are sliced off the output.
+    """
+    if sinks is None:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1, scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    B, H, T, D = q.shape
+    Bk, Hkv, S, _ = k.shape
+    if mask is None:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)[None, None]
+    sink_col = (sinks.float() / scale).to(q.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    q = torch.cat((q, sink_col, q.new_zeros(B, H, T, 7)), dim=-1)
+    sink_key = F.pad(k.new_ones(1, 1, 1, 1), (D, 7)).expand(Bk, Hkv, 1, D + 8)
+    k = torch.cat((sink_key, F.pad(k, (0, 8))), dim=2)
+    v = F.pad(v, (0, 8, 1, 0))
+    mask = torch.cat((mask.new_ones(*mask.shape[:-1], 1), mask), dim=-1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)[..., :D]
 
 
 def read_blocks(c: Tensor, table: Tensor, kv_len: int) -> Tensor:
@@ -278,7 +319,8 @@ class RaggedView(CacheView):
     def store(self, pool: str, layer: int, x: Tensor) -> Tensor:
         raise NotImplementedError("MLA runs its steps per segment kind (its model has ragged = False)")
 
-    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool) -> Tensor:
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool,
+                  window: int = 0, sinks: Tensor | None = None) -> Tensor:
         ck, cv = self.cache.k[layer], self.cache.v[layer]
         N, Hkv, _, D = k.shape
         if self.write_flat is not None:
@@ -288,21 +330,41 @@ class RaggedView(CacheView):
             ck[self.write_block, self.write_offset] = k.transpose(1, 2)
             cv[self.write_block, self.write_offset] = v.transpose(1, 2)
         out = q.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])
-        if self.single_len:
+        bs = ck.shape[1]
+        windowed = bool(window) and not invariant.enabled()  # read only the blocks a window can reach
+        if self.single_len and windowed:
+            # each decode row's last `window` positions lie in at most ⌈window / bs⌉ + 1 of its blocks
+            table, pos = self.single_table, self.single_positions
+            nb = min(-(-window // bs) + 1, table.shape[1])
+            cols = (pos - window + 1).clamp(min=0) // bs + torch.arange(nb, device=q.device)  # [rows, nb]
+            table = table.gather(1, cols.clamp(max=table.shape[1] - 1))  # past the row's end: masked below
+            ks, vs = read_blocks(ck, table, nb * bs), read_blocks(cv, table, nb * bs)
+            keys = (cols[:, :, None] * bs + torch.arange(bs, device=q.device)).flatten(1)  # their positions
+            mask = visible(keys[:, None, None, :], pos[:, None, :, None], window)
+            out[self.single_rows] = attend(q[self.single_rows], ks, vs, mask, scale, gqa, sinks)
+        elif self.single_len:
             rows = self.single_rows
             ks, vs = read_blocks(ck, self.single_table, self.single_len), read_blocks(cv, self.single_table, self.single_len)
             if invariant.enabled():
                 out[rows] = invariant.attention(q[rows], ks, vs, self.single_positions, scale)
+            elif sinks is not None:
+                keys = torch.arange(self.single_len, device=q.device)
+                mask = visible(keys, self.single_positions[:, None, :, None])
+                out[rows] = attend(q[rows], ks, vs, mask, scale, gqa, sinks)
             else:
                 out[rows] = F.scaled_dot_product_attention(q[rows], ks, vs, attn_mask=self.single_mask, enable_gqa=gqa)
         for start, n, table in self.runs:
             pos = self.positions[start : start + n, 0]
             first, kv_len = int(pos[0]), int(pos[-1]) + 1
             qr = q[start : start + n, :, 0].transpose(0, 1)[None]  # [1, H, n, D]
-            table = table[:, : -(-kv_len // ck.shape[1])]
-            kr, vr = read_blocks(ck, table, kv_len), read_blocks(cv, table, kv_len)
+            lo = max(0, first - window + 1) // bs * bs if windowed else 0  # earlier keys: out of every window
+            table = table[:, lo // bs : -(-kv_len // bs)]
+            kr, vr = read_blocks(ck, table, kv_len - lo), read_blocks(cv, table, kv_len - lo)
             if invariant.enabled():
                 y = invariant.attention(qr, kr, vr, pos[None], scale)
+            elif window or sinks is not None:
+                mask = visible(torch.arange(lo, kv_len, device=pos.device), pos[:, None], window)
+                y = attend(qr, kr, vr, mask[None, None], scale, gqa, sinks)
             elif first == 0:  # the whole prefix is this run: plain causal attention
                 y = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=gqa)
             else:
@@ -322,7 +384,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.family.o_bias)
+        self.window = cfg.window(layer)  # 0: full attention
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.family.sinks else None
         self.qk_norm = cfg.family.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -345,8 +409,14 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = self.n_heads != self.n_kv
-        if cache is not None:
+        if cache is not None and (self.window or self.sinks is not None):
+            y = cache.attention(self.layer, q, k, v, 1 / math.sqrt(self.head_dim), gqa, self.window, self.sinks)
+        elif cache is not None:
             y = cache.attention(self.layer, q, k, v, 1 / math.sqrt(self.head_dim), gqa)
+        elif self.window or self.sinks is not None:
+            keys = torch.arange(T, device=x.device)
+            mask = visible(keys, keys[:, None], self.window)[None, None] if self.window else None
+            y = attend(q, k, v, mask, 1 / math.sqrt(self.head_dim), gqa, self.sinks)
         elif invariant.enabled():
             y = invariant.attention(q, k, v, torch.arange(T, device=x.device).expand(B, T), 1 / math.sqrt(self.head_dim))
         else:
@@ -459,6 +529,11 @@ class Transformer(nn.Module):
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = checkpoint and cache is None and torch.is_grad_enabled()
+        return self.norm(self.run_layers(x, cos, sin, lora, cache, recompute, vision))
+
+    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
+                   recompute: bool, vision: VisionInput | None = None) -> Tensor:
+        """The blocks in order (a family whose blocks hand state to the next overrides this)."""
         for i, block in enumerate(self.layers):
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lora, cache, use_reentrant=False)
@@ -466,7 +541,7 @@ class Transformer(nn.Module):
                 x = block(x, cos, sin, lora, cache)
             if vision is not None:
                 x = vision.after_layer(i, x)
-        return self.norm(x)
+        return x
 
     def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """cos, sin [B, 1, T, head_dim] of positions [B, T] (float32). Invariant mode reads them from a
