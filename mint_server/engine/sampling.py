@@ -58,6 +58,7 @@ from mint_server.engine.sampler_ops import (
     uniforms,
 )
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
+from mint_server.engine.state_cache import StateSlots
 from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
 from mint_server.model.transformer import Transformer
 
@@ -176,6 +177,7 @@ class _Row:
     last_token_at: float = 0.0
     done: bool = False
     pool: BlockPool | None = None  # for held_blocks
+    state: int = 0  # hybrid bases: its recurrent-state slot while running (state_cache.py; 0: none)
 
     # scheduler.Work
     key = property(lambda self: self.request.key)
@@ -218,6 +220,7 @@ class _Group:
     computed: int = 0  # prompt positions already in the cache
     score_k: int = -1  # top-k of the prompt scores its chunks compute (-1: none wanted)
     scores: PromptScores | None = None
+    state: int = 0  # hybrid bases: the prompt's recurrent-state slot (state_cache.py; 0: none)
 
     @property
     def has_sampler(self) -> bool:
@@ -303,8 +306,14 @@ class Sampler:
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
         self.dedupe_prompts = dedupe_prompts
         self.device = model.embed_tokens.weight.device
+        # --- hybrid bases: a recurrent-state slot per sequence in flight (state_cache.py)
+        self.states = StateSlots(max_batch_rows + 1) if cfg.hybrid is not None else None
+        if self.states is not None and max_batch_rows < 2:
+            raise ValueError("max_batch_rows must be at least 2 on a hybrid (linear-attention) base: "
+                             "a prompt and its first sample each hold a recurrent state")
         self.executor = Executor(model, residency.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
-                                 block_size, runner=residency.runner)
+                                 block_size, runner=residency.runner,
+                                 state_slots=0 if self.states is None else self.states.num_slots)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
         self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens)
@@ -436,7 +445,7 @@ class Sampler:
             if not items:
                 return
             free_rows = self.max_batch_rows - sum(1 for r in self._rows if r.running) - \
-                sum(g.sampler_members for g in self._groups)
+                sum(g.sampler_members for g in self._groups) - self._state_rows(len(self._groups))
             plan = self.scheduler.plan(items, self.pool.available, free_rows)
             for row in plan.preempt:
                 self._swap_out(row)
@@ -505,6 +514,7 @@ class Sampler:
         for row in self._rows:
             if id(row.request) in gone:
                 self.pool.release(row.blocks)
+                self._release_state(row)
                 if row.swapped is not None:
                     dropped_handles.append(row.swapped)
             else:
@@ -519,6 +529,7 @@ class Sampler:
             g.requests = [r for r in g.requests if id(r) not in gone]
             if not g.requests:
                 self.pool.release(g.blocks)
+                self._release_state(g)
                 self._groups.remove(g)
         for r in gone.values():
             self._fail(r, SampleCancelled())
@@ -540,16 +551,22 @@ class Sampler:
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
         new_blocks = 0 if group else blocks_for(n, bs)
+        state_row = self._state_rows(1 if group is None else 0)  # a new prompt's recurrent state
         if req.score_only:
-            return Fit(1, new_blocks) if new_blocks <= free_blocks else NO_FIT
+            return Fit(1, new_blocks, state_row) if new_blocks <= free_blocks and state_row <= free_rows else NO_FIT
         own = blocks_for(n + req.params.max_tokens, bs) - n // bs
         # The group's first sample takes over the prompt's partly filled last block.
         reuse = 1 if n % bs and (group is None or not group.has_sampler) else 0
         left = req.num_samples - req.admitted
-        take = min(left, free_rows, (free_blocks - new_blocks + reuse) // own)
+        take = min(left, free_rows - state_row, (free_blocks - new_blocks + reuse) // own)
         if take <= 0:
             return NO_FIT
-        return Fit(take, new_blocks + take * own - reuse, take, take == left)
+        return Fit(take, new_blocks + take * own - reuse, take + state_row, take == left)
+
+    def _state_rows(self, prompts: int) -> int:
+        """Hybrid bases count each prompt being prefilled as one batch row more: it holds a recurrent
+        state its samples do not hold yet (state_cache.py says why that bounds the slots)."""
+        return prompts if self.states is not None else 0
 
     def _admit(self, req: _Request, fit: Fit) -> _Group | None:
         """Reserve `fit`'s samples of `req` on a (new or shared) prompt row; None if none fit."""
@@ -559,6 +576,8 @@ class Sampler:
         group = self._joinable(req)
         if group is None:
             group = _Group(req.slot, req.prompt, self.pool.alloc(blocks_for(n, bs)))
+            if self.states is not None:
+                group.state = self.states.alloc()
             self._groups.append(group)
             self.stats.prompt_rows += 1
         elif req not in group.requests:
@@ -589,18 +608,29 @@ class Sampler:
     # --- preemption ------------------------------------------------------------------------------
     def _swap_out(self, row: _Row) -> None:
         handle = next(self._handles)
-        self.executor.swap_out(handle, row.blocks)
+        self.executor.swap_out(handle, row.blocks, self._state_of(row))
         row.reserve = len(row.blocks)
         self.pool.release(row.blocks)
         row.blocks, row.swapped = [], handle
+        self._release_state(row)
         self.stats.preempted += 1
 
     def _swap_in(self, row: _Row) -> None:
         assert row.swapped is not None
         row.blocks = self.pool.alloc(row.reserve)
-        self.executor.swap_in(row.swapped, row.blocks)
+        if self.states is not None:
+            row.state = self.states.alloc()
+        self.executor.swap_in(row.swapped, row.blocks, self._state_of(row))
         row.swapped = None
         self.stats.resumed += 1
+
+    def _state_of(self, item: _Row | _Group) -> int | None:
+        return None if self.states is None else item.state
+
+    def _release_state(self, item: _Row | _Group) -> None:
+        if self.states is not None:
+            self.states.release(item.state)
+            item.state = 0
 
     # --- the forward -----------------------------------------------------------------------------
     def _run(self, runs: list[tuple[_Row | _Group, int]]) -> None:
@@ -618,6 +648,7 @@ class Sampler:
                 batch.lengths.append(1)
                 batch.slots.append(item.request.slot)
                 batch.tables.append(item.blocks)
+                batch.states.append(item.state)
                 batch.logits_at.append(seg)
                 decoding.append(item)
                 decode_tokens += 1
@@ -628,6 +659,7 @@ class Sampler:
                 batch.lengths.append(n)
                 batch.slots.append(item.slot)
                 batch.tables.append(item.blocks)
+                batch.states.append(item.state)
                 if item.score_k >= 0:
                     targets = [item.prompt[p + 1] if p + 1 < plen else -1 for p in range(a, a + n)]
                     batch.scoring.append((seg, targets, item.score_k))
@@ -692,6 +724,7 @@ class Sampler:
         full, partial = g.blocks[: n // bs], g.blocks[n // bs :]
         rows: list[_Row] = []
         samplers = [m for m in g.members if not m.request.score_only]
+        state_copies: list[tuple[int, int]] = []
         for j, m in enumerate(samplers):
             if j == 0:
                 blocks = full + partial + m.own_blocks  # takes over the group's references
@@ -704,9 +737,17 @@ class Sampler:
             gen = None
             if p.temperature > 0:
                 gen = torch.Generator().manual_seed(sample_seed(p.seed, m.index))
-            rows.append(_Row(m.request, m.index, blocks, n, gen, pool=self.pool))
+            row = _Row(m.request, m.index, blocks, n, gen, pool=self.pool)
+            if self.states is not None:  # the first sample continues the prompt's state, the others a copy
+                row.state = g.state if j == 0 else self.states.alloc()
+                if j:
+                    state_copies.append((g.state, row.state))
+            rows.append(row)
         if not samplers:
             self.pool.release(g.blocks)
+            self._release_state(g)
+        if state_copies:
+            self.executor.copy_states([s for s, _ in state_copies], [d for _, d in state_copies])
         self._rows += rows
         return rows
 
@@ -767,6 +808,7 @@ class Sampler:
 
     def _finish(self, row: _Row, reason: types.StopReason) -> None:
         self.pool.release(row.blocks)
+        self._release_state(row)
         row.done = True
         req = row.request
         tokens = np.asarray(row.tokens, dtype=np.int32)
@@ -828,6 +870,8 @@ class Sampler:
         self.executor.drop_swapped([r.swapped for r in self._rows if r.swapped is not None])
         self._rows, self._groups = [], []
         self.pool = BlockPool(self.cache.num_blocks)
+        if self.states is not None:
+            self.states = StateSlots(self.states.num_slots)
 
 
 __all__ = ["Priority", "SampleCancelled", "SampleFuture", "Sampler", "SamplerStats"]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
 
 
@@ -31,6 +32,7 @@ class Family:
     moe: bool = False  # some layers' MLP is a routed set of experts (Qwen3-MoE style)
     mla: bool = False  # DeepSeek: latent attention, sigmoid-routed MoE with shared experts (mla_spec.py)
     dsa: bool = False  # DeepSeek-V3.2: plus the sparse-attention indexer
+    hybrid: bool = False  # Qwen3.5: gated delta-net linear-attention layers between gated full attention (hybrid_spec.py)
 
 
 # HF `architectures[0]` → family switches.
@@ -41,9 +43,12 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, attention_bias=False, moe=True, mla=True),
     "DeepseekV32ForCausalLM": Family("deepseek_v32", qk_norm=False, attention_bias=False, moe=True, mla=True,
                                      dsa=True),
+    "Qwen3_5ForCausalLM": Family("qwen3_5", qk_norm=True, attention_bias=False, hybrid=True),
+    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", qk_norm=True, attention_bias=False, moe=True, hybrid=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class ModelConfig:
     # DeepSeek families (family.mla): MLA dims, DeepSeek routing, the V3.2 indexer. Their head_dim
     # is the RoPE part (qk_rope_head_dim) and num_kv_heads == num_heads (neither is a K/V shape).
     mla: MLASpec | None = None
+    # Qwen3.5 (family.hybrid): which layers are linear attention, their dims, partial rotary, shared expert.
+    hybrid: HybridSpec | None = None
 
     @property
     def family(self) -> Family:
@@ -95,6 +102,12 @@ class ModelConfig:
     @property
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if not self.is_sparse(i))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with softmax attention, the ones the KV cache holds (all but hybrid linear-attention layers)."""
+        linear = self.hybrid.linear_layers if self.hybrid is not None else ()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -121,6 +134,10 @@ class ModelConfig:
                 mla = parse_mla(hf, rope, family.dsa)
                 moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
                 hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
+            if family.hybrid:
+                moe.update(_hybrid_fields(hf, rope, num_heads, hidden, family.moe))
+                if family.moe:  # every layer sparse; the shared expert is the dense part
+                    hf = {**hf, "intermediate_size": moe["hybrid"].shared_expert_intermediate_size}
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -155,6 +172,24 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf)
+
+
+def _hybrid_fields(hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hidden: int, moe: bool) -> dict[str, Any]:
+    """Qwen3.5's switches: the hybrid spec; MoE layers always renormalise their top-k and have no
+    dense layers. Refuses what its modules do not implement, by name."""
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=true is not supported for Qwen3.5")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
+    layers = int(hf["num_hidden_layers"])
+    try:
+        spec = parse_hybrid(hf, rope, layers, int(hf.get("head_dim") or hidden // num_heads))
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    out: dict[str, Any] = {"hybrid": spec}
+    if moe:
+        out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    return out
 
 
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -261,4 +261,8 @@ class DeepseekTransformer(Transformer):
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer]:
+    if cfg.hybrid is not None:
+        from mint_server.model.qwen35 import HybridTransformer
+
+        return HybridTransformer
     return DeepseekTransformer if cfg.mla is not None else Transformer
