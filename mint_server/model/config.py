@@ -48,7 +48,12 @@ FAMILIES: dict[str, Family] = {
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
-               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+# Vision-language wrappers whose text model is a family: their `text_config` and language-model weights
+# load as that family (the vision tower is not loaded). Qwen3.5's Hub checkpoints are these.
+TEXT_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                 "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -113,6 +118,10 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", ""), "")]
         arch = archs[0] if archs else ""
+        if arch in TEXT_MODEL_OF and isinstance(text := hf.get("text_config"), dict):
+            tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            arch = TEXT_MODEL_OF[arch]
+            hf = {**text, "architectures": [arch], "tie_word_embeddings": tie}
         if arch not in FAMILIES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"

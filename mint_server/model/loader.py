@@ -19,8 +19,9 @@ from mint_server.model.deepseek import model_class
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
 from mint_server.model.transformer import Transformer, rope_inv_freq
 
-# HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix.
-NAME_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
+# HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix (a vision-language
+# wrapper's text model: `model.language_model.`; its `model.visual.` tower matches nothing of ours).
+NAME_PREFIXES = (("model.language_model.", ""), ("model.", ""), ("lm_head.", "lm_head."))
 # DeepSeek's router (weights and choice bias) stays float32 like HF: bf16 would flip expert choices.
 FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

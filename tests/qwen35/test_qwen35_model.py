@@ -281,3 +281,31 @@ def test_cached_prefill_and_decode_equal_the_training_forward(fixture, request):
             out.append(step(tokens[:, t : t + 1], torch.full((B, 1), t))[:, 0])
     for_model(cfg).check(torch.stack(out, 1), full[:, prefill - 1 :], "cached decode vs training forward")
     assert states.recurrent[:, 0].abs().max() == 7.0  # the scratch slot was never used
+
+
+def test_the_hub_vision_language_layout_loads_as_its_text_model(q35_dir, tmp_path):
+    """Qwen3.5's Hub checkpoints are `Qwen3_5ForConditionalGeneration`: text_config nested, the language
+    model under `model.language_model.`, a vision tower and MTP weights beside it. They load as the
+    text model (the tower and MTP ignored), logits unchanged."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf = json.loads((q35_dir / "config.json").read_text())
+    wrapped = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "text_config": {**hf, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 2},
+               "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(wrapped))
+    tensors = load_file(str(q35_dir / "model.safetensors"))
+    renamed = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
+               for k, v in tensors.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    renamed["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    shutil.copy(q35_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = ModelConfig.from_hf_dir(tmp_path)
+    assert cfg.architecture == "Qwen3_5ForCausalLM" and cfg.hybrid == ModelConfig.from_hf_dir(q35_dir).hybrid
+    tokens = tokens_of(3, 2, 20)
+    with torch.no_grad():
+        assert torch.equal(load_model(tmp_path, device="cpu")(tokens), load_model(q35_dir, device="cpu")(tokens))
