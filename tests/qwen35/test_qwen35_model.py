@@ -69,6 +69,16 @@ def test_unsupported_combinations_are_refused_by_name(q35_dir):
     with pytest.raises(invariant.InvariantBackendError, match="Qwen3_5ForCausalLM is not supported"):
         invariant.enable_for_model(cfg, 8)
     assert not invariant.enabled()
+    # the engine refuses them at start-up, before spawning ranks or serving anything
+    from mint_server.engine.interface import NotSupportedError
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.settings import EngineSettings
+
+    with pytest.raises(NotSupportedError, match="tp: .*Qwen3_5ForCausalLM"):
+        LocalEngine(q35_dir, "q35", device="cpu", settings=EngineSettings(tp=2))
+    with pytest.raises(invariant.InvariantBackendError, match="Qwen3_5ForCausalLM"):
+        LocalEngine(q35_dir, "q35", device="cpu", settings=EngineSettings(batch_invariant=True))
+    assert not invariant.enabled()
     hf = {"architectures": ["Qwen3_5ForCausalLM"], **tiny_qwen35_kwargs(False)}
     with pytest.raises(UnsupportedModelError, match="attention_bias"):
         ModelConfig.from_hf_dict({**hf, "attention_bias": True})
