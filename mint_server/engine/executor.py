@@ -27,6 +27,7 @@ from mint_server.engine.sampler_ops import score_targets
 from mint_server.model.images import PromptImages
 from mint_server.model.lora import LoraBank, LoraBatch
 from mint_server.model.qwen3_vl import FeatureCache
+from mint_server.model.recurrent_state import StateCache, StateView
 from mint_server.model.transformer import CacheView, KVCache, RaggedView, Transformer
 
 
@@ -42,6 +43,7 @@ class StepBatch:
     logits_at: list[int]  # segments whose last token's next-token logits the step returns, in order
     scoring: list[tuple[int, list[int], int]] = field(default_factory=list)  # (segment, targets, top-k)
     images: dict[int, PromptImages] = field(default_factory=dict)  # segment → its sequence's images (VL bases)
+    states: list[int] = field(default_factory=list)  # hybrid bases: per segment, its recurrent-state slot (none: scratch)
 
     @property
     def starts(self) -> list[int]:
@@ -76,6 +78,7 @@ class LocalRank:
     cache: KVCache | None
     swapped: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     features: FeatureCache = field(default_factory=FeatureCache)  # encoded images by digest (VL bases)
+    states: StateCache | None = None  # hybrid bases' recurrent states (model/recurrent_state.py)
 
 
 def lora_for(bank: LoraBank, slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -95,6 +98,7 @@ def _hidden(st: RankState, b: StepBatch) -> Tensor:
         token_slots = [s for s, n in zip(b.slots, b.lengths, strict=True) for _ in range(n)]
         segments = [(a, n, i) for i, (a, n) in enumerate(zip(starts, b.lengths, strict=True))]
         view = RaggedView(cache, table, positions, segments)
+        view.states = _state_view(st, b, starts)  # --- hybrid bases (recurrent_state.py)
         vision = None
         if b.images:  # token i is row i: a segment's tokens are rows starts[s] … (tensor parallel never has images)
             vision = st.model.vision_input(  # type: ignore[operator]
@@ -117,6 +121,16 @@ def _hidden(st: RankState, b: StepBatch) -> Tensor:
                                        CacheView(cache, table[i : i + 1], pos))
             out[a : a + n] = h[0]
     return out
+
+
+def _state_view(st: RankState, b: StepBatch, starts: list[int]) -> StateView | None:
+    """Hybrid bases: which state slot each segment continues; a segment at position 0 starts afresh.
+    (Tensor-parallel ranks have no `states`: hybrid bases refuse --tp > 1.)"""
+    states: StateCache | None = getattr(st, "states", None)
+    if states is None:
+        return None
+    slots = b.states or [StateCache.SCRATCH] * len(b.lengths)
+    return StateView(states, slots, b.lengths, [b.positions[a] == 0 for a in starts], st.device)
 
 
 # --- the ops (run on every rank) -------------------------------------------------------------------
@@ -145,14 +159,32 @@ def copy_blocks(st: RankState, src: list[int], dst: list[int]) -> None:
     st.cache.copy_blocks(src, dst)
 
 
-def swap_out(st: RankState, handle: int, blocks: list[int]) -> None:
+def swap_out(st: RankState, handle: int, blocks: list[int], state: int | None = None) -> None:
+    """`state`: a hybrid base's sequence's state slot, saved beside its KV."""
     assert st.cache is not None
-    st.swapped[handle] = st.cache.save_blocks(blocks)
+    saved = st.cache.save_blocks(blocks)
+    if state is not None:
+        saved.update(_states(st).save(state))
+    st.swapped[handle] = saved
 
 
-def swap_in(st: RankState, handle: int, blocks: list[int]) -> None:
+def swap_in(st: RankState, handle: int, blocks: list[int], state: int | None = None) -> None:
     assert st.cache is not None
-    st.cache.load_blocks(st.swapped.pop(handle), blocks)
+    saved = st.swapped.pop(handle)
+    st.cache.load_blocks(saved, blocks)
+    if state is not None:
+        _states(st).load(saved, state)
+
+
+def copy_states(st: RankState, src: list[int], dst: list[int]) -> None:
+    """Hybrid bases: slot src[i]'s recurrent state into dst[i] (the samples forked off one prompt)."""
+    _states(st).copy(src, dst)
+
+
+def _states(st: RankState) -> StateCache:
+    states = getattr(st, "states", None)
+    assert states is not None, "recurrent-state op on a base without linear-attention layers"
+    return states
 
 
 def drop_swapped(st: RankState, handles: list[int]) -> None:
@@ -160,21 +192,26 @@ def drop_swapped(st: RankState, handles: list[int]) -> None:
         st.swapped.pop(h, None)
 
 
-OPS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (step, copy_blocks, swap_out, swap_in, drop_swapped)}
+OPS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (step, copy_blocks, swap_out, swap_in, drop_swapped,
+                                                              copy_states)}
 
 
 class Executor:
     """Runs the sampler's ops on this process's model, or on every tensor-parallel rank via `runner`."""
 
     def __init__(self, model: Transformer, bank: LoraBank, device: torch.device, num_blocks: int, block_size: int,
-                 runner: Any = None) -> None:
+                 runner: Any = None, state_slots: int = 0) -> None:
+        """state_slots: a hybrid base's recurrent-state slots (one per sequence in flight, plus scratch)."""
         self.runner = runner
+        self.states: StateCache | None = None
         if runner is not None:
             runner.call("make_cache", num_blocks=num_blocks, block_size=block_size)
             self.cache: KVCache = runner.shard.cache
         else:
-            self.cache = KVCache(model.config, num_blocks, block_size, device, model.embed_tokens.weight.dtype)
-            self.rank = LocalRank(model, bank, device, self.cache)
+            dtype = model.embed_tokens.weight.dtype
+            self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
+            self.states = StateCache.for_model(model.config, state_slots, device, dtype)
+            self.rank = LocalRank(model, bank, device, self.cache, states=self.states)
 
     def call(self, name: str, **inputs: Any) -> Any:
         if self.runner is not None:
@@ -188,11 +225,15 @@ class Executor:
         if dst:
             self.call("copy_blocks", src=src, dst=dst)
 
-    def swap_out(self, handle: int, blocks: list[int]) -> None:
-        self.call("swap_out", handle=handle, blocks=blocks)
+    def swap_out(self, handle: int, blocks: list[int], state: int | None = None) -> None:
+        self.call("swap_out", handle=handle, blocks=blocks, state=state)
 
-    def swap_in(self, handle: int, blocks: list[int]) -> None:
-        self.call("swap_in", handle=handle, blocks=blocks)
+    def swap_in(self, handle: int, blocks: list[int], state: int | None = None) -> None:
+        self.call("swap_in", handle=handle, blocks=blocks, state=state)
+
+    def copy_states(self, src: list[int], dst: list[int]) -> None:
+        if dst:
+            self.call("copy_states", src=src, dst=dst)
 
     def drop_swapped(self, handles: list[int]) -> None:
         if handles:

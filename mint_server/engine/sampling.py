@@ -57,6 +57,7 @@ from mint_server.engine.sampler_ops import (
     uniforms,
 )
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
+from mint_server.engine.state_cache import StateSlots
 from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
 from mint_server.model.images import PromptImages
 from mint_server.model.transformer import Transformer
@@ -176,6 +177,7 @@ class _Row:
     last_token_at: float = 0.0
     done: bool = False
     pool: BlockPool | None = None  # for held_blocks
+    state: int = 0  # hybrid bases: its recurrent-state slot while running (state_cache.py; 0: none)
 
     # scheduler.Work
     key = property(lambda self: self.request.key)
@@ -226,6 +228,8 @@ class _Group:
     prompt_blocks: int = 0  # blocks its prompt takes (taken back when resumed)
     pool: BlockPool | None = None  # for held_blocks
     images: PromptImages | None = None  # part of the prompt's identity: other images, another prompt
+    state: int = 0  # hybrid bases: the prompt's recurrent-state slot (state_cache.py; 0: none)
+    state_rows: int = 0  # hybrid bases: 1, the batch row its state counts as (Sampler._state_rows)
 
     @property
     def has_sampler(self) -> bool:
@@ -263,12 +267,13 @@ class _Group:
 
     @property
     def held_rows(self) -> int:
-        return self.sampler_members if self.swapped is None else 0
+        """Batch rows it holds: its samples' (and, on a hybrid base, its recurrent state's)."""
+        return self.sampler_members + self.state_rows if self.swapped is None else 0
 
     def fit(self, free_blocks: int, free_rows: int) -> Fit:
         if self.swapped is None:
             return NO_FIT
-        rows = self.sampler_members
+        rows = self.sampler_members + self.state_rows
         return Fit(1, self.reserve, rows) if self.reserve <= free_blocks and rows <= free_rows else NO_FIT
 
 
@@ -328,8 +333,14 @@ class Sampler:
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
         self.dedupe_prompts = dedupe_prompts
         self.device = model.embed_tokens.weight.device
+        # --- hybrid bases: a recurrent-state slot per sequence in flight (state_cache.py)
+        self.states = StateSlots(max_batch_rows + 1) if cfg.hybrid is not None else None
+        if self.states is not None and max_batch_rows < 2:
+            raise ValueError("max_batch_rows must be at least 2 on a hybrid (linear-attention) base: "
+                             "a prompt and its first sample each hold a recurrent state")
         self.executor = Executor(model, residency.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
-                                 block_size, runner=residency.runner)
+                                 block_size, runner=residency.runner,
+                                 state_slots=0 if self.states is None else self.states.num_slots)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
         self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens, linger_s=linger_s)
@@ -562,6 +573,7 @@ class Sampler:
         for row in self._rows:
             if id(row.request) in gone:
                 self.pool.release(row.blocks)
+                self._release_state(row)
                 if row.swapped is not None:
                     dropped_handles.append(row.swapped)
             else:
@@ -575,6 +587,7 @@ class Sampler:
             g.requests = [r for r in g.requests if id(r) not in gone]
             if not g.requests:
                 self.pool.release(g.blocks)
+                self._release_state(g)
                 self._groups.remove(g)
                 if g.swapped is not None:
                     dropped_handles.append(g.swapped)
@@ -599,16 +612,22 @@ class Sampler:
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
         new_blocks = 0 if group else blocks_for(n, bs)
+        state_row = self._state_rows(1 if group is None else 0)  # a new prompt's recurrent state
         if req.score_only:
-            return Fit(1, new_blocks) if new_blocks <= free_blocks else NO_FIT
+            return Fit(1, new_blocks, state_row) if new_blocks <= free_blocks and state_row <= free_rows else NO_FIT
         own = blocks_for(n + req.params.max_tokens, bs) - n // bs
         # The group's first sample takes over the prompt's partly filled last block.
         reuse = 1 if n % bs and (group is None or not group.has_sampler) else 0
         left = req.num_samples - req.admitted
-        take = min(left, free_rows, (free_blocks - new_blocks + reuse) // own)
+        take = min(left, free_rows - state_row, (free_blocks - new_blocks + reuse) // own)
         if take <= 0:
             return NO_FIT
-        return Fit(take, new_blocks + take * own - reuse, take, take == left)
+        return Fit(take, new_blocks + take * own - reuse, take + state_row, take == left)
+
+    def _state_rows(self, prompts: int) -> int:
+        """Hybrid bases count each prompt being prefilled as one batch row more: it holds a recurrent
+        state its samples do not hold yet (state_cache.py says why that bounds the slots)."""
+        return prompts if self.states is not None else 0
 
     def _admit(self, req: _Request, fit: Fit) -> _Group | None:
         """Reserve `fit`'s samples of `req` on a (new or shared) prompt row; None if none fit."""
@@ -618,7 +637,10 @@ class Sampler:
         group = self._joinable(req)
         if group is None:
             blocks = self.pool.alloc(blocks_for(n, bs))
-            group = _Group(req.slot, req.prompt, blocks, images=req.job.images, prompt_blocks=len(blocks), pool=self.pool)
+            group = _Group(req.slot, req.prompt, blocks, images=req.job.images, prompt_blocks=len(blocks), pool=self.pool,
+                           state_rows=self._state_rows(1))
+            if self.states is not None:
+                group.state = self.states.alloc()
             self._groups.append(group)
             self.stats.prompt_rows += 1
         elif req not in group.requests:
@@ -651,29 +673,42 @@ class Sampler:
         """Preempt: its KV (a prompt: the part computed so far) to host memory, its blocks back."""
         handle = next(self._handles)
         if isinstance(item, _Row):
-            self.executor.swap_out(handle, item.blocks)
+            self.executor.swap_out(handle, item.blocks, self._state_of(item))
             item.reserve = len(item.blocks)
         else:
-            self.executor.swap_out(handle, item.blocks[: blocks_for(item.computed, self.block_size)])
+            self.executor.swap_out(handle, item.blocks[: blocks_for(item.computed, self.block_size)],
+                                   self._state_of(item))
             for m in item.members:
                 self.pool.release(m.own_blocks)
                 m.own_blocks = []
         self.pool.release(item.blocks)
         item.blocks, item.swapped = [], handle
+        self._release_state(item)
         self.stats.preempted += 1
 
     def _swap_in(self, item: _Row | _Group) -> None:
         assert item.swapped is not None
+        if self.states is not None:
+            item.state = self.states.alloc()
         if isinstance(item, _Row):
             item.blocks = self.pool.alloc(item.reserve)
-            self.executor.swap_in(item.swapped, item.blocks)
+            self.executor.swap_in(item.swapped, item.blocks, self._state_of(item))
         else:
             item.blocks = self.pool.alloc(item.prompt_blocks)
-            self.executor.swap_in(item.swapped, item.blocks[: blocks_for(item.computed, self.block_size)])
+            self.executor.swap_in(item.swapped, item.blocks[: blocks_for(item.computed, self.block_size)],
+                                  self._state_of(item))
             for m in item.members:
                 m.own_blocks = self.pool.alloc(m.own_count)
         item.swapped = None
         self.stats.resumed += 1
+
+    def _state_of(self, item: _Row | _Group) -> int | None:
+        return None if self.states is None else item.state
+
+    def _release_state(self, item: _Row | _Group) -> None:
+        if self.states is not None:
+            self.states.release(item.state)
+            item.state = 0
 
     # --- the forward -----------------------------------------------------------------------------
     def _run(self, runs: list[tuple[_Row | _Group, int]]) -> None:
@@ -691,6 +726,7 @@ class Sampler:
                 batch.lengths.append(1)
                 batch.slots.append(item.request.slot)
                 batch.tables.append(item.blocks)
+                batch.states.append(item.state)
                 batch.logits_at.append(seg)
                 if item.request.job.images is not None:
                     batch.images[seg] = item.request.job.images
@@ -705,6 +741,7 @@ class Sampler:
                 batch.tables.append(item.blocks)
                 if item.images is not None:
                     batch.images[seg] = item.images
+                batch.states.append(item.state)
                 if item.score_k >= 0:
                     targets = [item.prompt[p + 1] if p + 1 < plen else -1 for p in range(a, a + n)]
                     batch.scoring.append((seg, targets, item.score_k))
@@ -766,6 +803,7 @@ class Sampler:
         full, partial = g.blocks[: n // bs], g.blocks[n // bs :]
         rows: list[_Row] = []
         samplers = [m for m in g.members if not m.request.score_only]
+        state_copies: list[tuple[int, int]] = []
         for j, m in enumerate(samplers):
             if j == 0:
                 blocks = full + partial + m.own_blocks  # takes over the group's references
@@ -778,9 +816,17 @@ class Sampler:
             gen = None
             if p.temperature > 0:
                 gen = torch.Generator().manual_seed(sample_seed(p.seed, m.index))
-            rows.append(_Row(m.request, m.index, blocks, n, gen, pool=self.pool))
+            row = _Row(m.request, m.index, blocks, n, gen, pool=self.pool)
+            if self.states is not None:  # the first sample continues the prompt's state, the others a copy
+                row.state = g.state if j == 0 else self.states.alloc()
+                if j:
+                    state_copies.append((g.state, row.state))
+            rows.append(row)
         if not samplers:
             self.pool.release(g.blocks)
+            self._release_state(g)
+        if state_copies:
+            self.executor.copy_states([s for s, _ in state_copies], [d for _, d in state_copies])
         self._rows += rows
         return rows
 
@@ -841,6 +887,7 @@ class Sampler:
 
     def _finish(self, row: _Row, reason: types.StopReason) -> None:
         self.pool.release(row.blocks)
+        self._release_state(row)
         row.done = True
         req = row.request
         tokens = np.asarray(row.tokens, dtype=np.int32)
@@ -902,6 +949,8 @@ class Sampler:
         self.executor.drop_swapped([x.swapped for x in (*self._rows, *self._groups) if x.swapped is not None])
         self._rows, self._groups = [], []
         self.pool = BlockPool(self.cache.num_blocks)
+        if self.states is not None:
+            self.states = StateSlots(self.states.num_slots)
 
 
 __all__ = ["Priority", "SampleCancelled", "SampleFuture", "Sampler", "SamplerStats"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
 from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
 
@@ -39,6 +40,7 @@ class Family:
     yarn: bool = False  # YaRN rope scaling allowed (MLA families allow it too)
     index_rope_interleave: bool = False  # GLM-5: the DSA indexer's rope rotates pairs (mla_spec.MLASpec)
     tp_unsupported: str = ""  # why tensor parallelism refuses this family ("" = it splits)
+    hybrid: bool = False  # Qwen3.5: gated delta-net linear-attention layers between gated full attention (hybrid_spec.py)
 
 
 # HF `architectures[0]` → family switches.
@@ -56,11 +58,19 @@ FAMILIES: dict[str, Family] = {
                                 yarn=True, tp_unsupported="attention sinks and biased experts do not split yet"),
     "GlmMoeDsaForCausalLM": Family("glm_moe_dsa", qk_norm=False, attention_bias=False, moe=True, mla=True, dsa=True,
                                    index_rope_interleave=True, tp_unsupported="shared DSA indexer layers do not split yet"),
+    "Qwen3_5ForCausalLM": Family("qwen3_5", qk_norm=True, attention_bias=False, hybrid=True),
+    "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", qk_norm=True, attention_bias=False, moe=True, hybrid=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-               "gpt_oss": "GptOssForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
+               "gpt_oss": "GptOssForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+# Vision-language wrappers whose text model is a family: their `text_config` and language-model weights
+# load as that family (the vision tower is not loaded). Qwen3.5's Hub checkpoints are these.
+TEXT_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                 "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,8 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
+    # Qwen3.5 (family.hybrid): which layers are linear attention, their dims, partial rotary, shared expert.
+    hybrid: HybridSpec | None = None
 
     @property
     def family(self) -> Family:
@@ -129,10 +141,20 @@ class ModelConfig:
     def dense_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.num_layers) if not self.is_sparse(i))
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Layers with softmax attention, the ones the KV cache holds (all but hybrid linear-attention layers)."""
+        linear = self.hybrid.linear_layers if self.hybrid is not None else ()
+        return tuple(i for i in range(self.num_layers) if i not in linear)
+
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", ""), "")]
         arch = archs[0] if archs else ""
+        if arch in TEXT_MODEL_OF and isinstance(text := hf.get("text_config"), dict):
+            tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+            arch = TEXT_MODEL_OF[arch]
+            hf = {**text, "architectures": [arch], "tie_word_embeddings": tie}
         if arch not in FAMILIES:
             raise UnsupportedModelError(
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
@@ -170,6 +192,10 @@ class ModelConfig:
                     moe.update(vision=parse_vision(top, hidden), mrope_section=mrope_section(rope, head_dim))
                 except ValueError as e:
                     raise ModelError(str(e)) from None
+            if family.hybrid:
+                moe.update(_hybrid_fields(hf, rope, num_heads, hidden, family.moe))
+                if family.moe:  # every layer sparse; the shared expert is the dense part
+                    hf = {**hf, "intermediate_size": moe["hybrid"].shared_expert_intermediate_size}
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
@@ -204,6 +230,24 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf)
+
+
+def _hybrid_fields(hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hidden: int, moe: bool) -> dict[str, Any]:
+    """Qwen3.5's switches: the hybrid spec; MoE layers always renormalise their top-k and have no
+    dense layers. Refuses what its modules do not implement, by name."""
+    if hf.get("attention_bias"):
+        raise UnsupportedModelError("attention_bias=true is not supported for Qwen3.5")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
+    layers = int(hf["num_hidden_layers"])
+    try:
+        spec = parse_hybrid(hf, rope, layers, int(hf.get("head_dim") or hidden // num_heads))
+    except ValueError as e:
+        raise ModelError(str(e)) from None
+    out: dict[str, Any] = {"hybrid": spec}
+    if moe:
+        out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    return out
 
 
 def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:

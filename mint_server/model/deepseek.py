@@ -277,4 +277,8 @@ def model_class(cfg: ModelConfig) -> type[Transformer]:
         from mint_server.model.qwen3_vl import VisionLanguageModel
 
         return VisionLanguageModel
+    if cfg.hybrid is not None:
+        from mint_server.model.qwen35 import HybridTransformer
+
+        return HybridTransformer
     return DeepseekTransformer if cfg.mla is not None else Transformer

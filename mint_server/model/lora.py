@@ -42,7 +42,10 @@ UNEMBED_TARGET = "lm_head"
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 SHARED_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
 SHARED_PREFIX = "shared_"  # shared-expert target = SHARED_PREFIX + the projection name
-ALL_TARGETS = ATTN_TARGETS + MLA_TARGETS + MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS + (UNEMBED_TARGET,)
+# Qwen3.5's gated delta-net (linear-attention) projections, in its linear layers; see docs/qwen35.md.
+LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ALL_TARGETS = (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS + MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS
+               + (UNEMBED_TARGET,))
 EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
 
 
@@ -50,13 +53,14 @@ def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """target → the model layers it exists in, in order (its per-target layer index is the position
     in this tuple). Targets a model does not have (experts of a dense model, dense MLPs of a model
     whose every layer is sparse) are absent."""
-    every = tuple(range(cfg.num_layers))
-    out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), every)
+    out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), cfg.attention_layers)
+    if cfg.hybrid is not None:
+        out.update(dict.fromkeys(LINEAR_TARGETS, cfg.hybrid.linear_layers))
     if cfg.dense_layers:
         out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
     if cfg.sparse_layers:
         out.update(dict.fromkeys(EXPERT_TARGETS, cfg.sparse_layers))
-        if cfg.mla is not None and cfg.mla.n_shared_experts:
+        if _shared_expert_size(cfg):
             out.update(dict.fromkeys(SHARED_TARGETS, cfg.sparse_layers))
     out[UNEMBED_TARGET] = (0,)
     return out
@@ -72,6 +76,12 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
         "expert_gate_proj": (h, e), "expert_up_proj": (h, e), "expert_down_proj": (e, h),
         "lm_head": (h, cfg.vocab_size),
     }
+    if cfg.hybrid is not None:  # Qwen3.5: q_proj also yields the output gate; the gated delta net's projections
+        hy = cfg.hybrid
+        io.update({"q_proj": (h, 2 * q), "in_proj_qkv": (h, hy.conv_dim), "in_proj_z": (h, hy.value_dim),
+                   "in_proj_b": (h, hy.num_v_heads), "in_proj_a": (h, hy.num_v_heads), "out_proj": (hy.value_dim, h)})
+        s = _shared_expert_size(cfg)
+        io.update({"shared_gate_proj": (h, s), "shared_up_proj": (h, s), "shared_down_proj": (s, h)})
     if cfg.mla is not None:
         m, H = cfg.mla, cfg.num_heads
         shared = m.n_shared_experts * e
@@ -83,6 +93,13 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
             "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
         })
     return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
+
+
+def _shared_expert_size(cfg: ModelConfig) -> int:
+    """Width of a sparse layer's always-on shared expert(s) (0: none)."""
+    if cfg.mla is not None:
+        return cfg.mla.n_shared_experts * cfg.moe_intermediate_size
+    return cfg.hybrid.shared_expert_intermediate_size if cfg.hybrid is not None else 0
 
 
 def _attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
@@ -111,7 +128,7 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
     """Tinker's LoraConfig switches → target projection names (train_mlp covers dense MLPs and
     experts alike; a model's adapter gets those of them it has)."""
     return (
-        (ATTN_TARGETS + MLA_TARGETS if train_attn else ())
+        (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS if train_attn else ())
         + (MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS if train_mlp else ())
         + ((UNEMBED_TARGET,) if train_unembed else ())
     )

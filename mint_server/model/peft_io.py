@@ -28,6 +28,7 @@ from mint_server.model.lora import (
     ALL_TARGETS,
     ATTN_TARGETS,
     EXPERT_PREFIX,
+    LINEAR_TARGETS,
     MLA_TARGETS,
     SHARED_PREFIX,
     UNEMBED_TARGET,
@@ -48,7 +49,8 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
 _KEY = re.compile(
-    r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.)?(experts\.(?:(\d+)\.)?|shared_experts\.)?"
+    r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.)?"
+    r"(experts\.(?:(\d+)\.)?|shared_experts?\.)?"
     r"(\w+)\.lora_([AB])\.weight$"
 )
 
@@ -71,9 +73,11 @@ class LoraWeights:
         return None
 
 
-def peft_key(target: str, layer: int, which: str, expert: int | None = None, decoder: str = "model.") -> str:
+def peft_key(target: str, layer: int, which: str, expert: int | None = None, decoder: str = "model.",
+             shared: str = "shared_experts") -> str:
     """The PEFT tensor name; expert targets: packed without `expert`, per-expert with it. decoder: the
-    module path of the decoder layers (`decoder_prefix`: a vision-language model's is nested)."""
+    module path of the decoder layers (`decoder_prefix`: a vision-language model's is nested). shared:
+    the shared experts' module name (DeepSeek's `shared_experts`, Qwen3.5's `shared_expert`)."""
     if target == UNEMBED_TARGET:
         return f"base_model.model.lm_head.lora_{which}.weight"
     layers = f"base_model.model.{decoder}layers.{layer}"
@@ -82,8 +86,8 @@ def peft_key(target: str, layer: int, which: str, expert: int | None = None, dec
         experts = "experts." if expert is None else f"experts.{expert}."
         return f"{layers}.mlp.{experts}{proj}.lora_{which}.weight"
     if target.startswith(SHARED_PREFIX):
-        return f"{layers}.mlp.shared_experts.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
-    block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS else "mlp"
+        return f"{layers}.mlp.{shared}.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
+    block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS else "linear_attn" if target in LINEAR_TARGETS else "mlp"
     return f"{layers}.{block}.{target}.lora_{which}.weight"
 
 
@@ -111,6 +115,7 @@ def peft_tensors(adapter: LoraWeights, cfg: ModelConfig | int, moe_layout: str =
         raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {moe_layout!r}")
     tensors = {}
     decoder = decoder_prefix(cfg)
+    shared = "shared_expert" if isinstance(cfg, ModelConfig) and cfg.hybrid is not None else "shared_experts"
     for t, (a, b) in adapter.weights.items():
         a, b = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
         per_expert = t.startswith(EXPERT_PREFIX) and moe_layout == "per-expert"
@@ -120,8 +125,8 @@ def peft_tensors(adapter: LoraWeights, cfg: ModelConfig | int, moe_layout: str =
                     tensors[peft_key(t, layer, "A", e, decoder)] = a[i, e].contiguous()
                     tensors[peft_key(t, layer, "B", e, decoder)] = b[i, e].contiguous()
             else:
-                tensors[peft_key(t, layer, "A", decoder=decoder)] = a[i].contiguous()
-                tensors[peft_key(t, layer, "B", decoder=decoder)] = b[i].contiguous()
+                tensors[peft_key(t, layer, "A", decoder=decoder, shared=shared)] = a[i].contiguous()
+                tensors[peft_key(t, layer, "B", decoder=decoder, shared=shared)] = b[i].contiguous()
     return tensors
 
 
@@ -225,7 +230,7 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
     found: dict[str, dict[int, dict[int | None, dict[str, torch.Tensor]]]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
-        prefix = "" if m is None or not m.group(2) else (SHARED_PREFIX if m.group(2) == "shared_experts." else EXPERT_PREFIX)
+        prefix = "" if m is None or not m.group(2) else (SHARED_PREFIX if m.group(2).startswith("shared_expert") else EXPERT_PREFIX)
         target = None if m is None else prefix + m.group(4)
         if m is None or target not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_name}")

@@ -2,8 +2,9 @@
 
 Counts, not measurements: base parameters by part, their bytes per GPU under tensor parallelism for
 attention / dense MLPs / the vocabulary and expert parallelism for the routed experts, the KV cache
-per token (MLA's latent cache vs expanded per-head K/V), LoRA bytes per unit of rank, and how many
-adapters fit in each residency tier. See docs/scale-up.md.
+per token (MLA's latent cache vs expanded per-head K/V; hybrid bases: only their attention layers, plus
+a fixed recurrent state per sequence for their linear-attention layers), LoRA bytes per unit of rank,
+and how many adapters fit in each residency tier. See docs/scale-up.md.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class Plan:
     fits: bool
     sliding_layers: int = 0  # layers that attend to only the last `sliding_window` positions (gpt-oss)
     sliding_window: int = 0
+    # hybrid bases (Qwen3.5): each sequence's conv + delta-rule state over all linear-attention layers,
+    # whatever its length (0 for other bases); per GPU under tp (linear-attention heads split)
+    state_bytes_per_sequence: int = 0
+    state_bytes_per_sequence_per_gpu: int = 0
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
@@ -65,11 +70,18 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     if f.attention_bias:  # q/k/v biases (gpt-oss: o_proj's too, and a sink logit per head)
         attn += (H + 2 * cfg.num_kv_heads) * cfg.head_dim + (h if f.o_bias else 0) + (H if f.sinks else 0)
     expert = 3 * h * cfg.moe_intermediate_size + (2 * cfg.moe_intermediate_size + h if f.sinks else 0)  # + biases
+    linear = 0
+    if (hy := cfg.hybrid) is not None:  # Qwen3.5: q_proj also yields the gate; q/k norms; gated shared expert
+        attn += h * H * cfg.head_dim + 2 * cfg.head_dim
+        linear = len(hy.linear_layers) * (h * (hy.conv_dim + hy.value_dim + 2 * hy.num_v_heads) + hy.value_dim * h
+                                          + hy.conv_dim * hy.conv_kernel + 2 * hy.num_v_heads + hy.v_head_dim)
+        shared = 3 * h * hy.shared_expert_intermediate_size + h if hy.shared_expert_intermediate_size else 0
     sparse, dense = len(cfg.sparse_layers), len(cfg.dense_layers)
     return {
         "embedding": cfg.vocab_size * h,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
-        "attention": L * (attn + 2 * h),
+        "attention": len(cfg.attention_layers) * attn + L * 2 * h,
+        "linear_attn": linear,
         "indexer": indexers * indexer,
         "dense_mlp": dense * 3 * h * cfg.intermediate_size,
         "routed_experts": sparse * cfg.num_experts * expert,
@@ -110,10 +122,12 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     rest = sum(params.values()) - experts - tower
     base_gpu = int((rest / tp + experts / ep + tower) * weight_bytes)
     latent, full = kv_elems_per_token(cfg)
-    L = cfg.num_layers
-    # Under tensor-parallel attention per-head K/V shard by head; MLA's latent is shared by all heads,
-    # so each rank keeps all of it (data-parallel attention would split sequences instead).
-    kv_tok_gpu = (latent * L * kv_bytes) if latent is not None else -(-full * L * kv_bytes // tp)
+    L = len(cfg.attention_layers)
+    # Under tensor-parallel attention per-head K/V shard by head (a KV head is replicated on the ranks
+    # that share it when tp > KV heads); MLA's latent is shared by all heads, so each rank keeps all of
+    # it (data-parallel attention would split sequences instead).
+    kv_split = min(tp, cfg.num_kv_heads)
+    kv_tok_gpu = (latent * L * kv_bytes) if latent is not None else -(-full * L * kv_bytes // kv_split)
     per_rank = lora_params_per_rank(cfg)
     adapter = per_rank * rank * lora_bytes
     adapter_gpu = -(-adapter // gpus)
@@ -121,6 +135,9 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     free = int(gpu_mem_gib * GIB * mem_util) - base_gpu
     kv_budget = max(0, int(free * kv_fraction))
     kv_tokens = kv_budget // kv_tok_gpu if kv_tok_gpu else 0
+    state = cfg.hybrid.state_bytes(kv_bytes) if cfg.hybrid is not None else 0
+    state_gpu = -(-state // min(tp, cfg.hybrid.num_k_heads)) if cfg.hybrid is not None else 0
+    sequences = kv_budget // (context * kv_tok_gpu + state_gpu) if kv_tok_gpu or state_gpu else 0
     slots_mem = max(0, free - kv_budget)
     return Plan(
         architecture=cfg.architecture, gpus=gpus, tp=tp, ep=ep, params=params, base_bytes_per_gpu=base_gpu,
@@ -128,10 +145,11 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
         kv_bytes_per_token_full=full * L * kv_bytes, kv_bytes_per_token_per_gpu=kv_tok_gpu,
         lora_params_per_rank=per_rank, adapter_bytes=adapter, adapter_bytes_per_gpu=adapter_gpu,
         train_adapter_bytes_per_gpu=train_gpu, kv_budget_bytes_per_gpu=kv_budget, kv_tokens=kv_tokens,
-        sequences_at_context=kv_tokens // context, device_adapters_per_gpu=slots_mem // max(adapter_gpu, 1),
+        sequences_at_context=sequences, device_adapters_per_gpu=slots_mem // max(adapter_gpu, 1),
         device_training_adapters_per_gpu=slots_mem // max(train_gpu, 1),
         host_adapters=int(host_mem_gib * GIB) // max(adapter, 1), fits=free > 0,
         sliding_layers=sum(1 for i in range(L) if cfg.window(i)), sliding_window=cfg.sliding_window,
+        state_bytes_per_sequence=state, state_bytes_per_sequence_per_gpu=state_gpu,
     )
 
 
@@ -152,6 +170,9 @@ def render(p: Plan, rank: int, context: int) -> str:
     if p.sliding_layers:
         lines.append(f"  ({p.sliding_layers} sliding-window layers attend to the last {p.sliding_window:,} positions only; "
                      "MinT still caches every position of every layer)")
+    if p.state_bytes_per_sequence:
+        lines.append(f"recurrent state per sequence {p.state_bytes_per_sequence:,} B (linear-attention layers, any "
+                     f"length; {p.state_bytes_per_sequence_per_gpu:,} B per GPU)")
     lines.append(f"KV per token per GPU      {p.kv_bytes_per_token_per_gpu:,} B; budget {gib(p.kv_budget_bytes_per_gpu)}"
                  f" = {p.kv_tokens:,} positions = {p.sequences_at_context:,} sequences of {context:,}")
     lines.append(f"LoRA params per rank      {p.lora_params_per_rank:,}; rank {rank} adapter {gib(p.adapter_bytes)}"

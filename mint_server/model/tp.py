@@ -95,6 +95,9 @@ def check_supported(cfg: ModelConfig, world: int) -> None:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (MLA attention) yet")
     if cfg.vision is not None and world > 1:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (image input) yet")
+    if cfg.hybrid is not None and world > 1:
+        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} "
+                                  "(linear-attention layers and their recurrent state) yet")
     dims = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "vocab_size": cfg.vocab_size}
     if cfg.dense_layers:

@@ -7,6 +7,7 @@ adapter each row uses) and an optional `KVCache` view (which cache blocks each r
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    dim = cfg.head_dim
+    dim = cfg.head_dim if cfg.hybrid is None else cfg.hybrid.rotary_dim  # Qwen3.5: partial rotary
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rs = cfg.rope_scaling
     if rs and (rs.get("rope_type") or rs.get("type")) == "yarn":
@@ -131,7 +132,10 @@ class KVCache:
         # already the [rows, positions, ...] attention wants, with no copy to reorder it. Pools:
         # k, v [kv_heads, head_dim] (here as .k / .v); MLA's latent + rope key (+ V3.2's indexer key).
         # Zeros, not empty: masked keys get weight 0 and 0 · NaN would still poison a row.
-        self.pools = {name: torch.zeros((cfg.num_layers, num_blocks, block_size, *shape), device=device, dtype=dtype)
+        # Layers: those with softmax attention (a hybrid base's linear-attention layers keep a
+        # recurrent state instead, model/recurrent_state.py); layer i of the pools is the i-th of them.
+        layers = len(cfg.attention_layers)
+        self.pools = {name: torch.zeros((layers, num_blocks, block_size, *shape), device=device, dtype=dtype)
                       for name, shape in kv_token_shapes(cfg).items()}
         if "k" in self.pools:
             self.k, self.v = self.pools["k"], self.pools["v"]
@@ -173,7 +177,7 @@ def kv_token_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Cache bytes one token position costs, all layers together (the sampler's budget unit)."""
     elems = sum(math.prod(s) for s in kv_token_shapes(cfg).values())
-    return elems * cfg.num_layers * torch.empty((), dtype=dtype).element_size()
+    return elems * len(cfg.attention_layers) * torch.empty((), dtype=dtype).element_size()
 
 
 class CacheView:
@@ -184,6 +188,9 @@ class CacheView:
     each query token's absolute position. Attention reads only the first ⌈(max position + 1) / bs⌉
     blocks, so its cost follows the longest sequence in the batch, not the cache's capacity.
     """
+
+    # Hybrid bases: each sequence's recurrent-state slot (recurrent_state.StateView), set by whoever builds the view.
+    states: Any = None
 
     def __init__(self, cache: KVCache, block_table: Tensor, positions: Tensor) -> None:
         self.cache, self.positions = cache, positions
