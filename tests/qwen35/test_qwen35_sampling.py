@@ -159,6 +159,36 @@ def test_preempted_and_forked_samples_equal_unpreempted(q35_dir):
     assert [[s.tokens for s in f.result().sequences] for f in heavy] == alone
 
 
+def test_a_prompt_preempted_mid_prefill_resumes_from_its_state(q35_dir):
+    """A long prompt of a busy key is preempted between two of its chunks (its computed KV and its
+    recurrent state go to host memory, its blocks and state slot back); after the quiet request, it
+    resumes from that state, no chunk recomputed, and samples what it samples unpreempted."""
+    model, residency, ids = setup(q35_dir, adapters=((4, 31),))
+    long_prompt = prompt_of(61, 60)
+    p = types.SamplingParams(stop=[], max_tokens=10, temperature=1.0, seed=5)
+    quiet_p = types.SamplingParams(stop=[], max_tokens=8, temperature=0.0)
+
+    def solo(aid, prompt, params, n):
+        s = sampler_of(model, residency, kv_slots=1, max_seq_len=88)
+        f = s.submit(aid, prompt, n, params)
+        drain(s)
+        return [q.tokens for q in f.result().sequences]
+
+    alone, quiet_alone = solo(ids[0], long_prompt, p, 2), solo(None, prompt_of(62, 5), quiet_p, 1)
+    sampler = sampler_of(model, residency, kv_slots=1, max_seq_len=88, max_step_tokens=8)  # 11 blocks
+    heavy = sampler.submit(ids[0], long_prompt, 2, p, key="heavy")
+    sampler.step()
+    sampler.step()
+    assert sampler._groups[0].computed == 16 and sampler.pool.available == 0
+    quiet = sampler.submit(None, prompt_of(62, 5), 1, quiet_p, key="quiet")
+    sampler.step()
+    assert sampler.stats.preempted == 1 and sampler._groups[0].swapped is not None
+    drain(sampler)
+    assert sampler.stats.resumed == sampler.stats.preempted and sampler.stats.prefill_tokens == 60 + 5
+    assert [s.tokens for s in quiet.result().sequences] == quiet_alone
+    assert [s.tokens for s in heavy.result().sequences] == alone
+
+
 def test_chunked_prompts_and_cancels_give_every_slot_back(q35_dir):
     """Prompts longer than the step budget (prefilled in chunks beside decode rows), identical prompts
     sharing one prefill, a score-only request and a cancelled one: greedy tokens as alone, and every
