@@ -29,6 +29,7 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState
+from mint_server.engine.grammar import Grammars
 from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.jobs import (
     AdapterRef,
@@ -116,7 +117,8 @@ class LocalEngine(JobParsing):
                                       model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.limits.max_grammar_chars)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, self.grammars)
         self._cv = threading.Condition()
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
         self.runner: Runner | None = None
@@ -135,7 +137,7 @@ class LocalEngine(JobParsing):
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
-            step_overhead_tokens=s.step_overhead_tokens or 0,
+            step_overhead_tokens=s.step_overhead_tokens or 0, grammars=self.grammars,
         )
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False

@@ -45,6 +45,7 @@ from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
 from mint_server.engine.executor import Executor, StepBatch
+from mint_server.engine.grammar import Grammars
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
@@ -52,6 +53,7 @@ from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import (
     PromptScores,
     choose_tokens,
+    logit_biases,
     penalties,
     sample_seed,
     seen_tokens,
@@ -176,6 +178,7 @@ class _Row:
     last_token_at: float = 0.0
     done: bool = False
     pool: BlockPool | None = None  # for held_blocks
+    grammar: Any = None  # its own grammar matcher (grammar.Grammars.start), from its first token
 
     # scheduler.Work
     key = property(lambda self: self.request.key)
@@ -288,6 +291,7 @@ class Sampler:
         max_slowdown: float = 2.0,
         step_overhead_tokens: int = 0,
         dedupe_prompts: bool = True,
+        grammars: Grammars | None = None,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
 
@@ -302,6 +306,7 @@ class Sampler:
         self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
         self.dedupe_prompts = dedupe_prompts
+        self.grammars = grammars  # the engine's (its Preparer accepts response_format only with them)
         self.device = model.embed_tokens.weight.device
         self.executor = Executor(model, residency.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
                                  block_size, runner=residency.runner)
@@ -724,6 +729,15 @@ class Sampler:
                           torch.tensor([p.repetition_penalty for p in params], device=dev))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
+        constrained = [j for j, p in enumerate(params) if p.grammar is not None]
+        allowed = None
+        if constrained:
+            assert self.grammars is not None  # the Preparer accepts a grammar only when the engine has them
+            for j in constrained:  # a sample's first token: a matcher of its own (samples fork here)
+                if rows[j].grammar is None:
+                    rows[j].grammar = self.grammars.start(params[j].grammar)
+            allowed = (torch.tensor(constrained, device=dev),
+                       self.grammars.masks([rows[j].grammar for j in constrained]).to(dev))
         top_n = max(r.request.job.top_logprobs for r in rows)
         chosen = choose_tokens(
             logits,
@@ -735,6 +749,8 @@ class Sampler:
             top_n=top_n,
             repetition=repetition,
             min_p=min_p,
+            allowed=allowed,
+            bias=logit_biases([p.logit_bias for p in params], dev),
         )
         top_ids = top_lps = None
         if chosen.top_ids is not None and chosen.top_logprobs is not None:
@@ -760,7 +776,8 @@ class Sampler:
                 except Exception:  # a listener's bug must not fail the batch; the future still answers
                     log.exception("token callback failed")
             p = req.params
-            if p.stop.hit(r.tokens):
+            complete = r.grammar is not None and Grammars.advance(r.grammar, t)  # its grammar is complete
+            if complete or p.stop.hit(r.tokens):
                 self._finish(r, "stop")
             elif len(r.tokens) >= p.max_tokens:
                 self._finish(r, "length")

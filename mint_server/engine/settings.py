@@ -173,6 +173,8 @@ class EngineLimits:
     max_top_logprobs: int = 20  # alternatives per sampled token (0: none)
     max_stop_sequences: int = 16  # stop strings or stop token ids per request (OpenAI's own bound is 4)
     max_stop_chars: int = 256  # per stop string
+    max_logit_bias: int = 1024  # tokens one request's logit_bias may name
+    max_grammar_chars: int = 65536  # a response_format (its JSON) — a JSON schema, regex or grammar
 
     @classmethod
     def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,
