@@ -252,8 +252,8 @@ def decode_streams(model: Any, tok: Any, grammars: Any) -> dict[str, list[int]]:
 
     residency = AdapterRegistry(model.config, num_slots=1, max_rank=8)
     prompt = chat_prompt(tok)
-    s = SamplerHarness(model, residency, kv_slots=4, max_seq_len=len(prompt) + 200, tokenizer=tok, grammars=grammars)
-    futures = {name: s.submit(None, prompt, 1, types.SamplingParams(max_tokens=160, temperature=0.0),
+    s = SamplerHarness(model, residency, kv_slots=4, max_seq_len=len(prompt) + 100, tokenizer=tok, grammars=grammars)
+    futures = {name: s.submit(None, prompt, 1, types.SamplingParams(max_tokens=80, temperature=0.0),
                               response_format={"type": "json_schema", "json_schema": {"schema": schema}})
                for name, schema in SCHEMAS.items()}
     while s.has_work():
@@ -270,7 +270,7 @@ def decode_streams(model: Any, tok: Any, grammars: Any) -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="8,32")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--skip-libraries", action="store_true")
     args = ap.parse_args()
     from transformers import AutoTokenizer

@@ -64,9 +64,18 @@ class Grammar:
 
 
 def parse_response_format(value: Any, where: str, max_chars: int) -> Grammar | None:
-    """`response_format` → a Grammar (None for "text" or no value); EngineError names the field.
+    """`response_format` → a Grammar (None for "text" or no value); EngineError names the field (see
+    `_parse`). Whatever the library raises on a malformed input is the input's fault too."""
+    try:
+        return _parse(value, where, max_chars)
+    except (ValueError, TypeError, RuntimeError) as e:  # RecursionError included: a schema nested too deep
+        if isinstance(e, EngineError):
+            raise
+        raise EngineError(f"{where}: {e}") from None
 
-    {"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name",
+
+def _parse(value: Any, where: str, max_chars: int) -> Grammar | None:
+    """{"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {"name",
     "description", "schema", "strict"}} | {"type": "regex", "regex": str} | {"type": "lark", "lark": str}
     (llguidance's Lark, where `%json {...}` embeds a schema). json_object and json_schema may also
     carry "prefix" / "suffix": literal text around the JSON (tool calls: "<tool_call>\\n" … ).
