@@ -246,17 +246,18 @@ class Core:
     def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput,
                    num_samples: int, params: types.SamplingParams, prompt_logprobs: bool = False,
                    topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0,
-                   priority: str | None = None) -> Any:
+                   priority: str | None = None, controls: dict[str, Any] | None = None) -> Any:
         """Parse a sample request (EngineError naming the field); fair admission is keyed by owner.
         Tinker sampling is rollout work unless the request lowers it (`priority`: "batch"). The prompt
-        goes to the engine as it came: its parser reads image chunks (or refuses them by name)."""
+        goes to the engine as it came: its parser reads image chunks (or refuses them by name).
+        `controls`: prepare_sample's keyword controls (penalties, min_p, logit_bias, response_format)."""
         try:
             klass = Priority.lowered(priority, Priority.ROLLOUT)
         except EngineError as e:
             raise InvalidInput(f"X-Mint-Priority header: {str(e).partition(': ')[2]}") from None
         return self.engine.prepare_sample(source, prompt, num_samples, params, prompt_logprobs,
                                           topk_prompt_logprobs, record=record, key=owner,
-                                          top_logprobs=top_logprobs, priority=klass)
+                                          top_logprobs=top_logprobs, priority=klass, **(controls or {}))
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
         """Accept any name of the served base model: its hub id, its short name or its checkpoint dir.

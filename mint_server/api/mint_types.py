@@ -1,13 +1,15 @@
-"""Wire shapes of the two mindlab-toolkit extension endpoints (`/api/v1/mint/...`).
+"""Wire shapes that are not in the `tinker` package (docs/wire-protocol.md): the two
+mindlab-toolkit extension endpoints (`/api/v1/mint/...`), and the sampling controls that
+`/api/v1/asample` takes beyond tinker's SamplingParams.
 
-These are the only wire types not in the `tinker` package: mindlab-toolkit pins tinker 0.22 and
-cannot be a server dependency, so the shapes (see docs/wire-protocol.md) are declared here.
-Requests ignore unknown fields, like the client's own models do.
+mindlab-toolkit pins tinker 0.22 and cannot be a server dependency, so its shapes are declared here;
+those requests ignore unknown fields, like the client's own models do. Sampling params do not: a
+field this server does not know is a 400 naming it, never silently dropped.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 from tinker import types
@@ -62,3 +64,34 @@ class InterpolateCheckpointsResponse(_Wire):
     coefficients: list[float]
     has_rank_shards: bool = False
     type: Literal["mint_interpolate_checkpoints"] = "mint_interpolate_checkpoints"
+
+
+# --- sampling controls beyond tinker's SamplingParams ----------------------------------------------
+EXTENSIONS_HEADER = "X-Mint-Sampling-Params"
+
+
+class SamplingExtensions(BaseModel):
+    """OpenAI's and vLLM's sampling controls, on the Tinker face: in an /asample body's
+    `sampling_params`, or (the tinker SDK drops fields its SamplingParams does not declare before
+    sending) as a JSON object in the X-Mint-Sampling-Params header. The engine's job parser checks
+    the values (jobs.Preparer.sample), as it does the OpenAI face's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}
+    response_format: dict[str, Any] | None = None  # json_object / json_schema / regex / lark (engine/grammar.py)
+
+    def given(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in SamplingExtensions.model_fields
+                if getattr(self, name) is not None}
+
+
+class MintSamplingParams(types.SamplingParams, SamplingExtensions):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MintSampleRequest(types.SampleRequest):
+    sampling_params: MintSamplingParams

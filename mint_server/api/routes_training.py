@@ -16,7 +16,12 @@ from tinker import types
 from mint_server.api import codec
 from mint_server.api.auth import SERVE, TRAIN, Principal
 from mint_server.api.http import decompress, json_body, needs, ordered_ids, parse, service
-from mint_server.api.mint_types import ForwardBackwardReverseKLRequest, InterpolateCheckpointsRequest
+from mint_server.api.mint_types import (
+    EXTENSIONS_HEADER,
+    ForwardBackwardReverseKLRequest,
+    InterpolateCheckpointsRequest,
+    MintSampleRequest,
+)
 from mint_server.api.openapi import ForwardBackwardBody, ForwardBody, body_doc
 
 router = APIRouter(prefix="/api/v1")
@@ -139,11 +144,13 @@ async def get_sampler(sampler_id: str, request: Request, p: Principal = needs(SE
     return service(request).sampling.describe(p, sampler_id).model_dump(mode="json")
 
 
-@router.post("/asample", openapi_extra=body_doc(types.SampleRequest))
+@router.post("/asample", openapi_extra=body_doc(MintSampleRequest))
 async def asample(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
-    # X-Mint-Priority: a rollout may lower its own scheduling class ("batch": sweeps, evals)
-    return _future(service(request).sampling.asample(p, await parse(request, types.SampleRequest),
-                                                     priority=request.headers.get("x-mint-priority")))
+    # X-Mint-Priority: a rollout may lower its own scheduling class ("batch": sweeps, evals);
+    # X-Mint-Sampling-Params: sampling controls from clients that cannot put them in the body (the tinker SDK)
+    return _future(service(request).sampling.asample(p, await parse(request, MintSampleRequest),
+                                                     priority=request.headers.get("x-mint-priority"),
+                                                     extensions=request.headers.get(EXTENSIONS_HEADER)))
 
 
 # --- mindlab-toolkit extensions ------------------------------------------------------------------

@@ -14,11 +14,19 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
 from tinker import types
 
 from mint_server.api.auth import Principal
+from mint_server.api.codec import describe_validation_error
 from mint_server.api.core import Core, SamplingSession, TrainingModel, waits_on_engine
 from mint_server.api.futures import CompletionLog
+from mint_server.api.mint_types import (
+    EXTENSIONS_HEADER,
+    MintSampleRequest,
+    MintSamplingParams,
+    SamplingExtensions,
+)
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource
@@ -29,6 +37,20 @@ _UNSUPPORTED = {
     "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
     "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
 }
+
+
+def _controls(params: MintSamplingParams, header: str | None) -> dict[str, Any]:
+    """The sampling controls beyond tinker's own, from the body and the header (a field in both is refused)."""
+    given = params.given()
+    if header is None:
+        return given
+    try:
+        extra = SamplingExtensions.model_validate_json(header).given()
+    except ValidationError as e:
+        raise InvalidInput(f"{EXTENSIONS_HEADER} header: {describe_validation_error(e)}") from None
+    if both := sorted(extra.keys() & given.keys()):
+        raise InvalidInput(f"sampling_params.{both[0]}: given both in the body and in the {EXTENSIONS_HEADER} header")
+    return given | extra
 
 
 CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's samples from clone_id * 1e9
@@ -95,7 +117,10 @@ class SamplingService:
         s = self.sampler(p, sampler_id)
         return types.GetSamplerResponse(sampler_id=s.sampler_id, base_model=s.base_model, model_path=s.model_path)
 
-    def asample(self, p: Principal, req: types.SampleRequest, priority: str | None = None) -> types.UntypedAPIFuture:
+    def asample(self, p: Principal, req: MintSampleRequest, priority: str | None = None,
+                extensions: str | None = None) -> types.UntypedAPIFuture:
+        """`extensions`: the X-Mint-Sampling-Params header (a JSON SamplingExtensions object), for
+        clients that cannot send those fields in `sampling_params` (the tinker SDK drops them)."""
         self.core.admission.check_accepting()
         if req.sampling_session_id is None:
             raise InvalidInput("sampling_session_id is required (create one with create_sampling_session)")
@@ -108,12 +133,13 @@ class SamplingService:
                 raise InvalidInput(f"{name} is not supported by this server")
         if not 0 <= req.topk_sample_logprobs <= (most := self.engine.limits.max_top_logprobs):
             raise InvalidInput(f"topk_sample_logprobs: must be in 0..{most}, got {req.topk_sample_logprobs}")
+        controls = _controls(req.sampling_params, extensions)
         # An inflight session samples on the training model's own adapter (no copy): its newest weights.
         source = sampler.live.adapter() if sampler.live is not None else sampler.source
         job = self.core.sample_job(
             p.owner, source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
             req.topk_prompt_logprobs, record=bool(req.record_stability_info),
-            top_logprobs=req.topk_sample_logprobs, priority=priority,
+            top_logprobs=req.topk_sample_logprobs, priority=priority, controls=controls,
         )
         self.core.admission.check_samples()
         self.core.admission.samples_started()

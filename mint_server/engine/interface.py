@@ -76,12 +76,15 @@ class Engine(Protocol):
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                        priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
-                       min_p: float = 0.0) -> SampleJob:
+                       min_p: float = 0.0, logit_bias: Any = None, response_format: Any = None,
+                       stop_token_ids: Any = None) -> SampleJob:
         """`stop_at_eos` keeps EOS as a stop next to stop strings (OpenAI's `stop`; Tinker's explicit
-        stop list replaces EOS). `top_logprobs` (≤ limits.max_top_logprobs) reports that many
-        alternatives per sampled token (`SampledSequence.topk_logprobs_np`, and to `on_token`);
-        the penalties (OpenAI's frequency/presence, vLLM's repetition) and min_p shape the draw only
-        (reported logprobs stay the raw model's).
+        stop list replaces EOS); `stop_token_ids` are stops next to both. `top_logprobs` (≤
+        limits.max_top_logprobs) reports that many alternatives per sampled token
+        (`SampledSequence.topk_logprobs_np`, and to `on_token`); logit_bias ({token id: bias}), the
+        penalties (OpenAI's frequency/presence, vLLM's repetition), min_p and `response_format` (a
+        JSON schema, regex or Lark grammar the text must follow: engine/grammar.py) shape the draw
+        only (reported logprobs stay the raw model's).
         Streaming: `job.streaming(on_token, cancel)` (see SampleJob)."""
         ...
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",

@@ -23,6 +23,7 @@ from typing import Any
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
+from mint_server.engine.grammar import Grammar, Grammars
 from mint_server.engine.losses import (
     KLRow,
     LossSpec,
@@ -44,7 +45,9 @@ from mint_server.model.images import ImageError, ImageProcessing, PromptImages
 # be the argmax anyway.
 GREEDY_BELOW = 1e-5
 MAX_REPETITION_PENALTY = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: ±100 bans or forces a token
 INT64_MAX = 2**63 - 1
+EXT = "sampling_params."  # where the Tinker face carries the extension fields (the OpenAI face drops it)
 
 AdapterRef = str | AdapterSource | None  # an adapter id, a source to open, or None for the bare base
 
@@ -106,7 +109,10 @@ class SampleParams:
     # min-p filtering: tokens whose probability (after temperature, top-k, top-p) is below
     # min_p × the most likely token's are not drawn (0 = off).
     min_p: float = 0.0
-
+    # OpenAI's logit_bias: (token id, bias) pairs added to those logits before anything else shapes them.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: the sample's text stays inside this grammar (engine/grammar.py).
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -169,13 +175,15 @@ class Preparer:
 
     def __init__(self, limits: EngineLimits, eos_token_ids: Sequence[int],
                  decode: Callable[[list[int]], str] | None, records: SamplingRecordsLike | None,
-                 images: ImageProcessing | None = None) -> None:
-        """images: how the base reads image chunks (None: a base that reads tokens only)."""
+                 grammars: Grammars | None = None, images: ImageProcessing | None = None) -> None:
+        """grammars: compiles response_format (None: refused); images: how the base reads image chunks
+        (None: a base that reads tokens only)."""
         self.limits = limits
         self.eos = StopCondition(token_ids=frozenset(int(t) for t in eos_token_ids))
         self.decode = decode
         self.records = records
         self.images = images
+        self.grammars = grammars  # None: an engine without a tokenizer refuses response_format
 
     # --- training -------------------------------------------------------------------------------
     def train(self, datums: Sequence[types.Datum], loss_fn: str, loss_fn_config: dict[str, Any] | None,
@@ -254,8 +262,10 @@ class Preparer:
         prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0, *, record: bool = False, key: str = "",
         stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
+        min_p: float = 0.0, logit_bias: Any = None, response_format: Any = None, stop_token_ids: Any = None,
     ) -> SampleJob:
+        """The extension fields (penalties, min_p, logit_bias, response_format, stop_token_ids) are
+        named `sampling_params.X` in errors, where the Tinker face carries them."""
         prompt, images = self._prompt(prompt_tokens, room=1)
         lim = self.limits
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not (
@@ -269,25 +279,73 @@ class Preparer:
             raise EngineError(f"top_logprobs: must be an integer in 0..{lim.max_top_logprobs}, got {top_logprobs!r}")
         run = uuid.uuid4().hex[:16]
         parsed = self._params(params, len(prompt))
-        repetition = _finite(repetition_penalty, "repetition_penalty")
+        repetition = _finite(repetition_penalty, f"{EXT}repetition_penalty")
         if not 0 < repetition <= MAX_REPETITION_PENALTY:
-            raise EngineError(f"repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
+            raise EngineError(f"{EXT}repetition_penalty: must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), "
                               f"got {repetition_penalty!r}")
-        floor = _finite(min_p, "min_p")
+        floor = _finite(min_p, f"{EXT}min_p")
         if not 0 <= floor <= 1:
-            raise EngineError(f"min_p: must be in [0, 1] (0 = off), got {min_p!r}")
-        parsed = dataclasses.replace(parsed, frequency_penalty=_finite(frequency_penalty, "frequency_penalty"),
-                                     presence_penalty=_finite(presence_penalty, "presence_penalty"),
-                                     repetition_penalty=repetition, min_p=floor)
-        if stop_at_eos:
-            stop = dataclasses.replace(parsed.stop, token_ids=parsed.stop.token_ids | self.eos.token_ids)
-            parsed = dataclasses.replace(parsed, stop=stop)
+            raise EngineError(f"{EXT}min_p: must be in [0, 1] (0 = off), got {min_p!r}")
+        grammar = None
+        if response_format is not None:
+            if self.grammars is None:
+                raise EngineError(f"{EXT}response_format: structured output needs a tokenizer, and this engine has none")
+            grammar = self.grammars.parse(response_format, f"{EXT}response_format")
+        parsed = dataclasses.replace(parsed, frequency_penalty=_finite(frequency_penalty, f"{EXT}frequency_penalty"),
+                                     presence_penalty=_finite(presence_penalty, f"{EXT}presence_penalty"),
+                                     repetition_penalty=repetition, min_p=floor,
+                                     logit_bias=self._logit_bias(logit_bias), grammar=grammar)
+        stop_ids = self._stop_token_ids(stop_token_ids) | (self.eos.token_ids if stop_at_eos else frozenset())
+        if stop_ids:
+            parsed = dataclasses.replace(parsed, stop=dataclasses.replace(
+                parsed.stop, token_ids=parsed.stop.token_ids | stop_ids))
         return SampleJob(
             adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
             top_logprobs=top_logprobs, record=bool(record), key=key, priority=Priority(priority), images=images,
         )
+
+    def _logit_bias(self, value: Any) -> tuple[tuple[int, float], ...]:
+        """{token id (an int, or its decimal string as JSON keys are): bias in [-100, 100]}."""
+        where = f"{EXT}logit_bias"
+        if value is None:
+            return ()
+        if not isinstance(value, dict):
+            raise EngineError(f"{where}: must be an object mapping token ids to biases")
+        lim = self.limits
+        if len(value) > lim.max_logit_bias:
+            raise EngineError(f"{where}: at most {lim.max_logit_bias} tokens, got {len(value)}")
+        out: dict[int, float] = {}
+        for key, bias in value.items():
+            try:
+                token = int(key) if isinstance(key, str) else _int(key)
+            except (TypeError, ValueError):
+                raise EngineError(f"{where}: keys must be token ids, got {key!r}") from None
+            if not 0 <= token < lim.vocab_size:
+                raise EngineError(f"{where}: token id {token} is outside the vocabulary [0, {lim.vocab_size})")
+            if token in out:
+                raise EngineError(f"{where}: token id {token} appears twice")
+            b = _finite(bias, f"{where}[{key!r}]")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise EngineError(f"{where}[{key!r}]: must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias!r}")
+            if b:
+                out[token] = b
+        return tuple(out.items())
+
+    def _stop_token_ids(self, value: Any) -> frozenset[int]:
+        """Stop token ids next to stop strings (vLLM's stop_token_ids)."""
+        where = f"{EXT}stop_token_ids"
+        if value is None:
+            return frozenset()
+        if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise EngineError(f"{where}: must be a list of token ids")
+        if len(value) > self.limits.max_stop_sequences:
+            raise EngineError(f"{where}: at most {self.limits.max_stop_sequences} token ids, got {len(value)}")
+        for t in value:
+            if not 0 <= t < self.limits.vocab_size:
+                raise EngineError(f"{where}: token id {t} is outside the vocabulary [0, {self.limits.vocab_size})")
+        return frozenset(value)
 
     def score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
               priority: Priority = Priority.ROLLOUT) -> SampleJob:
@@ -496,13 +554,15 @@ class JobParsing:
                        params: types.SamplingParams, prompt_logprobs: bool = False, topk_prompt_logprobs: int = 0,
                        *, record: bool = False, key: str = "", stop_at_eos: bool = False, top_logprobs: int = 0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       repetition_penalty: float = 1.0, min_p: float = 0.0,
+                       repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: Any = None,
+                       response_format: Any = None, stop_token_ids: Any = None,
                        priority: Priority = Priority.ROLLOUT) -> SampleJob:
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
                                    topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos,
                                    top_logprobs=top_logprobs, frequency_penalty=frequency_penalty,
                                    presence_penalty=presence_penalty, priority=priority,
-                                   repetition_penalty=repetition_penalty, min_p=min_p)
+                                   repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias,
+                                   response_format=response_format, stop_token_ids=stop_token_ids)
 
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
                       priority: Priority = Priority.ROLLOUT) -> SampleJob:

@@ -29,6 +29,7 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState
+from mint_server.engine.grammar import Grammars
 from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.jobs import (
     AdapterRef,
@@ -119,7 +120,8 @@ class LocalEngine(JobParsing):
                                       image_tokens=image_tokens(cfg))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records,
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.limits.max_grammar_chars)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, self.grammars,
                                 images=image_processing(cfg, self.model_dir))
         self._cv = threading.Condition()
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
@@ -139,7 +141,7 @@ class LocalEngine(JobParsing):
                                  self.limits.max_context),
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
-            step_overhead_tokens=s.step_overhead_tokens or 0, linger_s=s.linger_s,
+            step_overhead_tokens=s.step_overhead_tokens or 0, linger_s=s.linger_s, grammars=self.grammars,
         )
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False

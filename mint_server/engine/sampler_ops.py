@@ -2,9 +2,11 @@
 
 Reported logprobs are always log_softmax of the raw model logits (temperature 1, no top-k/top-p) at
 the chosen token: exactly what the training forward computes for the same adapter and sequence, so
-importance ratios and StableReinforce compare like with like. Temperature, top-k and top-p only
-shape which token is drawn, as do OpenAI's presence and frequency penalties; the top-n
-alternatives reported next to a token come from the same raw distribution as its own logprob.
+importance ratios and StableReinforce compare like with like. Everything else only shapes which
+token is drawn, in this order: a grammar's bitmask (tokens outside it are -inf), logit_bias (added),
+the repetition penalty, the presence and frequency penalties, then temperature, top-k, top-p and
+min-p. The top-n alternatives reported next to a token come from the same raw distribution as its
+own logprob.
 
 Draws are inverse-CDF with one uniform number per row taken from that row's own generator, and
 every tensor op here is row-wise, so a row's token depends on its own logits and generator only —
@@ -36,19 +38,30 @@ class Chosen(NamedTuple):
 def choose_tokens(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
     penalty: Tensor | None = None, top_n: int = 0, repetition: tuple[Tensor, Tensor] | None = None,
-    min_p: Tensor | None = None,
+    min_p: Tensor | None = None, allowed: tuple[Tensor, Tensor] | None = None,
+    bias: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> Chosen:
     """Pick one token per row; return them with their raw logprobs (and the top_n alternatives).
 
     logits [B, V]; temperature [B] (0 = greedy); top_k [B] long (≤ 0 = no limit); top_p [B] in (0, 1];
-    uniform [B] float64 in [0, 1), ignored for greedy rows; repetition (seen [B, V] bool, factor [B])
-    or None: seen tokens' logits divided by the factor when positive, multiplied when negative;
-    penalty [B, V] or None: then subtracted (see `penalties`); min_p [B] or None (see `draw`). All of
-    them shape the logits the draw sees, never the reported logprobs.
+    uniform [B] float64 in [0, 1), ignored for greedy rows; allowed (rows [G] long, bitmask [G, ⌈V/32⌉]
+    int32) or None: those rows' tokens whose bit is 0 get -inf (grammar.Grammars.masks; other rows are
+    untouched); bias (rows, token ids, values), each [N], or None: added to those logits (see
+    `logit_biases`); repetition (seen [B, V] bool, factor [B]) or None: seen tokens' logits divided
+    by the factor when positive, multiplied when negative; penalty [B, V] or None: then subtracted
+    (see `penalties`); min_p [B] or None (see `draw`). All of them shape the logits the draw sees,
+    never the reported logprobs.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     shaped = logits
+    if allowed is not None:
+        rows, bits = allowed
+        shaped = shaped.clone()
+        shaped[rows] = shaped[rows].masked_fill(~unpack_bitmask(bits, shaped.shape[-1]), float("-inf"))
+    if bias is not None:
+        rows, ids, values = bias
+        shaped = shaped.index_put((rows, ids), values.float(), accumulate=True)
     if repetition is not None:
         seen, factor = repetition
         f = factor[:, None].float()
@@ -73,6 +86,22 @@ def choose_tokens(
     if top_n > 0:
         top_logprobs, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
     return Chosen(tokens, logp.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)
+
+
+def unpack_bitmask(bits: Tensor, vocab: int) -> Tensor:
+    """[G, W] int32 → [G, vocab] bool: token t is allowed where bit t % 32 of word t // 32 is 1."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]
+
+
+def logit_biases(biases: Sequence[Sequence[tuple[int, float]]], device: torch.device) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Each row's (token id, bias) pairs as (rows, token ids, values) for `choose_tokens`; None if none."""
+    flat = [(i, t, b) for i, pairs in enumerate(biases) for t, b in pairs]
+    if not flat:
+        return None
+    rows, ids, values = zip(*flat, strict=True)
+    return (torch.tensor(rows, device=device), torch.tensor(ids, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))
 
 
 def penalties(histories: Sequence[Sequence[int]], frequency: Sequence[float], presence: Sequence[float],

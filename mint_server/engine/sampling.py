@@ -44,6 +44,7 @@ from tinker import types
 from tinker.types.topk_logprobs import TopkLogprobs
 
 from mint_server.engine.executor import Executor, StepBatch
+from mint_server.engine.grammar import Grammars
 from mint_server.engine.jobs import SampleJob
 from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
@@ -51,6 +52,7 @@ from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import (
     PromptScores,
     choose_tokens,
+    logit_biases,
     penalties,
     sample_seed,
     seen_tokens,
@@ -178,6 +180,7 @@ class _Row:
     done: bool = False
     pool: BlockPool | None = None  # for held_blocks
     state: int = 0  # hybrid bases: its recurrent-state slot while running (state_cache.py; 0: none)
+    grammar: Any = None  # its own grammar matcher (grammar.Grammars.start), from its first token
 
     # scheduler.Work
     key = property(lambda self: self.request.key)
@@ -318,6 +321,7 @@ class Sampler:
         step_overhead_tokens: int = 0,
         dedupe_prompts: bool = True,
         linger_s: float = 0.0,
+        grammars: Grammars | None = None,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
 
@@ -332,6 +336,7 @@ class Sampler:
         self.vocab_size, self.max_seq_len = cfg.vocab_size, max_seq_len
         self.block_size, self.max_batch_rows = block_size, max_batch_rows
         self.dedupe_prompts = dedupe_prompts
+        self.grammars = grammars  # the engine's (its Preparer accepts response_format only with them)
         self.device = model.embed_tokens.weight.device
         # --- hybrid bases: a recurrent-state slot per sequence in flight (state_cache.py)
         self.states = StateSlots(max_batch_rows + 1) if cfg.hybrid is not None else None
@@ -844,6 +849,15 @@ class Sampler:
                           torch.tensor([p.repetition_penalty for p in params], device=dev))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
+        constrained = [j for j, p in enumerate(params) if p.grammar is not None]
+        allowed = None
+        if constrained:
+            assert self.grammars is not None  # the Preparer accepts a grammar only when the engine has them
+            for j in constrained:  # a sample's first token: a matcher of its own (samples fork here)
+                if rows[j].grammar is None:
+                    rows[j].grammar = self.grammars.start(params[j].grammar)
+            allowed = (torch.tensor(constrained, device=dev),
+                       self.grammars.masks([rows[j].grammar for j in constrained]).to(dev))
         top_n = max(r.request.job.top_logprobs for r in rows)
         chosen = choose_tokens(
             logits,
@@ -855,6 +869,8 @@ class Sampler:
             top_n=top_n,
             repetition=repetition,
             min_p=min_p,
+            allowed=allowed,
+            bias=logit_biases([p.logit_bias for p in params], dev),
         )
         top_ids = top_lps = None
         if chosen.top_ids is not None and chosen.top_logprobs is not None:
@@ -880,7 +896,8 @@ class Sampler:
                 except Exception:  # a listener's bug must not fail the batch; the future still answers
                     log.exception("token callback failed")
             p = req.params
-            if p.stop.hit(r.tokens):
+            complete = r.grammar is not None and Grammars.advance(r.grammar, t)  # its grammar is complete
+            if complete or p.stop.hit(r.tokens):
                 self._finish(r, "stop")
             elif len(r.tokens) >= p.max_tokens:
                 self._finish(r, "length")

@@ -195,6 +195,8 @@ class EngineLimits:
     # Image input (vision-language bases): the token ids an image is written with — vision start, the
     # image placeholder (one per image token), vision end; None: the base reads tokens only.
     image_tokens: tuple[int, int, int] | None = None
+    max_logit_bias: int = 1024  # tokens one request's logit_bias may name
+    max_grammar_chars: int = 65536  # a response_format (its JSON) — a JSON schema, regex or grammar
 
     @classmethod
     def of(cls, settings: EngineSettings, *, base_model: str, arch: str, vocab_size: int, model_context: int,

@@ -192,6 +192,25 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     return (content if content.strip() else None), calls
 
 
+def forced_call_format(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
+    """The `response_format` that makes the reply one tool call in the Hermes format: a call of the
+    function `name`, or of any of `tools` (`tool_choice: "required"`), whose arguments follow the
+    function's parameters schema (a function without one takes no arguments: `{}`)."""
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                      "properties": {"name": {"const": fn["name"]},
+                                     "arguments": fn.get("parameters") or {"type": "object", "maxProperties": 0}}})
+    if not calls:
+        raise ChatError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return {"type": "json_schema", "json_schema": {"name": "tool_call", "schema": schema},
+            "prefix": TOOL_CALL_OPEN + "\n", "suffix": "\n" + TOOL_CALL_CLOSE}
+
+
 class ToolCallGate:
     """Streams content until a tool call begins; after that, holds everything for parse_tool_calls."""
 

@@ -33,8 +33,10 @@ def limits_for(cfg: ModelConfig, max_context: int | None = None, max_rank: int =
                         max_num_samples=max_num_samples, max_top_k=cfg.vocab_size, loss_fns=frozenset(LOSSES))
 
 
-def preparer(cfg: ModelConfig, records: Any = None, tokenizer: Any = None, **limits: Any) -> Preparer:
-    return Preparer(limits_for(cfg, **limits), cfg.eos_token_ids, tokenizer.decode if tokenizer else None, records)
+def preparer(cfg: ModelConfig, records: Any = None, tokenizer: Any = None, grammars: Any = None,
+             **limits: Any) -> Preparer:
+    return Preparer(limits_for(cfg, **limits), cfg.eos_token_ids, tokenizer.decode if tokenizer else None, records,
+                    grammars)
 
 
 def train_job(trainer: Any, adapter_id: str | None, datums: list, loss_fn: str = "cross_entropy",
@@ -49,10 +51,10 @@ class SamplerHarness:
 
     def __init__(self, model: Any, residency: Residency, *, kv_slots: int = 8, max_seq_len: int = 96,
                  records: Any = None, tokenizer: Any = None, decode: Any = None, max_num_samples: int = 1024,
-                 max_step_tokens: int = 16384, **sampler_kw: Any) -> None:
+                 max_step_tokens: int = 16384, grammars: Any = None, **sampler_kw: Any) -> None:
         self.residency = residency
         self.prep = preparer(model.config, records=records, tokenizer=tokenizer, max_context=max_seq_len,
-                             max_num_samples=max_num_samples, max_rank=residency.bank.max_rank)
+                             max_num_samples=max_num_samples, max_rank=residency.bank.max_rank, grammars=grammars)
         if decode is not None:
             self.prep.decode = decode
         if "eos_token_ids" in sampler_kw:
@@ -60,7 +62,7 @@ class SamplerHarness:
 
             self.prep.eos = StopCondition(token_ids=frozenset(sampler_kw.pop("eos_token_ids")))
         self.sampler = Sampler(model, residency, kv_budget_tokens=kv_slots * max_seq_len, max_seq_len=max_seq_len,
-                               records=records, max_step_tokens=max_step_tokens, **sampler_kw)
+                               records=records, max_step_tokens=max_step_tokens, grammars=grammars, **sampler_kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sampler, name)

@@ -220,3 +220,120 @@ def test_inverse_cdf_equals_one_cumulative_sum(vocab):
     got = inverse_cdf(probs, u)
     assert torch.equal(got, expected)
     assert bool((probs.gather(1, got[:, None]) > 0).all())
+def reference_shaped(logits: np.ndarray, allowed: np.ndarray | None, bias: dict[int, float], seen: set[int],
+                     repetition: float, generated: list[int], frequency: float, presence: float) -> np.ndarray:
+    """The logits a row's draw sees, written out token by token (float64): the grammar's mask, then
+    logit_bias, then the repetition penalty, then the presence and frequency penalties."""
+    z = logits.astype(np.float64).copy()
+    for t in range(len(z)):
+        if allowed is not None and not allowed[t]:
+            z[t] = -np.inf
+            continue
+        z[t] += bias.get(t, 0.0)
+        if t in seen:
+            z[t] = z[t] / repetition if z[t] > 0 else z[t] * repetition
+        count = generated.count(t)
+        z[t] -= frequency * count + presence * (count > 0)
+    return z
+
+
+def reference_probs(z: np.ndarray, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """softmax(z / T), then the top k, then the smallest top set with mass ≥ top_p, then the tokens
+    with at least min_p × the likeliest one's probability; renormalised."""
+    p = np.exp(z / temperature - (z / temperature).max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros(len(p), dtype=bool)
+    kept = order[: top_k if top_k > 0 else len(p)]
+    q = p[kept] / p[kept].sum()
+    n = int(np.searchsorted(np.cumsum(q), top_p - 1e-12) + 1)
+    keep[kept[:n]] = True
+    keep &= p >= min_p * p[order[0]]
+    out = np.where(keep, p, 0.0)
+    return out / out.sum()
+
+
+def test_every_control_per_row_in_one_mixed_batch_matches_its_reference_formula():
+    """Eight rows, each with its own mix of grammar mask, logit_bias, repetition / presence /
+    frequency penalties, temperature, top-k, top-p and min-p (greedy and drawn), chosen in one
+    batch: a greedy row picks the reference's argmax; a drawn row's token is the one whose slice of
+    the reference CDF holds its uniform number. Reported logprobs and alternatives stay the raw
+    model's, and rows without a control are untouched by the others'."""
+    from mint_server.engine.sampler_ops import logit_biases
+
+    vocab, rows = 70, 8
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(rows, vocab, generator=g) * 2
+    allowed = torch.rand(rows, vocab, generator=g) < 0.4
+    allowed[:, 5] = True  # every mask allows something
+    cases = [  # grammar, bias, repetition, frequency, presence, temperature, top_k, top_p, min_p
+        (False, {}, 1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0),  # plain greedy
+        (True, {}, 1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0),  # grammar, greedy
+        (True, {3: 5.0, 9: -100.0}, 1.3, 0.5, 0.2, 0.9, 0, 1.0, 0.0),
+        (False, {int(logits[3].argmax()): -100.0, 11: 2.5}, 1.0, 0.0, 0.0, 0.0, 0, 1.0, 0.0),
+        (False, {}, 2.0, 0.0, 0.0, 1.2, 10, 0.9, 0.05),
+        (True, {7: 100.0}, 1.0, 0.0, 1.5, 1.0, 0, 0.8, 0.1),  # +100 on a token the grammar may forbid
+        (False, {1: 0.7}, 1.0, 1.0, 0.0, 0.7, 4, 1.0, 0.0),
+        (False, {}, 1.0, 0.0, 0.0, 1.0, 0, 1.0, 0.0),  # plain draw
+    ]
+    prompts = [torch.randint(0, vocab, (6,), generator=g).tolist() for _ in range(rows)]
+    generated = [torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(rows)]
+    uniform = torch.rand(rows, generator=g, dtype=torch.float64)
+    grammar_rows = [i for i, c in enumerate(cases) if c[0]]
+    packed = torch.zeros(len(grammar_rows), (vocab + 31) // 32, dtype=torch.int64)
+    for j, i in enumerate(grammar_rows):
+        for t in allowed[i].nonzero().flatten().tolist():
+            packed[j, t // 32] |= 1 << (t % 32)
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)  # as an int32 bit pattern
+    cpu = torch.device("cpu")
+    chosen = choose_tokens(
+        logits, torch.tensor([c[5] for c in cases]), torch.tensor([c[6] for c in cases]),
+        torch.tensor([c[7] for c in cases]), uniform,
+        penalty=penalties(generated, [c[3] for c in cases], [c[4] for c in cases], vocab, cpu), top_n=3,
+        repetition=(seen_tokens([p + h for p, h in zip(prompts, generated, strict=True)], vocab, cpu),
+                    torch.tensor([c[2] for c in cases])),
+        min_p=torch.tensor([c[8] for c in cases]),
+        allowed=(torch.tensor(grammar_rows), packed),
+        bias=logit_biases([tuple(c[1].items()) for c in cases], cpu),
+    )
+    raw = torch.log_softmax(logits, -1)
+    for i, (grammar, bias, rep, freq, pres, temp, k, top_p, min_p) in enumerate(cases):
+        z = reference_shaped(logits[i].numpy(), allowed[i].numpy() if grammar else None, bias,
+                             set(prompts[i] + generated[i]), rep, generated[i], freq, pres)
+        t = chosen.tokens[i].item()
+        assert np.isfinite(z[t]), (i, t)  # never a token the grammar forbids
+        if temp == 0:
+            assert z[t] >= z.max() - 1e-5, (i, t)
+        else:
+            p = reference_probs(z, temp, k, top_p, min_p)
+            # inverse CDF: over the tokens best first when a filter is on, in vocabulary order otherwise
+            order = np.argsort(-z, kind="stable") if (k > 0 or top_p < 1 or min_p > 0) else np.arange(vocab)
+            cdf = dict(zip(order.tolist(), np.cumsum(p[order]).tolist(), strict=True))
+            assert p[t] > 0 and cdf[t] - p[t] - 1e-6 <= uniform[i].item() <= cdf[t] + 1e-6, (i, t)
+        assert chosen.logprobs[i].item() == raw[i, t].item()
+    assert torch.equal(chosen.top_ids, raw.topk(3, dim=-1).indices)
+    # each row alone, with only its own controls, picks the same token
+    for i, (grammar, bias, rep, freq, pres, temp, k, top_p, min_p) in enumerate(cases):
+        one = slice(i, i + 1)
+        alone = choose_tokens(
+            logits[one], torch.tensor([temp]), torch.tensor([k]), torch.tensor([top_p]), uniform[one],
+            penalty=penalties(generated[one], [freq], [pres], vocab, cpu),
+            repetition=(seen_tokens([prompts[i] + generated[i]], vocab, cpu), torch.tensor([rep])),
+            min_p=torch.tensor([min_p]), bias=logit_biases([tuple(bias.items())], cpu),
+            allowed=(torch.tensor([0]), packed[grammar_rows.index(i)][None]) if grammar else None,
+        )
+        assert alone.tokens.item() == chosen.tokens[i].item(), i
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    logits = torch.tensor([[3.0, 1.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    greedy = torch.zeros(2), torch.zeros(2, dtype=torch.long), torch.ones(2), torch.zeros(2, dtype=torch.float64)
+    from mint_server.engine.sampler_ops import logit_biases
+
+    chosen = choose_tokens(logits, *greedy, bias=logit_biases([((0, -100.0),), ((3, 100.0),)], torch.device("cpu")))
+    assert chosen.tokens.tolist() == [1, 3]
+    assert logit_biases([(), ()], torch.device("cpu")) is None
+    drawn = choose_tokens(logits[1:].expand(50, 4), torch.ones(50), torch.zeros(50, dtype=torch.long), torch.ones(50),
+                          torch.linspace(0, 1 - 1e-9, 50, dtype=torch.float64),
+                          bias=logit_biases([((2, -100.0),)] * 50, torch.device("cpu"))).tokens
+    assert 2 not in drawn.tolist() and set(drawn.tolist()) == {0, 1, 3}

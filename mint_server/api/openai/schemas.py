@@ -36,7 +36,11 @@ class _Sampling(_Body):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)  # extension (vLLM's); the engine bounds it
     min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM's)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}; the engine checks them
+    stop_token_ids: list[int] | None = None  # extension (vLLM's): stop tokens next to `stop` and EOS
+    # Structured output (engine/grammar.py parses it: json_object, json_schema, and the extensions
+    # regex / lark and prefix / suffix; docs/openai.md). On completions too, as vLLM has it.
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Bookkeeping that changes no output: accepted and ignored.
@@ -88,10 +92,6 @@ class NamedTool(_Body):
     function: dict[str, Any]
 
 
-class ResponseFormat(_Body):
-    type: str
-
-
 class ChatRequest(_Sampling):
     model_config = ConfigDict(extra="forbid", strict=True)
     messages: list[Message] = Field(min_length=1)
@@ -101,7 +101,6 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None  # accepted: several calls in one answer are always parsed
-    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Sampling):

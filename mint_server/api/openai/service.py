@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import re
 import threading
 import time
 import uuid
@@ -28,7 +29,7 @@ from tinker import types
 
 from mint_server.api.core import Core, same_base_model
 from mint_server.api.openai.errors import OpenAIError
-from mint_server.api.openai.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, _Sampling
+from mint_server.api.openai.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, NamedTool, _Sampling
 from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
 from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
@@ -43,7 +44,14 @@ from mint_server.engine.interface import (
     TokenCallback,
     TopLogprobs,
 )
-from mint_server.serving.chat import ChatError, ChatImage, ChatTemplate, ToolCall, ToolCallGate
+from mint_server.serving.chat import (
+    ChatError,
+    ChatImage,
+    ChatTemplate,
+    ToolCall,
+    ToolCallGate,
+    forced_call_format,
+)
 from mint_server.serving.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -219,21 +227,27 @@ class OpenAIService:
 
     # --- the engine -------------------------------------------------------------------------------
     def prepare(self, owner: str, target: ServedModel, prompt: list[int] | Prompt, n: int,
-                params: types.SamplingParams, req: _Sampling, top_logprobs: int) -> SampleJob:  # fmt: skip
-        """Parse one prompt's engine job now, so bad input is a 400 before any stream starts."""
+                params: types.SamplingParams, req: _Sampling, top_logprobs: int, response_format: dict[str, Any] | None,
+                format_from: str = "response_format") -> SampleJob:  # fmt: skip
+        """Parse one prompt's engine job now, so bad input is a 400 before any stream starts.
+        `format_from`: the request field the response_format came from (a forced tool call's is
+        built from `tools`)."""
         try:
             return self.engine.prepare_sample(
                 target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                min_p=req.min_p or 0.0,
-                priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
+                min_p=req.min_p or 0.0, logit_bias=req.logit_bias, response_format=response_format,
+                stop_token_ids=req.stop_token_ids, priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
         except EngineError as e:  # the parser names Tinker's fields: say them as this face's
             name, _, why = str(e).partition(": ")
             name = _OPENAI_NAME.get(name, name.removeprefix("sampling_params."))
             if name == "prompt" and isinstance(req, ChatRequest):
                 name = "messages"
-            raise OpenAIError(400, f"{name}: {why}" if why else str(e), name if name in _ENGINE_FIELDS else None) from None
+            param = re.split(r"[.\[]", name, maxsplit=1)[0]  # response_format.json_schema → response_format
+            if param == "response_format":
+                param = format_from
+            raise OpenAIError(400, f"{name}: {why}" if why else str(e), param if param in _ENGINE_FIELDS else None) from None
 
     async def sample(self, job: SampleJob, on_token: TokenCallback | None, cancel: threading.Event) -> types.SampleResponse:
         """The one place this face runs engine work (re-point it here when the engine boundary moves).
@@ -249,8 +263,6 @@ class OpenAIService:
 
     # --- admission --------------------------------------------------------------------------------
     def _params(self, req: _Sampling, prompts: list[list[int]], max_tokens: int | None) -> types.SamplingParams:
-        if req.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported by this server", "logit_bias")
         stops = req.stops()
         if len(prompts) * req.n > MAX_CHOICES:
             raise OpenAIError(400, f"n × prompts must be at most {MAX_CHOICES}", "n")
@@ -280,9 +292,12 @@ class OpenAIService:
         return asked or 0
 
     def _admit(self, owner: str, target: ServedModel, prompts: list[list[int]], n: int, params: types.SamplingParams,
-               req: _Sampling, tools: bool, top_logprobs: int = 0, parsed: Prompt | None = None) -> Reply:  # fmt: skip
-        """parsed: the one prompt already parsed by the engine (a chat with images)."""
-        jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs) for p in prompts]
+               req: _Sampling, tools: bool, top_logprobs: int = 0, forced_call: dict[str, Any] | None = None,
+               parsed: Prompt | None = None) -> Reply:  # fmt: skip
+        """`forced_call`: the response_format of a tool call that `tool_choice` forces; `parsed`: the one
+        prompt already parsed by the engine (a chat with images)."""
+        fmt, source = (req.response_format, "response_format") if forced_call is None else (forced_call, "tools")
+        jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs, fmt, source) for p in prompts]
         self.core.admission.check_samples(len(prompts))
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
                    for i in range(len(prompts) * n)]  # fmt: skip
@@ -383,31 +398,34 @@ class OpenAIService:
     def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
         self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
-        if req.response_format is not None and req.response_format.type != "text":
-            raise OpenAIError(400, f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                              "response_format")
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         top_logprobs = self._top_logprobs(req.top_logprobs, "top_logprobs") if req.logprobs else 0
         choice = req.tool_choice
-        if choice is not None and choice not in ("none", "auto"):
-            raise OpenAIError(400, "tool_choice: only 'auto' and 'none' are supported (nothing forces a call)",
-                              "tool_choice")
         if choice is not None and not req.tools:
             raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        forced = None
         try:
             prompt, images = self.template.render_with_images([m.model_dump(exclude_none=True) for m in req.messages],
                                                               tools)
+            if choice == "required" or isinstance(choice, NamedTool):  # the reply is a call, by grammar
+                name = choice.function.get("name") if isinstance(choice, NamedTool) else None
+                if isinstance(choice, NamedTool) and not isinstance(name, str):
+                    raise ChatError("tool_choice.function.name: must be a function's name", "tool_choice")
+                forced = forced_call_format(tools, name)
         except ChatError as e:
             raise OpenAIError(400, str(e), e.param) from None
+        if forced is not None and req.response_format is not None and req.response_format.get("type") != "text":
+            raise OpenAIError(400, "tool_choice forces a tool call: response_format cannot shape the reply too",
+                              "response_format")
         parsed = self._with_images(prompt, images) if images else None
         if parsed is not None:
             prompt = list(parsed.tokens)  # each image as its run of image tokens: what the context holds
         max_tokens = req.max_completion_tokens or req.max_tokens
         params = self._params(req, [prompt], max_tokens)
         return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none", top_logprobs,
-                           parsed)
+                           forced, parsed)
 
     def _with_images(self, tokens: list[int], images: list[ChatImage]) -> Prompt:
         """The rendered prompt with each image placeholder replaced by its image, parsed by the engine
@@ -592,8 +610,9 @@ class OpenAIService:
 
 
 # Engine fields a refusal may name; the face's own names for them are the same.
-_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "priority", "prompt", "messages",
-                  "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n")
+_ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "priority",
+                  "prompt", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
+                  "logit_bias", "response_format", "stop_token_ids", "tools")
 _OPENAI_NAME = {"num_samples": "n"}
 
 

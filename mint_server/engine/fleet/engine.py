@@ -24,6 +24,7 @@ from tinker import types
 from mint_server.engine.fleet.metrics import FleetCollector, add_cumulative
 from mint_server.engine.fleet.replica import ReplicaActor, ray_module
 from mint_server.engine.fleet.routing import Placement, ReplicaView, Router, TrackedRequest
+from mint_server.engine.grammar import Grammars
 from mint_server.engine.interface import (
     AdapterLost,
     EngineError,
@@ -75,7 +76,9 @@ class FleetEngine(JobParsing):
         # Sampling records live here, where results pass through, so training on any replica can
         # read the logprobs of a sequence sampled on another (stable_reinforce provenance).
         self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records,
+        # Grammars here only check requests; each replica compiles them again for its own sampler.
+        grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.limits.max_grammar_chars)
+        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, grammars,
                                 images=image_processing(cfg, self.model_dir))
 
         self._started_ray = False
