@@ -386,8 +386,10 @@ class PackedStore:
                     seen.add(e.sha256)
                     yield BlobInfo(e.sha256, e.size, pack.mtime)
 
-    def index_bytes(self) -> int:
-        """Host memory of this process's pack index."""
+    def index_bytes(self, compact: bool = False) -> int:
+        """Host memory of this process's pack index (after merging recent additions, if `compact`)."""
+        if compact:
+            self._index.compact()
         return self._index.nbytes()
 
 

@@ -168,6 +168,12 @@ class PackIndex:
         self._sizes = np.concatenate([self._sizes[keep], values[:, 2]])[order]
         self._recent = {}
 
+    def compact(self) -> None:
+        """Merge recent additions into the sorted arrays now (48 bytes a blob from then on)."""
+        with self._lock:
+            if self._recent:
+                self._merge()
+
     def nbytes(self) -> int:
         """Memory the index holds (arrays, plus ~150 bytes per entry not yet merged)."""
         arrays = self._keys.nbytes + self._packs.nbytes + self._offsets.nbytes + self._sizes.nbytes

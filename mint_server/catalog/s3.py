@@ -36,6 +36,8 @@ from mint_server.catalog import packs
 from mint_server.catalog.blobs import CHUNK, SHA256_RE, BlobInfo, PackedStore, check_sha256
 from mint_server.catalog.errors import InvalidArgument
 
+# obstore reports a missing object as its NotFoundError or, from some calls, as FileNotFoundError
+NOT_FOUND = (NotFoundError, FileNotFoundError)
 PACK_BYTES = 64 << 20  # smaller than local packs: a ranged GET is cheap on S3, a huge PUT retried is not
 
 
@@ -57,7 +59,7 @@ class S3BlobStore(PackedStore):
         if not bucket:
             raise InvalidArgument(f"store {url!r}: no bucket (s3://BUCKET/PREFIX)", field="store")
         try:
-            store = S3Store.from_url(url.rstrip("/"), client_options={"timeout": "120s"})
+            store = S3Store.from_url(url.rstrip("/"))
         except Exception as e:  # obstore's config errors: a bad URL or environment variable
             raise InvalidArgument(f"store {url!r}: {e}", field="store") from None
         return cls(store, url.rstrip("/"))
@@ -76,7 +78,7 @@ class S3BlobStore(PackedStore):
     def _head(self, key: str) -> dict[str, Any] | None:
         try:
             return obstore.head(self._store, key)  # type: ignore[return-value]
-        except NotFoundError:
+        except NOT_FOUND:
             return None
 
     # -- loose blobs --------------------------------------------------------------------------
@@ -111,13 +113,13 @@ class S3BlobStore(PackedStore):
     def _loose_read(self, sha256: str) -> bytes | None:
         try:
             return bytes(obstore.get(self._store, self._loose_key(sha256)).bytes())
-        except NotFoundError:
+        except NOT_FOUND:
             return None
 
     def _loose_open(self, sha256: str) -> BinaryIO | None:
         try:
             result = obstore.get(self._store, self._loose_key(sha256))
-        except NotFoundError:
+        except NOT_FOUND:
             return None
         return _StreamReader(iter(result.stream(min_chunk_size=CHUNK)))  # type: ignore[return-value]
 
@@ -152,13 +154,13 @@ class S3BlobStore(PackedStore):
             return b""
         try:
             return bytes(obstore.get_range(self._store, self._pack_key(name), start=offset, length=size))
-        except NotFoundError:
+        except NOT_FOUND:
             raise FileNotFoundError(self._pack_key(name)) from None
 
     def _pack_tail(self, name: str, size: int) -> bytes:
         try:
             result = obstore.get(self._store, self._pack_key(name), options={"range": {"suffix": size}})
-        except NotFoundError:
+        except NOT_FOUND:
             raise FileNotFoundError(self._pack_key(name)) from None
         return bytes(result.bytes())
 
@@ -170,7 +172,7 @@ class S3BlobStore(PackedStore):
         pass  # see the module doc
 
     def _pack_delete(self, name: str) -> None:
-        with contextlib.suppress(NotFoundError):
+        with contextlib.suppress(*NOT_FOUND):
             obstore.delete(self._store, self._pack_key(name))
 
     def _pack_begin(self) -> tuple[BinaryIO, object]:
