@@ -59,9 +59,14 @@ def servable_payloads(model_dir: Path, rank: int) -> tuple[str, dict[str, Any], 
     prefix = len(head).to_bytes(8, "little") + head
 
     def payload(index: int) -> dict[str, bytes]:
-        weights = np.random.default_rng(index).standard_normal(offset // 4, dtype=np.float32)
-        weights *= 0.05
-        return {"adapter_config.json": config, "adapter_model.safetensors": prefix + weights.tobytes()}
+        # Uniform in [-0.05, 0.05): as servable as a normal draw and a quarter of its cost.
+        out = bytearray(len(prefix) + offset)
+        out[: len(prefix)] = prefix
+        weights = np.frombuffer(out, np.float32, offset // 4, len(prefix))
+        np.random.default_rng(index).random(out=weights, dtype=np.float32)
+        weights -= 0.5
+        weights *= 0.1
+        return {"adapter_config.json": config, "adapter_model.safetensors": bytes(out)}
 
     return name, lora, payload
 
