@@ -264,7 +264,7 @@ class PackedStore:
                     sha256, refresh=False, exclude=exclude
                 ):
                     continue
-                if len(data) > self.pack_bytes // 4:
+                if len(data) > min(self.pack_bytes // 4, packs.MAX_PACKED):
                     self._loose_put(sha256, data)
                     continue
                 if pack is None:

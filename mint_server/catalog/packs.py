@@ -32,6 +32,7 @@ END = b"MINTPEND"
 ENTRY = struct.Struct("<32sQQ")
 TRAILER = struct.Struct("<QQ32s8s")
 SUFFIX = ".pack"
+MAX_PACKED = (1 << 32) - 1  # the in-memory index keeps a packed blob's size in 32 bits
 
 
 class PackEntry(NamedTuple):
@@ -116,7 +117,7 @@ class PackIndex:
         self._keys = np.empty(0, "S32")  # sorted digests
         self._packs = np.empty(0, np.uint32)
         self._offsets = np.empty(0, np.uint64)
-        self._sizes = np.empty(0, np.uint64)
+        self._sizes = np.empty(0, np.uint32)  # a packed blob is at most a quarter of a pack
         self._recent: dict[bytes, tuple[int, int, int]] = {}
 
     def packs(self) -> set[str]:
@@ -130,8 +131,10 @@ class PackIndex:
             number = len(self._names)
             self._names.append(name)
             self._numbers[name] = number
-            for e in entries:
-                self._recent[bytes.fromhex(e.sha256)] = (number, e.offset, e.size)
+            new = {bytes.fromhex(e.sha256): (number, e.offset, e.size) for e in entries}
+            if not self._recent.keys().isdisjoint(new):
+                self._merge()  # a blob in two packs: keep both copies (the arrays hold duplicates)
+            self._recent.update(new)
             if len(self._recent) >= _MERGE_AT:
                 self._merge()
 
@@ -157,15 +160,16 @@ class PackIndex:
     def _merge(self) -> None:
         live = np.array([n in self._numbers for n in self._names], bool)
         keep = live[self._packs] if len(self._packs) else np.empty(0, bool)
-        count = len(self._recent)
-        keys = np.fromiter(self._recent.keys(), "S32", count)
-        values = np.array(list(self._recent.values()), np.uint64).reshape(count, 3)
+        recent = {k: v for k, v in self._recent.items() if live[v[0]]}
+        count = len(recent)
+        keys = np.fromiter(recent.keys(), "S32", count)
+        values = np.array(list(recent.values()), np.uint64).reshape(count, 3)
         all_keys = np.concatenate([self._keys[keep], keys])
         order = np.argsort(all_keys, kind="stable")
         self._keys = all_keys[order]
         self._packs = np.concatenate([self._packs[keep], values[:, 0].astype(np.uint32)])[order]
         self._offsets = np.concatenate([self._offsets[keep], values[:, 1]])[order]
-        self._sizes = np.concatenate([self._sizes[keep], values[:, 2]])[order]
+        self._sizes = np.concatenate([self._sizes[keep], values[:, 2].astype(np.uint32)])[order]
         self._recent = {}
 
     def compact(self) -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -174,13 +176,27 @@ def _store_payloads(
     layouts: list[list[str]] = []  # each payload's file names, filled as put_many consumes the blobs
 
     def blobs() -> Iterator[bytes]:
-        for i in range(start, start + count):
-            files = sorted(payload_for(i).items())
+        for generated in _prefetched(payload_for, range(start, start + count)):
+            files = sorted(generated.items())
             layouts.append([name for name, _ in files])
             yield from (data for _, data in files)
 
     infos = iter(catalog.blobs.put_many(blobs()))
     return [[payload.ManifestEntry(name, *next(infos)[:2]) for name in names] for names in layouts]
+
+
+def _prefetched(payload_for: Callable[[int], Payload], indices: range, window: int = 16) -> Iterator[Payload]:
+    """payload_for over `indices`, in order, made on a helper thread a few ahead of the consumer: the
+    generation (numpy, GIL released) overlaps the hashing and writing of the previous ones, so a
+    2-core box uses both cores."""
+    with ThreadPoolExecutor(1, thread_name_prefix="mint-seed") as pool:
+        ahead: deque[Future[Payload]] = deque()
+        for i in indices:
+            ahead.append(pool.submit(payload_for, i))
+            if len(ahead) >= window:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
 
 def _insert_manifests(conn: Any, manifests: list[list[payload.ManifestEntry]]) -> list[tuple[str, int]]:

@@ -178,3 +178,21 @@ def test_gc_drops_dead_packs_and_repacks_mostly_dead_ones(catalog: Catalog) -> N
     for name in ("kept-000000000", "kept-000000001"):
         catalog.verify(catalog.resolve("o", name))  # the referenced blobs were rewritten before the pack went
     assert gc.collect(catalog, grace_seconds=3600).removed == 0
+
+
+def test_pack_index_finds_live_copies_across_merges() -> None:
+    from mint_server.catalog import packs
+
+    index = packs.PackIndex()
+    shas = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(70_000)]
+    index.add("a" * 64, [packs.PackEntry(s, 8 + i, 1) for i, s in enumerate(shas[:40_000])])
+    index.add("b" * 64, [packs.PackEntry(s, 8 + i, 2) for i, s in enumerate(shas[30_000:])])  # 10K in both
+    assert index.find(shas[5]) == packs.Located("a" * 64, 13, 1)
+    assert index.find(shas[60_000]) == packs.Located("b" * 64, 8 + 30_000, 2)
+    assert index.find(shas[35_000]).pack in {"a" * 64, "b" * 64}  # in both packs
+    index.drop("b" * 64)
+    assert index.find(shas[35_000]) == packs.Located("a" * 64, 8 + 35_000, 1)  # the live copy
+    assert index.find(shas[60_000]) is None and index.find("0" * 64) is None
+    index.compact()  # all in the sorted arrays, the dropped pack's entries left out
+    assert index.nbytes() == 40_000 * 48
+    assert index.find(shas[39_999]).pack == "a" * 64 and index.packs() == {"a" * 64}
