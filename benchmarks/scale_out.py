@@ -30,6 +30,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -93,6 +94,43 @@ def disk_rates(workdir: Path, size_mb: int = 256, small_files: int = 200) -> dic
 
 
 # -- 2. seeding ----------------------------------------------------------------------------------
+class PauseMeter:
+    """Seconds this process did not run: a thread wakes every 0.1 s and counts any gap past 1 s (the
+    process was stopped — this shared box SIGSTOPs niced jobs while benchmarks run — or starved).
+    Rates are also given over the wall time less these pauses, and as CPU time per item."""
+
+    def __init__(self) -> None:
+        self.paused = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
+            if now - last > 1.0:
+                self.paused += now - last - 0.1
+            last = now
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@contextmanager
+def measured() -> Iterator[dict[str, float]]:
+    """Wall, CPU and paused seconds of the block."""
+    out: dict[str, float] = {}
+    meter = PauseMeter()
+    cpu, wall = time.process_time(), time.perf_counter()
+    try:
+        yield out
+    finally:
+        meter.close()
+        out.update(seconds=time.perf_counter() - wall, cpu_seconds=time.process_time() - cpu,
+                   paused_seconds=meter.paused)
+
 def reporter(label: str, total: int) -> Callable[[int], None]:
     """Progress on stderr with rate and ETA (what `mint catalog seed` shows as a bar)."""
     started = time.perf_counter()
@@ -158,12 +196,13 @@ def seed_servable(catalog: Any, n: int, model_dir: Path, batch: int) -> dict[str
 
     name, lora, payload_for = servable_payloads(model_dir, 1)
     before = catalog_bytes(catalog)
-    started = time.perf_counter()
-    seeding.seed(catalog, n, owner=OWNER, prefix="sv-", batch_size=batch, payload_for=payload_for,
-                 base_model=name, lora_config=lora, progress=reporter("servable", n))
-    seconds = time.perf_counter() - started
+    with measured() as m:
+        seeding.seed(catalog, n, owner=OWNER, prefix="sv-", batch_size=batch, payload_for=payload_for,
+                     base_model=name, lora_config=lora, progress=reporter("servable", n))
     blobs = store_bytes(catalog)
-    return {"adapters": n, "seconds": seconds, "adapters_per_s": n / seconds, "blob_MBps": blobs / seconds / 1e6,
+    active = max(1e-9, m["seconds"] - m["paused_seconds"])
+    return {"adapters": n, **m, "adapters_per_s": n / m["seconds"], "adapters_per_active_s": n / active,
+            "cpu_ms_per_adapter": 1e3 * m["cpu_seconds"] / max(1, n), "blob_MBps": blobs / m["seconds"] / 1e6,
             "blob_bytes": blobs, "catalog_bytes": catalog_bytes(catalog) - before, "base_model": name,
             "load_average": load_average()}
 
@@ -188,13 +227,13 @@ def seed_records(catalog: Any, n: int, batch: int) -> dict[str, Any]:
     from mint_server.catalog import seed as seeding
 
     before = catalog_bytes(catalog)
-    started = time.perf_counter()
-    seeding.seed(catalog, n, 1, OWNER, prefix="rec-", batch_size=batch, progress=reporter("records", n))
-    seconds = time.perf_counter() - started
+    with measured() as m:
+        seeding.seed(catalog, n, 1, OWNER, prefix="rec-", batch_size=batch, progress=reporter("records", n))
     rows = 4 * n
-    return {"policies": n, "rows": rows, "seconds": seconds, "policies_per_s": n / seconds,
-            "rows_per_s": rows / seconds, "catalog_bytes": catalog_bytes(catalog) - before,
-            "load_average": load_average()}
+    active = max(1e-9, m["seconds"] - m["paused_seconds"])
+    return {"policies": n, "rows": rows, **m, "policies_per_s": n / m["seconds"], "rows_per_s": rows / m["seconds"],
+            "policies_per_active_s": n / active, "cpu_us_per_policy": 1e6 * m["cpu_seconds"] / max(1, n),
+            "catalog_bytes": catalog_bytes(catalog) - before, "load_average": load_average()}
 
 
 # -- 3. bytes per policy -------------------------------------------------------------------------
@@ -389,14 +428,17 @@ def main() -> None:
             sv = seed_servable(servable, args.servable, model_dir, args.servable_batch)
             result["servable"] = sv
             print(f"servable seed: {sv['adapters']:,} adapters in {sv['seconds']:,.1f}s = "
-                  f"{sv['adapters_per_s']:,.0f} adapters/s ({sv['blob_MBps']:,.1f} MB/s of blobs)"
+                  f"{sv['adapters_per_s']:,.0f} adapters/s ({sv['blob_MBps']:,.1f} MB/s of blobs); "
+                  f"{sv['paused_seconds']:,.0f}s of it paused, {sv['adapters_per_active_s']:,.0f} adapters/s running; "
+                  f"{sv['cpu_ms_per_adapter']:.2f} ms CPU per adapter"
                   + (f"; one fsync'd blob each: {base['adapters_per_s']:,.0f} adapters/s "
                      f"(bulk {sv['adapters_per_s'] / base['adapters_per_s']:.1f}x)" if args.baseline else "")
                   + f"   (load {sv['load_average']})", flush=True)
             rec = seed_records(records, args.records, args.records_batch)
             result["records"] = rec
             print(f"records seed: {rec['policies']:,} policies ({rec['rows']:,} rows) in {rec['seconds']:,.1f}s = "
-                  f"{rec['policies_per_s']:,.0f} policies/s, {rec['rows_per_s']:,.0f} rows/s   "
+                  f"{rec['policies_per_s']:,.0f} policies/s, {rec['rows_per_s']:,.0f} rows/s; "
+                  f"{rec['paused_seconds']:,.0f}s paused; {rec['cpu_us_per_policy']:.0f} µs CPU per policy   "
                   f"(load {rec['load_average']})", flush=True)
 
             host = host_bytes_per_adapter(servable, model_dir)
