@@ -32,7 +32,7 @@ def catalog_owner(p: Principal = needs(TRAIN)) -> str:
 
 def create_app(engine: Engine, settings: Settings) -> FastAPI:
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    catalog = Catalog.open(settings.db_url, data_dir=settings.data_dir)
+    catalog = Catalog.open(settings.db_url, data_dir=settings.data_dir, store=settings.store_url)
     authenticator = Authenticator(settings.api_keys, Signer.for_data_dir(settings.data_dir), settings.no_auth,
                                   KeyStore(catalog.engine))
     svc = Service(engine, settings, Metrics(), catalog)

@@ -10,8 +10,10 @@ from pathlib import Path
 class Settings:
     data_dir: Path
     api_keys: tuple[str, ...] = ()
-    # The policy catalog's database; None: SQLite in the data dir. Its blobs always live in the data dir.
+    # The policy catalog's database; None: SQLite in the data dir.
     db_url: str | None = None
+    # Its blob store (catalog/blobs.py open_blob_store: a path or s3://bucket/prefix); None: <data dir>/blobs.
+    store_url: str | None = None
     no_auth: bool = False
     max_body_bytes: int = 256 * 1024 * 1024
     # A request body must keep arriving: a pause longer than this answers 408.

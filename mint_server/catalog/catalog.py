@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, aliased
 from mint_server import paths
 from mint_server.catalog import cursor as cursors
 from mint_server.catalog import db, payload, queries
-from mint_server.catalog.blobs import BlobStore, LocalBlobStore
+from mint_server.catalog.blobs import BlobStore
 from mint_server.catalog.errors import (
     AlreadyExists,
     IntegrityError,
@@ -36,6 +36,7 @@ from mint_server.catalog.records import (
     Alias,
     AliasEvent,
     EvalRecord,
+    ImportResult,
     Page,
     Policy,
     Revision,
@@ -49,6 +50,7 @@ from mint_server.catalog.schema import (
     PolicyRow,
     RevisionRow,
 )
+from mint_server.catalog.stores import open_blob_store
 
 _FromRev = aliased(RevisionRow, name="from_rev")
 _ToRev = aliased(RevisionRow, name="to_rev")
@@ -72,14 +74,17 @@ class Catalog:
         *,
         data_dir: str | os.PathLike[str] | None = None,
         blob_store: BlobStore | None = None,
+        store: str | None = None,
         migrate: bool = True,
     ) -> Catalog:
         """Open (and migrate to the latest schema) the catalog at `url`; default SQLite in the data dir.
 
-        Blobs live in <data_dir>/blobs unless `blob_store` is given; data_dir defaults as in
-        mint_server.paths (explicit override, $MINT_HOME, ~/.mint).
+        Blobs live in `blob_store`, else at the `store` URL (blobs.open_blob_store: a path, file://…
+        or s3://bucket/prefix), else in <data_dir>/blobs; data_dir defaults as in mint_server.paths
+        (explicit override, $MINT_HOME, ~/.mint).
         """
         root = paths.data_dir(data_dir)
+        blobs = blob_store or open_blob_store(store, root / "blobs")
         engine = db.make_engine(url or db.default_url(root))
         try:
             if migrate:
@@ -87,7 +92,7 @@ class Catalog:
         except BaseException:
             engine.dispose()
             raise
-        return cls(engine, blob_store or LocalBlobStore(root / "blobs"), root)
+        return cls(engine, blobs, root)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -320,6 +325,65 @@ class Catalog:
             step=step,
             note=note,
         )
+
+    def import_many(
+        self,
+        owner: str,
+        items: list[tuple[str, str | os.PathLike[str]]],
+        *,
+        base_model: str | None = None,
+        batch_size: int = 500,
+        progress: Callable[[int], None] | None = None,
+    ) -> ImportResult:
+        """Import many PEFT dirs, (policy name, dir) each, as the next revision of their policy, in
+        batches: a batch's files go into one pack (one fsync), then one transaction adds its
+        revisions, so each batch is all or nothing. Rerunnable: an item whose policy's latest revision
+        already has the same content is skipped, so an import cut off (kill -9) is finished by running
+        it again. Base model and LoRA config default as in import_peft."""
+        check_owner(owner)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidArgument(f"batch_size must be an integer >= 1, got {batch_size!r}", field="batch_size")
+        imported = skipped = 0
+        for first in range(0, len(items), batch_size):
+            batch = [(name, payload.scan_peft_dir(d, f"peft_dir {str(d)!r}")) for name, d in items[first : first + batch_size]]
+            rows = []
+            for name, scanned in batch:
+                model = base_model or scanned.adapter_config.get("base_model_name_or_path")
+                if not model:
+                    raise InvalidArgument(f"{name}: base_model not given and adapter_config.json has no "
+                                          "base_model_name_or_path", field="base_model")
+                rows.append((self._new_policy_row(owner, name, model, payload.lora_config_from_adapter(
+                    scanned.adapter_config), None), scanned))
+            entries = self._put_batch([scanned for _, scanned in batch])
+            with self._write() as s:
+                self._hold_blobs(s, shared=True)
+                if self.blobs.missing(e.sha256 for es in entries for e in es):
+                    entries = self._put_batch([scanned for _, scanned in batch])  # GC took some; we hold its lock
+                for (new_policy, scanned), files in zip(rows, entries, strict=True):
+                    sha256 = payload.manifest_sha256(files)
+                    policy = self._ensure_policy(s, new_policy)
+                    last = s.execute(
+                        select(RevisionRow.number, RevisionRow.sha256)
+                        .where(RevisionRow.policy_id == policy.id)
+                        .order_by(RevisionRow.number.desc())
+                        .limit(1)
+                    ).first()
+                    if last is not None and last.sha256 == sha256:
+                        skipped += 1
+                        continue
+                    self._insert_manifest(s, sha256, files)
+                    s.add(RevisionRow(policy_id=policy.id, number=(last.number if last else 0) + 1, sha256=sha256,
+                                      size=sum(e.size for e in files), rank=scanned.rank, created_at=_now()))
+                    imported += 1
+                    s.flush()
+            if progress:
+                progress(first + len(batch))
+        return ImportResult(imported=imported, skipped=skipped)
+
+    def _put_batch(self, dirs: list[payload.PeftDir]) -> list[list[payload.ManifestEntry]]:
+        """Every file of `dirs` in one bulk put; each dir's manifest entries."""
+        infos = iter(self.blobs.put_many(path.read_bytes() for d in dirs for path in d.files))
+        return [[payload.ManifestEntry(path.name, *next(infos)[:2]) for path in d.files] for d in dirs]
 
     def _put_all(self, files: list[Path]) -> list[payload.ManifestEntry]:
         entries = []

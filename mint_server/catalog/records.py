@@ -104,6 +104,12 @@ class SeedResult:
 
 
 @dataclass(frozen=True)
+class ImportResult:
+    imported: int  # new revisions
+    skipped: int  # already the latest revision of their policy (an import run again)
+
+
+@dataclass(frozen=True)
 class GcReport:
     removed: int
     freed_bytes: int

@@ -1,16 +1,26 @@
 """Bulk synthetic load: many policies, each with a chain of revisions and a `prod` alias.
 
-Used by benchmarks and load tests. All synthetic revisions share one tiny (but valid) PEFT payload,
-so the blob store holds two small files however large the catalog grows. Rows go in with
-the driver's executemany in batches, one transaction per batch, with ids assigned here: that is
-what makes tens of thousands of policies per second possible, versus one ORM flush per row.
+Used by benchmarks, load tests and `mint catalog seed`. Without `payload_for` every revision shares
+one tiny (but valid) PEFT payload, so the blob store holds two small files however large the catalog
+grows; with it (`--servable`) each policy gets its own real adapter.
+
+Bulk writes, a batch at a time: a batch's blobs go into one pack (blobs.py: one write and one fsync
+for the batch, not one per blob), then one transaction inserts the batch's rows with the driver's
+executemany (COPY on PostgreSQL), ids assigned here: tens of thousands of policies per second, versus
+one ORM flush per row. Each batch is atomic (its rows commit together, after its blobs are durable),
+so a seed killed at any point leaves whole batches; `resume=True` continues to a target count, and
+the blobs of the batch that was cut off are found again (the payloads are deterministic by index)
+rather than written twice. Identical content is shared: payload manifests are content-addressed and
+inserted only if absent.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -31,9 +41,10 @@ SYNTHETIC_BASE_MODEL = "synthetic/base-model"
 SYNTHETIC_LORA = {"rank": 1, "train_attn": True, "train_mlp": True, "train_unembed": False}
 SEED_ALIAS = "prod"
 DIGITS = 9  # zero-padded so name order is numeric order and the next index is one index probe
+Payload = dict[str, bytes]
 
 
-def synthetic_payload() -> dict[str, bytes]:
+def synthetic_payload() -> Payload:
     """A minimal rank-1 LoRA adapter: valid adapter_config.json and safetensors, a few hundred bytes."""
     config = {
         "peft_type": "LORA",
@@ -64,11 +75,14 @@ def seed(
     prefix: str = "synthetic-",
     batch_size: int = 10_000,
     progress: Callable[[int], None] | None = None,
-    payload_for: Callable[[int], dict[str, bytes]] | None = None,
+    payload_for: Callable[[int], Payload] | None = None,
     base_model: str = SYNTHETIC_BASE_MODEL,
     lora_config: dict[str, Any] | None = None,
+    resume: bool = False,
 ) -> SeedResult:
-    """`payload_for(index)`, when given, makes each policy's own payload (servable policies: real,
+    """Add `n_policies` policies named PREFIX000000000… after the prefix's last one; with `resume`,
+    add only what it takes for the prefix to have `n_policies` (so rerunning a cut-off seed finishes
+    it). `payload_for(index)`, when given, makes each policy's own payload (servable policies: real,
     distinct adapters for the served base); otherwise every revision shares one tiny payload."""
     check_owner(owner)
     check_policy_name(f"{prefix}{0:0{DIGITS}d}", "prefix")
@@ -79,26 +93,27 @@ def seed(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise InvalidArgument(f"{field} must be an integer >= {low}, got {value!r}", field=field)
+    if resume:
+        n_policies = max(0, n_policies - next_index(catalog, owner, prefix))
 
-    files = synthetic_payload()
-    entries = []
-    for name, data in files.items():
-        info = catalog.blobs.put_bytes(data)
-        entries.append(payload.ManifestEntry(name, info.sha256, info.size))
-    sha256 = payload.manifest_sha256(entries)
-    size = sum(e.size for e in entries)
+    shared_files = synthetic_payload()
+    shared_entries = []
+    if payload_for is None:
+        infos = catalog.blobs.put_many(shared_files.values())
+        shared_entries = [payload.ManifestEntry(name, *info[:2]) for name, info in zip(shared_files, infos, strict=True)]
 
     started = time.perf_counter()
     first = last = None
     done = 0
     while done < n_policies:
         count = min(batch_size, n_policies - done)
+        start = next_index(catalog, owner, prefix)
+        if start + count > 10**DIGITS:
+            raise InvalidArgument(f"prefix {prefix!r} has no room for {count} more policies", field="prefix")
+        # Blobs first, durably, outside the write transaction (which then holds the lock only briefly).
+        manifests = _store_payloads(catalog, payload_for, start, count) if payload_for else None
         with catalog._write() as s:
             catalog._hold_blobs(s, shared=True)
-            for entry in entries:
-                if not catalog.blobs.exists(entry.sha256):  # GC took it; we hold GC's lock now
-                    catalog.blobs.put_bytes(files[entry.name])
-            catalog._insert_manifest(s, sha256, entries)
             conn = s.connection()
             if conn.dialect.name == "postgresql":
                 # We assign ids ourselves (max+1), so keep other inserts out until the batch commits.
@@ -107,15 +122,17 @@ def seed(
                         "LOCK TABLE catalog_policies, catalog_revisions, catalog_alias_events IN EXCLUSIVE MODE"
                     )
                 )
-            # Under the write lock, so a concurrent seed with the same prefix continues after us.
-            start = _next_index(s, owner, prefix)
-            if start + count > 10**DIGITS:
-                raise InvalidArgument(
-                    f"prefix {prefix!r} has no room for {count} more policies", field="prefix"
-                )
-            payloads = [(sha256, size)] * count
-            if payload_for is not None:
-                payloads = _own_payloads(catalog, conn, payload_for, start, count)
+            if _next_index(s, owner, prefix) != start:
+                continue  # a concurrent seed of this prefix took these names: this batch again, after it
+            if manifests is None:
+                if catalog.blobs.missing(e.sha256 for e in shared_entries):  # GC took them; we hold its lock
+                    catalog.blobs.put_many(shared_files.values())
+                manifests = [shared_entries] * count
+            elif catalog.blobs.missing(e.sha256 for m in manifests for e in m):
+                # GC took some since we wrote them (a grace period shorter than this batch); we hold its
+                # lock now, so writing them again cannot race it.
+                manifests = _store_payloads(catalog, payload_for, start, count)  # type: ignore[arg-type]
+            payloads = _insert_manifests(conn, manifests)
             _insert_batch(
                 conn,
                 start,
@@ -151,25 +168,59 @@ def seed(
     )
 
 
-def _own_payloads(
-    catalog: Catalog, conn: Any, payload_for: Callable[[int], dict[str, bytes]], start: int, count: int
-) -> list[tuple[str, int]]:
-    """Store each policy's payload (blobs, then manifest rows in bulk); its (sha256, size) per policy."""
-    out, rows = [], []
-    for i in range(start, start + count):
-        entries = []
-        for name, data in sorted(payload_for(i).items()):
-            info = catalog.blobs.put_bytes(data)
-            entries.append(payload.ManifestEntry(name, info.sha256, info.size))
+def _store_payloads(
+    catalog: Catalog, payload_for: Callable[[int], Payload], start: int, count: int
+) -> list[list[payload.ManifestEntry]]:
+    """Generate and store the payloads of indices start…start+count-1 (one bulk put: a pack);
+    each one's manifest entries."""
+    layouts: list[list[str]] = []  # each payload's file names, filled as put_many consumes the blobs
+
+    def blobs() -> Iterator[bytes]:
+        for generated in _prefetched(payload_for, range(start, start + count)):
+            files = sorted(generated.items())
+            layouts.append([name for name, _ in files])
+            yield from (data for _, data in files)
+
+    infos = iter(catalog.blobs.put_many(blobs()))
+    return [[payload.ManifestEntry(name, *next(infos)[:2]) for name in names] for names in layouts]
+
+
+def _prefetched(payload_for: Callable[[int], Payload], indices: range, window: int = 16) -> Iterator[Payload]:
+    """payload_for over `indices`, in order, made on a helper thread a few ahead of the consumer: the
+    generation (numpy, GIL released) overlaps the hashing and writing of the previous ones, so a
+    2-core box uses both cores."""
+    with ThreadPoolExecutor(1, thread_name_prefix="mint-seed") as pool:
+        ahead: deque[Future[Payload]] = deque()
+        for i in indices:
+            ahead.append(pool.submit(payload_for, i))
+            if len(ahead) >= window:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
+def _insert_manifests(conn: Any, manifests: list[list[payload.ManifestEntry]]) -> list[tuple[str, int]]:
+    """Record the payloads' file lists, each once (content-addressed: a payload seeded or published
+    before, or twice in this batch, shares its rows); each one's (sha256, size)."""
+    out, rows = [], {}
+    for entries in manifests:
         sha = payload.manifest_sha256(entries)
         out.append((sha, sum(e.size for e in entries)))
-        rows += [(sha, e.name, e.sha256, e.size) for e in entries]
-    _insert(conn, ManifestEntryRow.__table__, ["manifest_sha256", "name", "blob_sha256", "size"], rows)
+        for e in entries:
+            rows[(sha, e.name)] = (sha, e.name, e.sha256, e.size)
+    _insert(conn, ManifestEntryRow.__table__, ["manifest_sha256", "name", "blob_sha256", "size"],
+            list(rows.values()), skip_existing=True)
     return out
 
 
 def _max_id(s: Any, row: type) -> int:
     return s.scalar(select(func.max(row.id))) or 0
+
+
+def next_index(catalog: Catalog, owner: str, prefix: str) -> int:
+    """How many synthetic policies the prefix has (one past its last index)."""
+    with catalog._read() as s:
+        return _next_index(s, owner, prefix)
 
 
 def _next_index(s: Any, owner: str, prefix: str) -> int:
@@ -196,20 +247,27 @@ def _db_value(conn: Any, table: Any, column: str, value: Any) -> Any:
     return process(value) if process else value
 
 
-def _insert(conn: Any, table: Any, columns: list[str], rows: list[tuple[Any, ...]]) -> None:
-    # Straight to the driver: the values are already driver-ready, and skipping SQLAlchemy's
-    # per-row parameter processing is most of the seeding speed. PostgreSQL gets COPY, its bulk path.
+def _insert(conn: Any, table: Any, columns: list[str], rows: list[tuple[Any, ...]], *,
+            skip_existing: bool = False) -> None:
+    """Straight to the driver: the values are already driver-ready, and skipping SQLAlchemy's
+    per-row parameter processing is most of the seeding speed. PostgreSQL gets COPY, its bulk path;
+    `skip_existing` rows (a key already there) are left out instead (INSERT … ON CONFLICT DO NOTHING)."""
+    if not rows:
+        return
     quote = conn.dialect.identifier_preparer.quote
     names = ", ".join(quote(c) for c in columns)
-    if conn.dialect.driver == "psycopg":
+    postgres = conn.dialect.name == "postgresql"
+    if conn.dialect.driver == "psycopg" and not skip_existing:
         with (conn.connection.driver_connection.cursor() as cursor,
               cursor.copy(f"COPY {quote(table.name)} ({names}) FROM STDIN") as copy):
             for row in rows:
                 copy.write_row(row)
         return
     mark = "?" if conn.dialect.paramstyle == "qmark" else "%s"
+    verb = "INSERT OR IGNORE" if skip_existing and not postgres else "INSERT"
+    tail = " ON CONFLICT DO NOTHING" if skip_existing and postgres else ""
     conn.exec_driver_sql(
-        f"INSERT INTO {quote(table.name)} ({names}) VALUES ({', '.join([mark] * len(columns))})", rows
+        f"{verb} INTO {quote(table.name)} ({names}) VALUES ({', '.join([mark] * len(columns))}){tail}", rows
     )
 
 

@@ -135,6 +135,11 @@ def register(app: typer.Typer) -> None:
             None, "--db-url", envvar="MINT_DB_URL",
             help="Policy catalog database, e.g. postgresql+psycopg://… (default SQLite in the data dir).",
         ),
+        store: str = typer.Option(
+            None, "--store", envvar="MINT_STORE",
+            help="Catalog blob store: a path, or s3://BUCKET/PREFIX shared by several nodes (endpoint and "
+            "credentials from the AWS_* env vars). Default <data dir>/blobs.",
+        ),
         api_key: list[str] = typer.Option(
             [], "--api-key",
             help="Accepted API key (tml-… or sk-…); repeatable. Also read from $MINT_API_KEYS. "
@@ -285,7 +290,7 @@ def register(app: typer.Typer) -> None:
         except NotSupportedError as e:  # e.g. a model whose heads do not split over --tp ranks
             raise typer.BadParameter(str(e), param_hint="--tp") from None
         settings = Settings(
-            data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, max_body_bytes=max_body_mb * 1024 * 1024,
+            data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, store_url=store, max_body_bytes=max_body_mb * 1024 * 1024,
         )
         try:
             app = create_app(engine, settings)
@@ -295,7 +300,8 @@ def register(app: typer.Typer) -> None:
                 raise
             engine.shutdown(False)
             detail = str(getattr(e, "orig", None) or e).strip().splitlines()[0]
-            raise typer.BadParameter(f"cannot open the policy catalog: {detail}", param_hint="--db-url") from None
+            hint = "--store" if getattr(e, "field", None) == "store" else "--db-url"
+            raise typer.BadParameter(f"cannot open the policy catalog: {detail}", param_hint=hint) from None
         auth = "no auth" if no_auth else f"{len(keys)} API key(s)"
         typer.echo(f"MinT serving {name} on http://{host}:{port} (data dir {root}; {auth})")
         # Bounded request heads (431), slow heads and bodies timed out (408): see api/server.py.

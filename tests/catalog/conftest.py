@@ -78,3 +78,20 @@ def server(app: FastAPI) -> Iterator[str]:
     server.should_exit = True
     thread.join(timeout=20)
     sock.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    from tests.s3 import s3_server
+
+    with s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_url(s3_endpoint: str) -> Iterator[str]:
+    """s3://<a fresh bucket>/<prefix>, with this process's AWS_* variables pointing at the test server."""
+    from tests.s3 import new_bucket, s3_environ
+
+    with s3_environ(s3_endpoint):
+        yield f"s3://{new_bucket(s3_endpoint)}/mint-store"

@@ -46,6 +46,24 @@ def move_alias(url: str, data_dir: str, policy: str, alias: str, moves: int, act
     print("done", flush=True)
 
 
+def seed_servable(url: str, data_dir: str, model: str, prefix: str, total: int, batch: int) -> None:
+    """`mint catalog seed --servable` as a library call, printing a line per committed batch."""
+    from mint_server.catalog.seed import seed
+    from mint_server.cli.sweep import servable_payloads
+
+    name, lora, payload_for = servable_payloads(Path(model), 1)
+    catalog = Catalog.open(url, data_dir=data_dir)
+    seed(catalog, total, owner=OWNER, prefix=prefix, batch_size=batch, payload_for=payload_for, base_model=name,
+         lora_config=lora, resume=True, progress=lambda done: print(done, flush=True))
+
+
+def import_dirs(url: str, data_dir: str, root: str, batch: int) -> None:
+    """`mint catalog import-many` as a library call, printing a line per committed batch."""
+    catalog = Catalog.open(url, data_dir=data_dir)
+    items = [(f"imp-{d.name}", d) for d in sorted(Path(root).iterdir())]
+    catalog.import_many(OWNER, items, batch_size=batch, progress=lambda done: print(done, flush=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -60,9 +78,22 @@ def main() -> None:
     m.add_argument("moves", type=int)
     m.add_argument("actor")
     m.add_argument("go", type=Path)
+    sd = sub.add_parser("seed")
+    for name in ("url", "data_dir", "model", "prefix"):
+        sd.add_argument(name)
+    sd.add_argument("total", type=int)
+    sd.add_argument("batch", type=int)
+    im = sub.add_parser("import")
+    for name in ("url", "data_dir", "root"):
+        im.add_argument(name)
+    im.add_argument("batch", type=int)
     args = parser.parse_args()
     if args.cmd == "publish":
         publish_forever(args.url, args.data_dir, args.policy, args.work)
+    elif args.cmd == "seed":
+        seed_servable(args.url, args.data_dir, args.model, args.prefix, args.total, args.batch)
+    elif args.cmd == "import":
+        import_dirs(args.url, args.data_dir, args.root, args.batch)
     else:
         move_alias(args.url, args.data_dir, args.policy, args.alias, args.moves, args.actor, args.go)
 
