@@ -149,7 +149,12 @@ class LocalEngine(JobParsing):
         self.stats = {"train_passes": 0, "fused_requests": 0, "ops": 0, "sample_steps": 0, "train_tokens": 0}
         self.step_seconds: list[float] = []  # drained by the service's metrics
         self._worker = threading.Thread(target=self._loop, name="mint-engine", daemon=True)
+        self._calibrated = threading.Event()
         self._worker.start()
+        # The worker measures this machine first (_calibrate); nothing else may compute meanwhile, or
+        # the figures are another thread's contention (a server building its app beside it measured
+        # a one-token step at 3x its cost), so the constructor returns once they are taken.
+        self._calibrated.wait()
 
     def _start_tp(self) -> tuple[TP, list[Any], Any]:
         """Spawn the follower ranks (each loads and splits the model) and join them as rank 0."""
@@ -395,6 +400,8 @@ class LocalEngine(JobParsing):
             self._calibrate()
         except Exception:  # noqa: BLE001 - the defaults stand; serving goes on
             log.exception("measuring the step costs failed")
+        finally:
+            self._calibrated.set()
         while True:
             with self._cv:
                 while self._running and (self._paused or not self._has_work()):
