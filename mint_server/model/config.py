@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
+from mint_server.model.v4_spec import V4Spec, parse_v4
 
 
 class ModelError(ValueError):
@@ -31,6 +32,7 @@ class Family:
     moe: bool = False  # some layers' MLP is a routed set of experts (Qwen3-MoE style)
     mla: bool = False  # DeepSeek: latent attention, sigmoid-routed MoE with shared experts (mla_spec.py)
     dsa: bool = False  # DeepSeek-V3.2: plus the sparse-attention indexer
+    compressed: bool = False  # DeepSeek-V4: compressed sparse / heavily compressed attention, mHC (v4_spec.py)
 
 
 # HF `architectures[0]` → family switches.
@@ -41,9 +43,10 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV3ForCausalLM": Family("deepseek_v3", qk_norm=False, attention_bias=False, moe=True, mla=True),
     "DeepseekV32ForCausalLM": Family("deepseek_v32", qk_norm=False, attention_bias=False, moe=True, mla=True,
                                      dsa=True),
+    "DeepseekV4ForCausalLM": Family("deepseek_v4", qk_norm=False, attention_bias=False, moe=True, compressed=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,9 @@ class ModelConfig:
     # DeepSeek families (family.mla): MLA dims, DeepSeek routing, the V3.2 indexer. Their head_dim
     # is the RoPE part (qk_rope_head_dim) and num_kv_heads == num_heads (neither is a K/V shape).
     mla: MLASpec | None = None
+    # DeepSeek-V4 (family.compressed): head_dim is the one shared K=V head's, num_kv_heads 1, every
+    # layer's MLP a MoE (intermediate_size = moe_intermediate_size: the shared expert's width).
+    v4: V4Spec | None = None
 
     @property
     def family(self) -> Family:
@@ -111,6 +117,14 @@ class ModelConfig:
             rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
             family = FAMILIES[arch]
+            v4 = None
+            if family.compressed:  # its two ropes (main, compress) are V4Spec's
+                try:
+                    v4 = parse_v4(hf, int(hf["num_hidden_layers"]))
+                except ValueError as e:
+                    raise UnsupportedModelError(str(e)) from None
+                rope_type, rope, rope_theta = "default", {}, v4.main_theta
+                hf = {**hf, "num_key_value_heads": 1, "intermediate_size": hf["moe_intermediate_size"]}
             if rope_type not in ("default", "llama3") and not (family.mla and rope_type == "yarn"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
             eos = hf.get("eos_token_id")
@@ -121,6 +135,8 @@ class ModelConfig:
                 mla = parse_mla(hf, rope, family.dsa)
                 moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
                 hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
+            if v4 is not None:  # every layer's MLP is routed
+                moe.update(v4=v4, mlp_only_layers=(), decoder_sparse_step=1)
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),

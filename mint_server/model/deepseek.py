@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.deepseek_v4 import DeepseekV4Transformer
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
 from mint_server.model.transformer import MLP, CacheView, RMSNorm, Transformer, apply_rope, project
@@ -261,4 +262,6 @@ class DeepseekTransformer(Transformer):
 
 
 def model_class(cfg: ModelConfig) -> type[Transformer]:
+    if cfg.v4 is not None:
+        return DeepseekV4Transformer
     return DeepseekTransformer if cfg.mla is not None else Transformer

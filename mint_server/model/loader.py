@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mint_server.model import deepseek_v4
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
@@ -86,15 +87,18 @@ def load_model(
         expected.discard("lm_head.weight")
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert → [out, in]
+    rename = deepseek_v4.checkpoint_name if cfg.v4 is not None else our_name
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                ours = our_name(name)
+                ours = rename(name)
                 if ours is None:
                     continue
                 if ours in expected:
-                    keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
-                    state[ours] = read(sf, name, ours).to(device=device, dtype=keep)
+                    keep = torch.float32 if (cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS)) or (
+                        cfg.v4 is not None and deepseek_v4.keeps_float32(ours)) else dtype
+                    tensor = read(sf, name, ours)
+                    state[ours] = tensor.to(device=device, dtype=keep if tensor.is_floating_point() else None)
                 elif m := _PER_EXPERT.match(ours):
                     per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = read(sf, name, ours)
                 elif m := _FUSED_GATE_UP.match(ours):

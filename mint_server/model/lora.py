@@ -31,6 +31,7 @@ from torch import Tensor
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.tp_group import TP, sync_replicated
+from mint_server.model.v4_spec import CSA, HCA
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -41,7 +42,13 @@ UNEMBED_TARGET = "lm_head"
 MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 SHARED_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
 SHARED_PREFIX = "shared_"  # shared-expert target = SHARED_PREFIX + the projection name
-ALL_TARGETS = ATTN_TARGETS + MLA_TARGETS + MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS + (UNEMBED_TARGET,)
+# DeepSeek-V4 attention (q_a_proj / q_b_proj shared with MLA_TARGETS; o_a_proj, the grouped output
+# projection, has no PEFT LoRA form and is not a target) and its compressors' projections, CSA's and
+# HCA's apart (their widths differ); see docs/deepseek-v4.md.
+V4_TARGETS = ("kv_proj", "o_b_proj")
+COMPRESSOR_TARGETS = ("csa_kv_proj", "csa_gate_proj", "hca_kv_proj", "hca_gate_proj")
+ALL_TARGETS = (ATTN_TARGETS + MLA_TARGETS + V4_TARGETS + COMPRESSOR_TARGETS + MLP_TARGETS + EXPERT_TARGETS
+               + SHARED_TARGETS + (UNEMBED_TARGET,))
 EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
 
 
@@ -51,11 +58,15 @@ def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     whose every layer is sparse) are absent."""
     every = tuple(range(cfg.num_layers))
     out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), every)
+    if cfg.v4 is not None:
+        for kind, prefix in ((CSA, "csa_"), (HCA, "hca_")):
+            if cfg.v4.layers_of(kind):
+                out.update(dict.fromkeys((prefix + "kv_proj", prefix + "gate_proj"), cfg.v4.layers_of(kind)))
     if cfg.dense_layers:
         out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
     if cfg.sparse_layers:
         out.update(dict.fromkeys(EXPERT_TARGETS, cfg.sparse_layers))
-        if cfg.mla is not None and cfg.mla.n_shared_experts:
+        if _shared_experts(cfg):
             out.update(dict.fromkeys(SHARED_TARGETS, cfg.sparse_layers))
     out[UNEMBED_TARGET] = (0,)
     return out
@@ -81,10 +92,24 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
             "kv_b_proj": (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), "o_proj": (H * m.v_head_dim, h),
             "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
         })
+    if cfg.v4 is not None:
+        v, H, D, shared = cfg.v4, cfg.num_heads, cfg.head_dim, e
+        io.update({
+            "q_a_proj": (h, v.q_lora_rank), "q_b_proj": (v.q_lora_rank, H * D), "kv_proj": (h, D),
+            "o_b_proj": (v.o_groups * v.o_lora_rank, h),
+            "csa_kv_proj": (h, 2 * D), "csa_gate_proj": (h, 2 * D), "hca_kv_proj": (h, D), "hca_gate_proj": (h, D),
+            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
+        })
     return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
 
 
+def _shared_experts(cfg: ModelConfig) -> int:
+    return cfg.mla.n_shared_experts if cfg.mla is not None else 1 if cfg.v4 is not None else 0
+
+
 def _attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    if cfg.v4 is not None:
+        return ("q_a_proj", "q_b_proj", *V4_TARGETS)
     if cfg.mla is None:
         return ATTN_TARGETS
     q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
@@ -110,7 +135,7 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
     """Tinker's LoraConfig switches → target projection names (train_mlp covers dense MLPs and
     experts alike; a model's adapter gets those of them it has)."""
     return (
-        (ATTN_TARGETS + MLA_TARGETS if train_attn else ())
+        (ATTN_TARGETS + MLA_TARGETS + V4_TARGETS + COMPRESSOR_TARGETS if train_attn else ())
         + (MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS if train_mlp else ())
         + ((UNEMBED_TARGET,) if train_unembed else ())
     )
