@@ -197,10 +197,13 @@ def test_compressed_cache_prefill_chunks_and_decode_equal_the_whole_forward(fixt
     lora = bank.batch([0, -1, 2, 0])
     with torch.no_grad():
         full = model(tokens, lora=lora)
-        # chunks that start and end mid-window and mid-block, and one that is whole windows
-        for steps in (((0, 7), (7, 16)), ((0, 8), (8, 11), (11, 24)))[: 2 if cfg.v4.compress_rope is None else 1]:
-            cached, cache = decode_all(model, tokens, lora, steps=steps)
-            for_model(cfg).check(cached, full, ("cached vs whole forward", steps))
+        # chunks that start and end mid-window and mid-block, and one that is whole windows; blocks of 4
+        # positions: an HCA window (8) spans two blocks, its state handed from block to block
+        cases = (((0, 7), (7, 16)), 8), (((0, 8), (8, 11), (11, 24)), 8), (((0, 5), (5, 14)), 4)
+        for steps, bs in cases if cfg.v4.compress_rope is None else cases[:1]:
+            cached, _ = decode_all(model, tokens, lora, block_size=bs, steps=steps)
+            for_model(cfg).check(cached, full, ("cached vs whole forward", steps, bs))
+    cache = KVCache(cfg, 3, 8, "cpu", torch.float32)
     assert set(cache.pools) == {"kv", "csa_entry", "csa_state", "csa_ientry", "csa_istate", "hca_entry", "hca_state"}
     assert cache.pools["csa_state"].dtype == torch.float32 and cache.pools["csa_entry"].shape[2] == 2  # 8 / 4
     assert cache.pools["hca_entry"].shape[2] == 1
