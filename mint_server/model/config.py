@@ -46,7 +46,8 @@ FAMILIES: dict[str, Family] = {
     "DeepseekV4ForCausalLM": Family("deepseek_v4", qk_norm=False, attention_bias=False, moe=True, compressed=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM", "deepseek_v4": "DeepseekV4ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
+               "deepseek_v4": "DeepseekV4ForCausalLM"}
 
 
 @dataclass(frozen=True)
