@@ -16,7 +16,7 @@ own window's "b" series), RMS-normalises it and rotates it to the window's first
 sees the entries of the windows that have closed by its position; in CSA a lightning indexer (its
 own, smaller compressor and heads, frozen like V3.2's) keeps only its `index_topk` best.
 
-MoE: sqrt-softplus (or softmax / sigmoid) scores of a float32 router choose top-k experts with a
+MoE: sqrt-softplus (or sigmoid) scores of a float32 router choose top-k experts with a
 choice-only bias; the first `hash_layers` choose by a frozen token → experts table instead. The
 weights are the chosen scores renormalised times `routed_scaling_factor`; the experts' and the shared
 expert's SwiGLU clamp their gate and up projections at `swiglu_limit`.
@@ -118,6 +118,13 @@ def _merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, 
     return a[0] * torch.exp(a[1] - safe) + b[0] * torch.exp(b[1] - safe), lse
 
 
+def _first_only(first: tuple[Tensor, Tensor], like: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """A per-window state [B, W, d] holding `first` [B, d] in window 0 and nothing in the others."""
+    acc, lse = torch.zeros_like(like[0]), torch.full_like(like[1], float("-inf"))
+    acc[:, 0], lse[:, 0] = first
+    return acc, lse
+
+
 class WindowCompressor(nn.Module):
     """Pools every `rate` tokens into one entry of `dim` channels (see the module docstring).
     overlap (CSA): kv / gate project to 2·dim, the "a" half feeding the next window's entry."""
@@ -200,16 +207,14 @@ class WindowCompressor(nn.Module):
             # window w0's "a" series continues the prior's; its entry starts from the prior's own state
             # when continuing, else from the previous window's "a" series (the prior's, too)
             a0 = (torch.where(cont, prior[:, 2], zero), torch.where(cont, prior[:, 3], empty))
-            a_full = _merge((torch.cat((a0[0][:, None], torch.zeros_like(a_state[0][:, 1:])), 1),
-                             torch.cat((a0[1][:, None], torch.full_like(a_state[1][:, 1:], float("-inf"))), 1)),
-                            a_state)
+            a_full = _merge(_first_only(a0, a_state), a_state)
             e0 = (torch.where(cont, prior[:, 0], torch.where(has, prior[:, 2], zero)),
                   torch.where(cont, prior[:, 1], torch.where(has, prior[:, 3], empty)))
+            # window w's entry starts from window w - 1's "a" series
             start = (torch.cat((e0[0][:, None], a_full[0][:, :-1]), 1), torch.cat((e0[1][:, None], a_full[1][:, :-1]), 1))
         else:
             e0 = (torch.where(cont, prior[:, 0], zero), torch.where(cont, prior[:, 1], empty))
-            start = (torch.cat((e0[0][:, None], torch.zeros_like(b_state[0][:, 1:])), 1),
-                     torch.cat((e0[1][:, None], torch.full_like(b_state[1][:, 1:], float("-inf"))), 1))
+            start = _first_only(e0, b_state)
         e_state = _merge(start, b_state)  # [B, W, d] each
         # each row's state after its last token, into the block of that token
         last = (p1 // m - w0)[:, None, None].expand(B, 1, d)
