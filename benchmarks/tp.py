@@ -14,7 +14,12 @@ each op, so expect TP=2 to be *slower* here; what TP buys is memory per device (
 half of the base, the bank and the KV cache) and, on several GPUs, their summed compute and
 bandwidth. The figures show what that overhead costs on this machine. Last stdout line: JSON.
 
-    python benchmarks/tp.py [--cores 2] [--steps 5] [--rows 4] [--seq 256] [--new 32]
+--arch deepseek_v3: a DeepSeek-V3-style MLA base instead (hidden 768, 6 layers, 12 heads with V3's
+per-head dims halved, kv_lora_rank 256, q_lora_rank 384, the first layer dense, 8 experts top-2 and a
+shared expert). It also reports what rank 0 holds: its base weights and its KV cache per token (MLA's
+latent is replicated on every rank, so this one does not shrink with TP; per-head K/V would).
+
+    python benchmarks/tp.py [--arch qwen3|deepseek_v3] [--cores 2] [--steps 5] [--rows 4] [--seq 256] [--new 32]
 """
 
 from __future__ import annotations
@@ -32,13 +37,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import load_average  # noqa: E402
 
 
-def build(dest: Path, hidden: int, layers: int, vocab: int) -> Path:
+def build(dest: Path, hidden: int, layers: int, vocab: int, arch: str = "qwen3") -> Path:
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from tests.tiny import save_tiny_tokenizer
 
     torch.manual_seed(0)
+    if arch == "deepseek_v3":
+        mla = DeepseekV3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
+                               moe_intermediate_size=hidden // 2, num_hidden_layers=layers, first_k_dense_replace=1,
+                               num_attention_heads=hidden // 64, n_routed_experts=8, num_experts_per_tok=2,
+                               n_group=1, topk_group=1, n_shared_experts=1, kv_lora_rank=256, q_lora_rank=384,
+                               qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=2048,
+                               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        DeepseekV3ForCausalLM(mla).save_pretrained(dest)
+        save_tiny_tokenizer(dest)
+        return dest
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 8 // 3 // 64 * 64,
                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=4,
                       head_dim=64, max_position_embeddings=2048, tie_word_embeddings=False,
@@ -72,6 +87,9 @@ class Variant:
         self.params = types.SamplingParams(max_tokens=args.new, temperature=0.0, stop=[])
         self.rows = args.rows
         self.times: dict[str, list[float]] = {"train_step_s": [], "decode_s": []}
+        cache = e.sampler.cache
+        self.memory = {"rank0_weights_bytes": sum(p.numel() * p.element_size() for p in e.model.parameters()),
+                       "rank0_kv_bytes_per_token": cache.nbytes // (cache.num_blocks * cache.block_size)}
 
     def train(self) -> None:
         e = self.e
@@ -90,6 +108,7 @@ class Variant:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=("qwen3", "deepseek_v3"), default="qwen3")
     p.add_argument("--cores", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", type=int, default=4)
@@ -100,7 +119,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=16384)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        model_dir = build(Path(d) / "model", args.hidden, args.layers, args.vocab)
+        model_dir = build(Path(d) / "model", args.hidden, args.layers, args.vocab, args.arch)
         load_before = load_average()
         variants = {f"tp{tp}": Variant(model_dir, tp, args.cores, args) for tp in (1, 2)}
         try:
@@ -116,14 +135,15 @@ def main() -> None:
             for v in variants.values():
                 v.e.shutdown()
         results = {name: {"train_step_s": statistics.median(v.times["train_step_s"]),
-                          "decode_token_step_s": statistics.median(v.times["decode_s"]) / args.new}
+                          "decode_token_step_s": statistics.median(v.times["decode_s"]) / args.new, **v.memory}
                    for name, v in variants.items()}
     one, two = results["tp1"], results["tp2"]
     for tp, r in results.items():
         print(f"{tp}: train step {r['train_step_s'] * 1e3:8.1f} ms   decode token step "
-              f"{r['decode_token_step_s'] * 1e3:7.2f} ms   ({args.rows} rows)")
+              f"{r['decode_token_step_s'] * 1e3:7.2f} ms   ({args.rows} rows)   rank 0 holds "
+              f"{r['rank0_weights_bytes'] / 2**20:.1f} MiB of weights, {r['rank0_kv_bytes_per_token']:,} B of KV per token")
     summary = {
-        "cores": args.cores, "rows": args.rows, "seq": args.seq, "new_tokens": args.new,
+        "arch": args.arch, "cores": args.cores, "rows": args.rows, "seq": args.seq, "new_tokens": args.new,
         "hidden": args.hidden, "layers": args.layers, "vocab": args.vocab,
         **{f"{tp}_{k}": v for tp, r in results.items() for k, v in r.items()},
         "train_ratio_tp2_over_tp1": two["train_step_s"] / one["train_step_s"],

@@ -15,6 +15,7 @@ from typing import Any
 
 from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
+from mint_server.model.v4_spec import V4Spec, parse_v4
 from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
 
 
@@ -41,6 +42,7 @@ class Family:
     index_rope_interleave: bool = False  # GLM-5: the DSA indexer's rope rotates pairs (mla_spec.MLASpec)
     tp_unsupported: str = ""  # why tensor parallelism refuses this family ("" = it splits)
     hybrid: bool = False  # Qwen3.5: gated delta-net linear-attention layers between gated full attention (hybrid_spec.py)
+    compressed: bool = False  # DeepSeek-V4: compressed sparse / heavily compressed attention, mHC (v4_spec.py)
 
 
 # HF `architectures[0]` → family switches.
@@ -60,13 +62,15 @@ FAMILIES: dict[str, Family] = {
                                    index_rope_interleave=True, tp_unsupported="shared DSA indexer layers do not split yet"),
     "Qwen3_5ForCausalLM": Family("qwen3_5", qk_norm=True, attention_bias=False, hybrid=True),
     "Qwen3_5MoeForCausalLM": Family("qwen3_5_moe", qk_norm=True, attention_bias=False, moe=True, hybrid=True),
+    "DeepseekV4ForCausalLM": Family("deepseek_v4", qk_norm=False, attention_bias=False, moe=True, compressed=True),
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v32": "DeepseekV32ForCausalLM",
                "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                "gpt_oss": "GptOssForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+               "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+               "deepseek_v4": "DeepseekV4ForCausalLM"}
 # Vision-language wrappers whose text model is a family: their `text_config` and language-model weights
 # load as that family (the vision tower is not loaded). Qwen3.5's Hub checkpoints are these.
 TEXT_MODEL_OF = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -115,6 +119,9 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     # Qwen3.5 (family.hybrid): which layers are linear attention, their dims, partial rotary, shared expert.
     hybrid: HybridSpec | None = None
+    # DeepSeek-V4 (family.compressed): head_dim is the one shared K=V head's, num_kv_heads 1, every
+    # layer's MLP a MoE (intermediate_size = moe_intermediate_size: the shared expert's width).
+    v4: V4Spec | None = None
 
     @property
     def family(self) -> Family:
@@ -169,6 +176,14 @@ class ModelConfig:
             rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
             rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
+            v4 = None
+            if family.compressed:  # its two ropes (main, compress) are V4Spec's
+                try:
+                    v4 = parse_v4(hf, int(hf["num_hidden_layers"]))
+                except ValueError as e:
+                    raise UnsupportedModelError(str(e)) from None
+                rope_type, rope, rope_theta = "default", {}, v4.main_theta
+                hf = {**hf, "num_key_value_heads": 1, "intermediate_size": hf["moe_intermediate_size"]}
             if rope_type not in ("default", "llama3") and not ((family.mla or family.yarn) and rope_type == "yarn"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
             if family.vision and rope_type != "default":
@@ -196,6 +211,8 @@ class ModelConfig:
                 moe.update(_hybrid_fields(hf, rope, num_heads, hidden, family.moe))
                 if family.moe:  # every layer sparse; the shared expert is the dense part
                     hf = {**hf, "intermediate_size": moe["hybrid"].shared_expert_intermediate_size}
+            if v4 is not None:  # every layer's MLP is routed
+                moe.update(v4=v4, mlp_only_layers=(), decoder_sparse_step=1)
             return cls(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),

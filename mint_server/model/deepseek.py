@@ -29,8 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.deepseek_v4 import DeepseekV4Transformer
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
+from mint_server.model.tp_group import TP
 from mint_server.model.transformer import MLP, CacheView, RMSNorm, Transformer, apply_rope, project
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: HF builds them with the default eps
@@ -94,6 +96,9 @@ class MLAttention(nn.Module):
     # Decode with the cache in absorbed form (False: expand the cached latents per head — the naive
     # reference path; tests and benchmarks/mla.py flip it).
     absorb = True
+    # set by tp.shard_model: this rank's heads only (q_b_proj / q_proj and kv_b_proj column-parallel,
+    # o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa, the latent and its cache, the indexer whole
+    tp: TP | None = None
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -121,19 +126,23 @@ class MLAttention(nn.Module):
                selection: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The attention output and the DSA key selection it used (None without DSA). A layer
         without its own indexer attends to `selection`, an earlier layer's (same queries, same keys)."""
-        m, L, H = self.spec, self.layer, self.n_heads
+        m, L, H, tp = self.spec, self.layer, self.n_heads, self.tp
         B, T, _ = x.shape
+        # Under tensor parallelism the whole (replicated) activations enter this rank's heads through
+        # tp.enter, so their gradients — and the replicated down-projections' LoRA — are summed over ranks.
+        enter = (lambda t: t) if tp is None else tp.enter
         if m.q_lora_rank is None:
-            q_resid, q = None, project(self.q_proj, x, lora, "q_proj", L)
+            q_resid, q = None, project(self.q_proj, enter(x), lora, "q_proj", L, tp)
         else:
             q_resid = self.q_a_layernorm(project(self.q_a_proj, x, lora, "q_a_proj", L))
-            q = project(self.q_b_proj, q_resid, lora, "q_b_proj", L)
+            q = project(self.q_b_proj, enter(q_resid), lora, "q_b_proj", L, tp)
         q_nope, q_rope = q.view(B, T, H, m.qk_head_dim).transpose(1, 2).split([m.qk_nope_head_dim, m.qk_rope_head_dim], -1)
         latent, k_rope = project(self.kv_a_proj_with_mqa, x, lora, "kv_a_proj_with_mqa", L).split(
             [m.kv_lora_rank, m.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent)  # [B, T, r]
         rope = apply_rope_interleaved if m.rope_interleave else apply_rope
         q_rope, k_rope = rope(q_rope, cos, sin), rope(k_rope[:, None], cos, sin)[:, 0]  # [B, T, dr]
+        latent, k_rope = enter(latent), enter(k_rope)
         if cache is None:
             visible = None if not m.dsa else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None, None]
         else:
@@ -149,15 +158,15 @@ class MLAttention(nn.Module):
             y = self._absorbed(q_nope, q_rope, latent, k_rope, visible, lora)
         else:
             y = self._expanded(q_nope, q_rope, latent, k_rope, visible, lora)
-        out = project(self.o_proj, y.transpose(1, 2).reshape(B, T, H * m.v_head_dim), lora, "o_proj", L)
-        return out, visible if m.dsa else None
+        out = project(self.o_proj, y.transpose(1, 2).reshape(B, T, H * m.v_head_dim), lora, "o_proj", L, tp)
+        return out if tp is None else tp.reduce(out), visible if m.dsa else None
 
     def _expanded(self, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, visible: Tensor | None,
                   lora: LoraBatch | None) -> Tensor:
         """Per-head keys/values from the latents [B, S, r] (kv_b_proj with its LoRA), then attention."""
         m, H = self.spec, self.n_heads
         B, S, _ = latent.shape
-        kv = project(self.kv_b_proj, latent, lora, "kv_b_proj", self.layer).view(B, S, H, -1).transpose(1, 2)
+        kv = project(self.kv_b_proj, latent, lora, "kv_b_proj", self.layer, self.tp).view(B, S, H, -1).transpose(1, 2)
         k_nope, v = kv.split([m.qk_nope_head_dim, m.v_head_dim], -1)
         k = torch.cat((k_nope, k_rope[:, None].expand(B, H, S, m.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
@@ -202,6 +211,8 @@ class Router(nn.Module):
 
 
 class SharedExperts(nn.Module):
+    tp: TP | None = None  # set by tp.shard_model: this rank's slice of the intermediate dim, like a dense MLP
+
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         m = cfg.mla
@@ -212,9 +223,13 @@ class SharedExperts(nn.Module):
         self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
-        g = project(self.gate_proj, x, lora, "shared_gate_proj", self.index)
-        u = project(self.up_proj, x, lora, "shared_up_proj", self.index)
-        return project(self.down_proj, F.silu(g) * u, lora, "shared_down_proj", self.index)
+        tp = self.tp
+        if tp is not None:
+            x = tp.enter(x)
+        g = project(self.gate_proj, x, lora, "shared_gate_proj", self.index, tp)
+        u = project(self.up_proj, x, lora, "shared_up_proj", self.index, tp)
+        out = project(self.down_proj, F.silu(g) * u, lora, "shared_down_proj", self.index, tp)
+        return out if tp is None else tp.reduce(out)
 
 
 class DeepseekMoE(SparseMoE):
@@ -281,4 +296,6 @@ def model_class(cfg: ModelConfig) -> type[Transformer]:
         from mint_server.model.qwen35 import HybridTransformer
 
         return HybridTransformer
+    if cfg.v4 is not None:
+        return DeepseekV4Transformer
     return DeepseekTransformer if cfg.mla is not None else Transformer

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from mint_server.model import deepseek_v4
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
 from mint_server.model.glm_moe_dsa import GlmMoeDsaTransformer
@@ -106,17 +107,20 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert → [out, in]
     convert = getattr(model, "convert_checkpoint", None)  # a family's own checkpoint layout (gpt-oss experts)
+    rename = deepseek_v4.checkpoint_name if cfg.v4 is not None else our_name
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for name in sf.keys():
-                ours = our_name(name)
+                ours = rename(name)
                 if ours is None:
                     continue
                 if convert is not None and (parts := convert(ours, partial(sf.get_tensor, name))) is not None:
                     state.update({k: v.to(device=device, dtype=dtype) for k, v in parts.items()})
                 elif ours in expected:
-                    keep = torch.float32 if cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS) else dtype
-                    state[ours] = _ours_layout(read(sf, name, ours), ours, shapes).to(device=device, dtype=keep)
+                    keep = torch.float32 if (cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS)) or (
+                        cfg.v4 is not None and deepseek_v4.keeps_float32(ours)) else dtype
+                    tensor = _ours_layout(read(sf, name, ours), ours, shapes)
+                    state[ours] = tensor.to(device=device, dtype=keep if tensor.is_floating_point() else None)
                 elif m := _PER_EXPERT.match(ours):
                     per_expert.setdefault(f"{m.group(1)}.{m.group(3)}", {})[int(m.group(2))] = read(sf, name, ours)
                 elif m := _FUSED_GATE_UP.match(ours):

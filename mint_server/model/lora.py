@@ -32,6 +32,7 @@ from torch import Tensor
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.tp_group import TP, sync_replicated
+from mint_server.model.v4_spec import CSA, HCA
 
 ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -44,8 +45,13 @@ SHARED_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
 SHARED_PREFIX = "shared_"  # shared-expert target = SHARED_PREFIX + the projection name
 # Qwen3.5's gated delta-net (linear-attention) projections, in its linear layers; see docs/qwen35.md.
 LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-ALL_TARGETS = (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS + MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS
-               + (UNEMBED_TARGET,))
+# DeepSeek-V4 attention (q_a_proj / q_b_proj shared with MLA_TARGETS; o_a_proj, the grouped output
+# projection, has no PEFT LoRA form and is not a target) and its compressors' projections, CSA's and
+# HCA's apart (their widths differ); see docs/deepseek-v4.md.
+V4_TARGETS = ("kv_proj", "o_b_proj")
+COMPRESSOR_TARGETS = ("csa_kv_proj", "csa_gate_proj", "hca_kv_proj", "hca_gate_proj")
+ALL_TARGETS = (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS + V4_TARGETS + COMPRESSOR_TARGETS + MLP_TARGETS
+               + EXPERT_TARGETS + SHARED_TARGETS + (UNEMBED_TARGET,))
 EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
 
 
@@ -56,6 +62,10 @@ def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), cfg.attention_layers)
     if cfg.hybrid is not None:
         out.update(dict.fromkeys(LINEAR_TARGETS, cfg.hybrid.linear_layers))
+    if cfg.v4 is not None:
+        for kind, prefix in ((CSA, "csa_"), (HCA, "hca_")):
+            if cfg.v4.layers_of(kind):
+                out.update(dict.fromkeys((prefix + "kv_proj", prefix + "gate_proj"), cfg.v4.layers_of(kind)))
     if cfg.dense_layers:
         out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
     if cfg.sparse_layers:
@@ -92,6 +102,14 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
             "kv_b_proj": (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), "o_proj": (H * m.v_head_dim, h),
             "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
         })
+    if cfg.v4 is not None:
+        v, H, D, shared = cfg.v4, cfg.num_heads, cfg.head_dim, e
+        io.update({
+            "q_a_proj": (h, v.q_lora_rank), "q_b_proj": (v.q_lora_rank, H * D), "kv_proj": (h, D),
+            "o_b_proj": (v.o_groups * v.o_lora_rank, h),
+            "csa_kv_proj": (h, 2 * D), "csa_gate_proj": (h, 2 * D), "hca_kv_proj": (h, D), "hca_gate_proj": (h, D),
+            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
+        })
     return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
 
 
@@ -99,10 +117,14 @@ def _shared_expert_size(cfg: ModelConfig) -> int:
     """Width of a sparse layer's always-on shared expert(s) (0: none)."""
     if cfg.mla is not None:
         return cfg.mla.n_shared_experts * cfg.moe_intermediate_size
+    if cfg.v4 is not None:
+        return cfg.moe_intermediate_size
     return cfg.hybrid.shared_expert_intermediate_size if cfg.hybrid is not None else 0
 
 
 def _attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    if cfg.v4 is not None:
+        return ("q_a_proj", "q_b_proj", *V4_TARGETS)
     if cfg.mla is None:
         return ATTN_TARGETS
     q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
@@ -128,7 +150,7 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
     """Tinker's LoraConfig switches → target projection names (train_mlp covers dense MLPs and
     experts alike; a model's adapter gets those of them it has)."""
     return (
-        (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS if train_attn else ())
+        (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS + V4_TARGETS + COMPRESSOR_TARGETS if train_attn else ())
         + (MLP_TARGETS + EXPERT_TARGETS + SHARED_TARGETS if train_mlp else ())
         + ((UNEMBED_TARGET,) if train_unembed else ())
     )
@@ -234,7 +256,7 @@ class LoraBatch:
         if self.plan is not None and self.plan.kind == "gather" and groups is None and tp is None:
             if (g := self.gathered.get(target)) is None:
                 g = self.gathered[target] = (ab[0].index_select(0, self.row_index), ab[1].index_select(0, self.row_index))
-            return add_lora(y, x, g[0][:, layer], g[1][:, layer], self)
+            return add_rows_lora(y, x, g[0][:, layer], g[1][:, layer], self.row_scale)
         A, B = sync_replicated(tp, target, ab[0][:, layer], ab[1][:, layer])
         return add_lora(y, x, A, B, self, groups)
 
@@ -263,14 +285,14 @@ def add_lora(
         u = batch.uniform
         xa = (x.reshape(rows * tokens, -1) @ A[u].transpose(0, 1)) * batch.scale[u].to(x.dtype)
         return torch.addmm(y.reshape(rows * tokens, out), xa, B[u].transpose(0, 1)).view(rows, tokens, out)
-    if batch.plan is not None and batch.plan.kind == "gather":  # A, B: already each row's own
-        a, b = A, B
-    elif batch.plan is not None:
+    if batch.plan is not None and batch.plan.kind != "gather":  # ("gather": LoraBatch.apply's own path)
         return _add_mixed_lora(y, x, A, B, batch.scale, batch.plan)
-    else:
-        a = A[batch.row_index]  # [rows, r, in]
-        b = B[batch.row_index]  # [rows, out, r]
-    xa = torch.bmm(x, a.transpose(1, 2)) * batch.row_scale[:, None, None].to(x.dtype)
+    return add_rows_lora(y, x, A[batch.row_index], B[batch.row_index], batch.row_scale)
+
+
+def add_rows_lora(y: Tensor, x: Tensor, a: Tensor, b: Tensor, row_scale: Tensor) -> Tensor:
+    """y + scale · (x aᵀ) bᵀ with each row's own a [rows, r, in], b [rows, out, r] and scale [rows]."""
+    xa = torch.bmm(x, a.transpose(1, 2)) * row_scale[:, None, None].to(x.dtype)
     return torch.baddbmm(y, xa, b.transpose(1, 2))
 
 

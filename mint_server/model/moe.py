@@ -51,13 +51,19 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), chosen
 
-    def forward(self, x: Tensor, lora: LoraBatch | None) -> Tensor:
+    def act(self, g: Tensor, u: Tensor) -> Tensor:
+        """The experts' gated activation of the gate and up projections (SwiGLU; a family may clamp it:
+        gpt_oss.py, deepseek_v4.py)."""
+        return F.silu(g) * u
+
+    def forward(self, x: Tensor, lora: LoraBatch | None, tokens: Tensor | None = None) -> Tensor:
+        """tokens [B, T]: for families whose routing reads the token ids (DeepSeek-V4's hash layers)."""
         B, T, H = x.shape
         flat = x.reshape(B * T, H)
         tp = self.tp
         if tp is not None:  # routing and experts both read it; each rank's gradient is partial
             flat = tp.enter(flat)
-        weights, chosen = self.route(flat)
+        weights, chosen = self.route(flat) if tokens is None else self.route(flat, tokens.reshape(-1))
         k = self.top_k
         expert = chosen.reshape(-1)  # pairs in token-major order
         token = torch.arange(B * T, device=x.device).repeat_interleave(k)
@@ -74,10 +80,6 @@ class SparseMoE(nn.Module):
         d = d * weights.reshape(-1)[groups.order, None]
         out = torch.zeros_like(flat).index_add_(0, pair_token, d).view(B, T, H)
         return out if tp is None else tp.reduce(out)
-
-    def act(self, g: Tensor, u: Tensor) -> Tensor:
-        """The experts' gated activation of the gate and up projections (SwiGLU)."""
-        return F.silu(g) * u
 
     def _project(self, name: str, x: Tensor, groups: ExpertGroups, lora: LoraBatch | None) -> Tensor:
         """Each pair through its expert's base projection (one matmul per used expert), plus LoRA."""

@@ -27,11 +27,13 @@ from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import (
     ALL_TARGETS,
     ATTN_TARGETS,
+    COMPRESSOR_TARGETS,
     EXPERT_PREFIX,
     LINEAR_TARGETS,
     MLA_TARGETS,
     SHARED_PREFIX,
     UNEMBED_TARGET,
+    V4_TARGETS,
     target_layers,
 )
 from mint_server.model.moe_layout import (
@@ -45,12 +47,13 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
     LM_HEAD_PREFIX,
     TINKER_UNEMBED_PREFIX,
 )
+from mint_server.model.v4_spec import CSA, HCA
 
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.(?:language_model\.)?layers\.(\d+)\.(?:self_attn|linear_attn|mlp)\.)?"
-    r"(experts\.(?:(\d+)\.)?|shared_experts?\.)?"
+    r"(experts\.(?:(\d+)\.)?|shared_experts?\.|compressor\.)?"
     r"(\w+)\.lora_([AB])\.weight$"
 )
 
@@ -87,7 +90,10 @@ def peft_key(target: str, layer: int, which: str, expert: int | None = None, dec
         return f"{layers}.mlp.{experts}{proj}.lora_{which}.weight"
     if target.startswith(SHARED_PREFIX):
         return f"{layers}.mlp.{shared}.{target[len(SHARED_PREFIX):]}.lora_{which}.weight"
-    block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS else "linear_attn" if target in LINEAR_TARGETS else "mlp"
+    if target in COMPRESSOR_TARGETS:  # DeepSeek-V4: csa_ / hca_ by the layer's kind, one module name
+        return f"{layers}.self_attn.compressor.{target[4:]}.lora_{which}.weight"
+    block = "self_attn" if target in ATTN_TARGETS + MLA_TARGETS + V4_TARGETS else \
+        "linear_attn" if target in LINEAR_TARGETS else "mlp"
     return f"{layers}.{block}.{target}.lora_{which}.weight"
 
 
@@ -168,7 +174,7 @@ def _module_name(target: str) -> str:
     for prefix in (EXPERT_PREFIX, SHARED_PREFIX):
         if target.startswith(prefix):
             return target[len(prefix):]
-    return target
+    return target[4:] if target in COMPRESSOR_TARGETS else target
 
 
 def _num_layers(adapter: LoraWeights) -> int:
@@ -230,7 +236,9 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
     found: dict[str, dict[int, dict[int | None, dict[str, torch.Tensor]]]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key.replace(TINKER_UNEMBED_PREFIX, LM_HEAD_PREFIX))
-        prefix = "" if m is None or not m.group(2) else (SHARED_PREFIX if m.group(2).startswith("shared_expert") else EXPERT_PREFIX)
+        prefix = "" if m is None or not m.group(2) else (SHARED_PREFIX if m.group(2).startswith("shared_expert") else
+                                                         _compressor_prefix(cfg, int(m.group(1) or 0))
+                                                         if m.group(2) == "compressor." else EXPERT_PREFIX)
         target = None if m is None else prefix + m.group(4)
         if m is None or target not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_name}")
@@ -248,6 +256,13 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
     if (bad := out.non_finite_target()) is not None:
         raise ModelError(f"adapter target {bad!r} in {weights_name} holds NaN or inf")
     return out
+
+
+def _compressor_prefix(cfg: ModelConfig | int, layer: int) -> str:
+    """A DeepSeek-V4 compressor projection's target prefix: its layer's kind (csa_ / hca_)."""
+    v4 = cfg.v4 if isinstance(cfg, ModelConfig) else None
+    kind = v4.layer_types[layer] if v4 is not None and layer < len(v4.layer_types) else None
+    return {CSA: "csa_", HCA: "hca_"}.get(kind, "compressor_")  # compressor_: no such target, refused below
 
 
 def _layer_pair(

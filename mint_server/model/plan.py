@@ -15,6 +15,14 @@ from dataclasses import asdict, dataclass
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import lora_shapes, select_targets, target_experts, target_shapes
 from mint_server.model.mla_spec import full_kv_elems_per_token, mla_token_shapes
+from mint_server.model.tp import TPNotSupportedError, check_supported
+from mint_server.model.v4_spec import (
+    CSA,
+    DEFAULT_BLOCK_SIZE,
+    HCA,
+    cache_bytes_per_block,
+    floor_bytes_per_token,
+)
 
 GIB = 2**30
 
@@ -30,6 +38,9 @@ class Plan:
     kv_bytes_per_token_latent: int | None  # all layers; None for non-MLA bases
     kv_bytes_per_token_full: int
     kv_bytes_per_token_per_gpu: int  # what one GPU holds per token with this base's cache under tp
+    # DeepSeek-V4: what its cache would cost per token at long context with positions past every
+    # layer's window freed (only the compressed entries grow); None for other bases
+    kv_bytes_per_token_floor: float | None
     lora_params_per_rank: int
     adapter_bytes: int  # one serving adapter at `rank` (bank dtype), whole model
     adapter_bytes_per_gpu: int
@@ -47,11 +58,14 @@ class Plan:
     # whatever its length (0 for other bases); per GPU under tp (linear-attention heads split)
     state_bytes_per_sequence: int = 0
     state_bytes_per_sequence_per_gpu: int = 0
+    tp_note: str | None = None  # why the engine cannot run this base tensor-parallel yet (None: it can)
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Base parameters by part (norms included in their part; MTP layers not counted)."""
     h, H, L = cfg.hidden_size, cfg.num_heads, cfg.num_layers
+    if cfg.v4 is not None:
+        return _count_v4(cfg)
     m = cfg.mla
     if m is not None:
         q = h * H * m.qk_head_dim if m.q_lora_rank is None else (
@@ -91,6 +105,30 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+def _count_v4(cfg: ModelConfig) -> dict[str, int]:
+    """DeepSeek-V4's parts: attention (with its compressors), the CSA indexers, the hyper-connections,
+    (mhc) and every layer a MoE with one shared expert; the hash layers' token → experts table counts as router."""
+    v, h, H, D, L = cfg.v4, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
+    assert v is not None
+    qr, Di, n, E, inter = v.q_lora_rank, v.index_head_dim, v.hc_mult, cfg.num_experts, cfg.moe_intermediate_size
+    attn = h * qr + qr + qr * H * D + h * D + D + H * D * v.o_lora_rank + v.o_groups * v.o_lora_rank * h + H + 2 * h
+    csa, hca = len(v.layers_of(CSA)), len(v.layers_of(HCA))
+    compressor = csa * (4 * h * D + v.csa_rate * 2 * D + D) + hca * (2 * h * D + v.hca_rate * D + D)
+    indexer = csa * (4 * h * Di + v.csa_rate * 2 * Di + Di + qr * v.index_n_heads * Di + h * v.index_n_heads)
+    mix = (2 + n) * n
+    hashed = len(v.hash_layers)
+    return {
+        "embedding": cfg.vocab_size * h,
+        "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
+        "attention": L * attn + compressor + h,  # + the final norm
+        "indexer": indexer,
+        "mhc": L * 2 * (mix * n * h + mix + 3) + n * n * h + n + 1,
+        "routed_experts": L * E * 3 * h * inter,
+        "shared_experts": L * 3 * h * inter,
+        "router": L * E * h + (L - hashed) * E + hashed * cfg.vocab_size * cfg.num_experts_per_tok,
+    }
+
+
 def lora_params_per_rank(cfg: ModelConfig) -> int:
     """Σ (in + out) over every LoRA target of the base (experts: each its own pair), all layers."""
     shapes, experts = target_shapes(cfg), target_experts(cfg)
@@ -118,7 +156,7 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     base goes to the KV cache, the rest to adapter slots."""
     tp, ep = tp or gpus, ep or gpus
     params = count_params(cfg)
-    experts, tower = params["routed_experts"], params["vision_tower"]
+    experts, tower = params["routed_experts"], params.get("vision_tower", 0)
     rest = sum(params.values()) - experts - tower
     base_gpu = int((rest / tp + experts / ep + tower) * weight_bytes)
     latent, full = kv_elems_per_token(cfg)
@@ -128,6 +166,18 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     # it (data-parallel attention would split sequences instead).
     kv_split = min(tp, cfg.num_kv_heads)
     kv_tok_gpu = (latent * L * kv_bytes) if latent is not None else -(-full * L * kv_bytes // kv_split)
+    floor = None
+    if cfg.v4 is not None:  # its paged cache (window K=V, entries, state), one K=V head: replicated too
+        v4_paged = cache_bytes_per_block(cfg.v4, cfg.head_dim, L, DEFAULT_BLOCK_SIZE, kv_bytes) / DEFAULT_BLOCK_SIZE
+        kv_tok_gpu = full_bytes = math.ceil(v4_paged)
+        floor = floor_bytes_per_token(cfg.v4, cfg.head_dim, kv_bytes)
+    else:
+        full_bytes = full * L * kv_bytes
+    try:
+        check_supported(cfg, tp)
+        tp_note = None
+    except TPNotSupportedError as e:
+        tp_note = str(e)
     per_rank = lora_params_per_rank(cfg)
     adapter = per_rank * rank * lora_bytes
     adapter_gpu = -(-adapter // gpus)
@@ -142,13 +192,13 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     return Plan(
         architecture=cfg.architecture, gpus=gpus, tp=tp, ep=ep, params=params, base_bytes_per_gpu=base_gpu,
         kv_bytes_per_token_latent=None if latent is None else latent * L * kv_bytes,
-        kv_bytes_per_token_full=full * L * kv_bytes, kv_bytes_per_token_per_gpu=kv_tok_gpu,
+        kv_bytes_per_token_full=full_bytes, kv_bytes_per_token_per_gpu=kv_tok_gpu, kv_bytes_per_token_floor=floor,
         lora_params_per_rank=per_rank, adapter_bytes=adapter, adapter_bytes_per_gpu=adapter_gpu,
         train_adapter_bytes_per_gpu=train_gpu, kv_budget_bytes_per_gpu=kv_budget, kv_tokens=kv_tokens,
         sequences_at_context=sequences, device_adapters_per_gpu=slots_mem // max(adapter_gpu, 1),
         device_training_adapters_per_gpu=slots_mem // max(train_gpu, 1),
-        host_adapters=int(host_mem_gib * GIB) // max(adapter, 1), fits=free > 0,
-        sliding_layers=sum(1 for i in range(L) if cfg.window(i)), sliding_window=cfg.sliding_window,
+        host_adapters=int(host_mem_gib * GIB) // max(adapter, 1), fits=free > 0, tp_note=tp_note,
+        sliding_layers=sum(1 for i in range(cfg.num_layers) if cfg.window(i)), sliding_window=cfg.sliding_window,
         state_bytes_per_sequence=state, state_bytes_per_sequence_per_gpu=state_gpu,
     )
 
@@ -161,7 +211,11 @@ def render(p: Plan, rank: int, context: int) -> str:
     lines = [f"{p.architecture}: {total / 1e9:,.1f} B parameters on {p.gpus} GPUs (tp={p.tp}, ep={p.ep})"]
     lines += [f"  {k:<15} {v / 1e9:>9.2f} B" for k, v in p.params.items() if v]
     lines.append(f"base weights per GPU      {gib(p.base_bytes_per_gpu)}" + ("" if p.fits else "  (DOES NOT FIT)"))
-    if p.kv_bytes_per_token_latent is not None:
+    if p.kv_bytes_per_token_floor is not None:
+        lines.append(f"KV per token (all layers) {p.kv_bytes_per_token_full:,} B as paged (window K=V kept for every "
+                     f"position, compressed entries, per-block state); {p.kv_bytes_per_token_floor:,.0f} B at long "
+                     "context with out-of-window positions freed")
+    elif p.kv_bytes_per_token_latent is not None:
         ratio = p.kv_bytes_per_token_full / p.kv_bytes_per_token_latent
         lines.append(f"KV per token (all layers) latent {p.kv_bytes_per_token_latent:,} B vs full K/V "
                      f"{p.kv_bytes_per_token_full:,} B ({ratio:.1f}x smaller)")
@@ -179,6 +233,8 @@ def render(p: Plan, rank: int, context: int) -> str:
                  f" ({gib(p.adapter_bytes_per_gpu)} per GPU; training {gib(p.train_adapter_bytes_per_gpu)} per GPU)")
     lines.append(f"adapters per tier         device {p.device_adapters_per_gpu:,} serving / "
                  f"{p.device_training_adapters_per_gpu:,} training; host {p.host_adapters:,}; store unbounded")
+    if p.tp_note:
+        lines.append(f"note: {p.tp_note}")
     return "\n".join(lines)
 
 

@@ -50,7 +50,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
-from mint_server.model.tp_group import COLUMN_TARGETS, ROW_TARGETS, TP, sync_replicated  # noqa: F401 - re-exported
+from mint_server.model.tp_group import (  # noqa: F401 - re-exported
+    COLUMN_TARGETS,
+    REPLICATED_TARGETS,
+    ROW_TARGETS,
+    TP,
+    sync_replicated,
+)
 
 # Optimizer moments per family: which factor each moment is shaped like.
 MOMENT_FACTORS = {"adamw": ("A", "A", "B", "B"), "dimuon": ("A", "B")}
@@ -91,8 +97,12 @@ def check_supported(cfg: ModelConfig, world: int) -> None:
     if cfg.family.tp_unsupported and world > 1:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} "
                                   f"({cfg.family.tp_unsupported})")
-    if cfg.mla is not None:
-        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (MLA attention) yet")
+    if cfg.v4 is not None:
+        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (compressed attention, "
+                                  "grouped output projection, hyper-connection streams) yet")
+    if cfg.mla is not None and cfg.mla.attention_bias and world > 1:
+        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} with attention_bias "
+                                  "(o_proj's bias would be added on every rank)")
     if cfg.vision is not None and world > 1:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (image input) yet")
     if cfg.hybrid is not None and world > 1:
@@ -121,7 +131,9 @@ def local_target_shapes(cfg: ModelConfig, world: int) -> dict[str, tuple[int, in
 
     out = {}
     for t, (layers, fi, fo) in target_shapes(cfg).items():
-        if t in ROW_TARGETS:
+        if t in REPLICATED_TARGETS:
+            out[t] = (layers, fi, fo)
+        elif t in ROW_TARGETS:
             out[t] = (layers, fi // world, fo)
         elif t in COLUMN_TARGETS:
             out[t] = (layers, fi, fo // world)
@@ -166,9 +178,13 @@ def shard_model(model: nn.Module, tp: TP) -> nn.Module:
         attn = block.self_attn
         attn.tp = tp
         attn.n_heads //= tp.world
-        attn.n_kv //= tp.world
-        for name in ("q_proj", "k_proj", "v_proj"):
-            _split_linear(getattr(attn, name), 0, tp)
+        if hasattr(attn, "n_kv"):
+            attn.n_kv //= tp.world
+        # heads split: the per-head projections column-parallel (MLA: the query up-projection and
+        # kv_b_proj; its q_a / kv_a down-projections and latent stay whole), the output row-parallel
+        for name in ("q_proj", "k_proj", "v_proj", "q_b_proj", "kv_b_proj"):
+            if hasattr(attn, name):
+                _split_linear(getattr(attn, name), 0, tp)
         _split_linear(attn.o_proj, 1, tp)
         mlp = block.mlp
         mlp.tp = tp
@@ -177,16 +193,19 @@ def shard_model(model: nn.Module, tp: TP) -> nn.Module:
             ex.gate_proj = nn.Parameter(_slice(ex.gate_proj.data, 1, tp), requires_grad=False)
             ex.up_proj = nn.Parameter(_slice(ex.up_proj.data, 1, tp), requires_grad=False)
             ex.down_proj = nn.Parameter(_slice(ex.down_proj.data, 2, tp), requires_grad=False)
-        else:
-            _split_linear(mlp.gate_proj, 0, tp)
-            _split_linear(mlp.up_proj, 0, tp)
-            _split_linear(mlp.down_proj, 1, tp)
+            mlp = getattr(mlp, "shared_experts", None)  # DeepSeek's shared experts split like a dense MLP
+            if mlp is None:
+                continue
+            mlp.tp = tp
+        _split_linear(mlp.gate_proj, 0, tp)
+        _split_linear(mlp.up_proj, 0, tp)
+        _split_linear(mlp.down_proj, 1, tp)
     return model
 
 
-_COLUMN_WEIGHT = re.compile(r"\.(self_attn\.[qkv]_proj\.(weight|bias)|mlp\.(gate|up)_proj\.weight|"
-                            r"mlp\.experts\.\d+\.(gate|up)_proj\.weight)$")
-_ROW_WEIGHT = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj|mlp\.experts\.\d+\.down_proj)\.weight$")
+_COLUMN_WEIGHT = re.compile(r"\.(self_attn\.[qkv]_proj\.(weight|bias)|self_attn\.(q_b|kv_b)_proj\.weight|"
+                            r"mlp\.(shared_experts\.)?(gate|up)_proj\.weight|mlp\.experts\.\d+\.(gate|up)_proj\.weight)$")
+_ROW_WEIGHT = re.compile(r"\.(self_attn\.o_proj|mlp\.(shared_experts\.)?down_proj|mlp\.experts\.\d+\.down_proj)\.weight$")
 _STACKED = {"mlp.experts.gate_proj": 1, "mlp.experts.up_proj": 1, "mlp.experts.down_proj": 2}
 
 
@@ -226,6 +245,8 @@ def embed(model: nn.Module, tokens: Tensor) -> Tensor:
 # --- splitting and gathering adapter state --------------------------------------------------------
 def split_dim(target: str, factor: str) -> int | None:
     """The dim of a [layers, (E,) r, in] / [layers, (E,) out, r] factor that is split; None: replicated."""
+    if target in REPLICATED_TARGETS:
+        return None
     if target in ROW_TARGETS:
         return -1 if factor == "A" else None
     if target in COLUMN_TARGETS:

@@ -16,8 +16,11 @@ from torch import Tensor
 # LoRA targets by the split of their base layer. Column: output split (A replicated, B split);
 # row: input split (A split, B replicated).
 COLUMN_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "expert_gate_proj", "expert_up_proj",
-                  "lm_head")
-ROW_TARGETS = ("o_proj", "down_proj", "expert_down_proj")
+                  "lm_head", "q_b_proj", "kv_b_proj", "shared_gate_proj", "shared_up_proj")
+ROW_TARGETS = ("o_proj", "down_proj", "expert_down_proj", "shared_down_proj")
+# MLA's query and KV down-projections run whole on every rank (their outputs feed every head): A and B
+# replicated, their gradients already summed (the activations entering the split heads carry tp.enter).
+REPLICATED_TARGETS = ("q_a_proj", "kv_a_proj_with_mqa")
 
 @dataclass(frozen=True)
 class TP:
@@ -143,7 +146,7 @@ class _VocabTargetLogprobs(torch.autograd.Function):
 
 def sync_replicated(tp: TP | None, target: str, A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
     """Training: wrap the target's replicated LoRA factor so its gradient is summed over ranks."""
-    if tp is None or not torch.is_grad_enabled():
+    if tp is None or not torch.is_grad_enabled() or target in REPLICATED_TARGETS:
         return A, B
     if target in ROW_TARGETS:
         return A, tp.enter(B)

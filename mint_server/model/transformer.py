@@ -19,6 +19,8 @@ from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import mla_token_shapes, rope_attention_factor
 from mint_server.model.moe import SparseMoE
 from mint_server.model.tp import TP, embed
+from mint_server.model.v4_spec import DEFAULT_BLOCK_SIZE, cache_bytes_per_block
+from mint_server.model.v4_spec import cache_pool_shapes as v4_cache_pools
 from mint_server.model.vision_input import VisionInput
 
 
@@ -132,11 +134,9 @@ class KVCache:
         # already the [rows, positions, ...] attention wants, with no copy to reorder it. Pools:
         # k, v [kv_heads, head_dim] (here as .k / .v); MLA's latent + rope key (+ V3.2's indexer key).
         # Zeros, not empty: masked keys get weight 0 and 0 · NaN would still poison a row.
-        # Layers: those with softmax attention (a hybrid base's linear-attention layers keep a
-        # recurrent state instead, model/recurrent_state.py); layer i of the pools is the i-th of them.
-        layers = len(cfg.attention_layers)
-        self.pools = {name: torch.zeros((layers, num_blocks, block_size, *shape), device=device, dtype=dtype)
-                      for name, shape in kv_token_shapes(cfg).items()}
+        # DeepSeek-V4's pools are per block and some are float32 (cache_pool_shapes).
+        self.pools = {name: torch.zeros(shape, device=device, dtype=torch.float32 if fp32 else dtype)
+                      for name, (shape, fp32) in cache_pool_shapes(cfg, num_blocks, block_size).items()}
         if "k" in self.pools:
             self.k, self.v = self.pools["k"], self.pools["v"]
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -174,10 +174,25 @@ def kv_token_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Cache bytes one token position costs, all layers together (the sampler's budget unit)."""
+def cache_pool_shapes(cfg: ModelConfig, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], bool]]:
+    """Every pool of the paged cache: name → (full shape [layers, blocks, …], float32 regardless of
+    the cache dtype?). Per-token pools are [layers, blocks, block_size, *token shape]."""
+    if cfg.v4 is not None:
+        return v4_cache_pools(cfg.v4, cfg.head_dim, cfg.num_layers, num_blocks, block_size)
+    # Layers: those with softmax attention (a hybrid base's linear-attention layers keep a recurrent
+    # state instead, model/recurrent_state.py); layer i of the pools is the i-th of them.
+    return {name: ((len(cfg.attention_layers), num_blocks, block_size, *shape), False)
+            for name, shape in kv_token_shapes(cfg).items()}
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Cache bytes one token position costs, all layers together (the sampler's budget unit); pools
+    held per block (DeepSeek-V4's) are counted per position at `block_size`."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if cfg.v4 is not None:
+        return -(-cache_bytes_per_block(cfg.v4, cfg.head_dim, cfg.num_layers, block_size, size) // block_size)
     elems = sum(math.prod(s) for s in kv_token_shapes(cfg).values())
-    return elems * len(cfg.attention_layers) * torch.empty((), dtype=dtype).element_size()
+    return elems * len(cfg.attention_layers) * size
 
 
 class CacheView:

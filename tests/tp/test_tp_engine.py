@@ -214,3 +214,38 @@ def test_a_hung_follower_fails_the_op_it_holds_and_idle_ranks_never_time_out(tmp
     finally:
         os.kill(follower.pid, signal.SIGKILL)
         e.shutdown(drain=False)
+
+
+@pytest.mark.slow
+def test_tp2_engine_on_an_mla_base_trains_and_samples_like_tp1(tmp_path: Path) -> None:
+    """A DeepSeek-V3.2 base (MLA + DSA + shared experts) in a tp=2 LocalEngine: training losses, gradient
+    norms, greedy and seeded tokens and prompt scores as at tp=1 (the latent cache replicated on each rank)."""
+    from tests.mla.tiny_deepseek import make_tiny_deepseek
+
+    model_dir = make_tiny_deepseek(tmp_path / "v32", "v32", seed=2)
+
+    def run(tp: int) -> dict:
+        e = engine(model_dir, tmp_path, tp=tp, slots=2)
+        try:
+            aid = e.create_adapter(types.LoraConfig(rank=4, seed=1)).result()
+            out: dict = {"losses": [], "norms": []}
+            for step in range(2):
+                data = sft_datums([7, 5], seed=10 + step)
+                out["losses"].append(e.submit(e.prepare_train(data, "cross_entropy", None).on(aid)).result()
+                                     .metrics["loss:sum"])
+                out["norms"].append(e.submit(e.prepare_optim(ADAM).on(aid)).result().metrics["grad_norm:mean"])
+            prompt = [5, 9, 13, 40, 7, 11, 3, 8, 21]
+            greedy = e.submit(e.prepare_sample(aid, prompt, 1, types.SamplingParams(max_tokens=8, temperature=0.0)))
+            seeded = e.submit(e.prepare_sample(aid, prompt, 2, types.SamplingParams(max_tokens=8, temperature=1.0,
+                                                                                    seed=7)))
+            out["tokens"] = [list(q.tokens) for r in (greedy.result(), seeded.result()) for q in r.sequences]
+            out["scores"] = e.submit(e.prepare_score(aid, prompt + out["tokens"][0])).result()
+            return out
+        finally:
+            e.shutdown()
+
+    want, got = run(1), run(2)
+    for a, b in zip(want["losses"] + want["norms"], got["losses"] + got["norms"], strict=True):
+        assert abs(a - b) <= TOL * max(1.0, abs(a)), (want, got)
+    assert got["tokens"] == want["tokens"]
+    assert max(abs(a - b) for a, b in zip(got["scores"][1:], want["scores"][1:], strict=True)) <= TOL

@@ -148,3 +148,7 @@ def parity_all(tp: tpmod.TP, ckpts: dict[str, str], modes: tuple[str, ...], fuse
     full = tpmod.shard_model(load_model(Path(fused), "cpu", torch.float32), tp).state_dict()
     out["fused_sliced_load_equal"] = all(torch.equal(sliced[k], full[k]) for k in full)
     return out
+
+
+def parity_mla(tp: tpmod.TP, ckpts: dict[str, str]) -> dict:
+    return {family: parity(tp, ckpt, ("fast",)) for family, ckpt in ckpts.items()}
