@@ -174,3 +174,36 @@ class ApiKeyRow(Base):
     scopes: Mapped[list[str]] = mapped_column(Json)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class UsageRow(Base):
+    """Usage of one tenant in one UTC hour, by kind (training / sampling_prefill / sampling_sample /
+    checkpoint) and attribution. The service adds rows as it flushes its meter; a bucket may hold
+    several rows of one kind, summed when read (catalog/ledger.py)."""
+
+    __tablename__ = "catalog_usage"
+    # A tenant's window, in bucket order.
+    __table_args__ = (Index(None, "owner", "bucket_start"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    owner: Mapped[str] = mapped_column(Key(256))
+    bucket_start: Mapped[datetime] = mapped_column(UTCDateTime())
+    kind: Mapped[str] = mapped_column(String(32))
+    session_id: Mapped[str | None] = mapped_column(String(64))
+    project_id: Mapped[str | None] = mapped_column(String(128))
+    base_model: Mapped[str | None] = mapped_column(String(512))
+    quantity: Mapped[float] = mapped_column(Double())
+
+
+class AuditEventRow(Base):
+    """One audited action of a tenant: `<resource>_<action>` with what it was about."""
+
+    __tablename__ = "catalog_audit_events"
+    # A tenant's day, in time order.
+    __table_args__ = (Index(None, "owner", "at"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    owner: Mapped[str] = mapped_column(Key(256))
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    event: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(Json)
