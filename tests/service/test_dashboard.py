@@ -2,8 +2,9 @@
 server on loopback with two tenants' real training runs, revisions and evals.
 
 Skips (saying why) without Playwright for Python or a Chromium binary ($MINT_CHROMIUM, else
-`chromium` on PATH); .ci/run installs both. With MINT_DASHBOARD_SCREENSHOT=PATH the run page is
-also saved there (docs/dashboard.png is made so).
+`chromium` on PATH), unless MINT_REQUIRE_BROWSER is set: .ci/run installs Chromium and sets it. With MINT_DASHBOARD_SCREENSHOT=PATH the run page is
+also saved there, and the policy page next to it as `<name>-policy.png` (docs/dashboard.png and
+docs/dashboard-policy.png are made so).
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ from tinker import types
 
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, batch, tiny_engine, train
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright for Python is not installed "
-                               "(pip install playwright; the browser is the system's Chromium)")
+
+def _missing(why: str) -> None:
+    """Skip, saying why; where a browser is required (CI sets MINT_REQUIRE_BROWSER=1), fail instead."""
+    if os.environ.get("MINT_REQUIRE_BROWSER"):
+        pytest.fail(f"the dashboard's browser tests cannot run: {why}", pytrace=False)
+    pytest.skip(why, allow_module_level=True)
+
+
+try:
+    from playwright import sync_api
+except ImportError:
+    _missing("Playwright for Python is not installed (pip install playwright; the browser is the system's Chromium)")
 CHROMIUM = os.environ.get("MINT_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None:
-    pytest.skip("no Chromium binary (apt-get install chromium, or set MINT_CHROMIUM)", allow_module_level=True)
+    _missing("no Chromium binary (apt-get install chromium, or set MINT_CHROMIUM)")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 WAIT_MS = 60_000  # a bound on waiting for an event, not a timing assumption
@@ -196,3 +207,5 @@ def test_promote_and_roll_back_from_the_page_with_confirmation(browser: Any, wor
     page.wait_for_selector(".flash")
     assert world.prod() == 1
     assert "rollback" in page.locator("#history").inner_text()
+    if shot := os.environ.get("MINT_DASHBOARD_SCREENSHOT"):
+        page.screenshot(path=str(Path(shot).with_name(Path(shot).stem + "-policy.png")), full_page=True)

@@ -13,6 +13,7 @@
     return "optim";
   }
 
+  var STEP_TICKS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000];
   var PALETTE = ["#2563eb", "#dc2626", "#16a34a", "#9333ea", "#ea580c", "#0891b2", "#4b5563", "#db2777"];
 
   function Curves(root) {
@@ -54,12 +55,17 @@
       if (u) u.destroy();  // a new metric appeared: draw the chart again with it
       var empty = box.querySelector(".empty");
       if (empty) empty.remove();
+      // A learning rate is orders of magnitude below a gradient norm: it gets its own axis, on the right.
+      var own = function (n) { return n.indexOf("learning_rate") === 0; };
+      var axes = [{ label: "step", incrs: STEP_TICKS }, {}];
+      if (names.some(own)) axes.push({ scale: "lr", side: 1, grid: { show: false } });
       var opts = {
         width: Math.max(320, box.clientWidth - 8), height: 220,
         scales: { x: { time: false } },
-        axes: [{ label: "step" }, {}],
+        axes: axes,
         series: [{ label: "step" }].concat(names.map(function (n, i) {
-          return { label: n, stroke: PALETTE[i % PALETTE.length], width: 2, spanGaps: true, points: { show: steps.length < 60 } };
+          return { label: n, scale: own(n) ? "lr" : "y", stroke: PALETTE[i % PALETTE.length], width: 2,
+                   spanGaps: true, points: { show: steps.length < 60 } };
         })),
       };
       self.charts[chart] = new uPlot(opts, data, box);
