@@ -67,12 +67,12 @@ class AdminService:
             raise InvalidInput(f"event_type: must be one of {', '.join(AUDIT_TYPES)}; got {event_type!r}")
         try:
             when = date.fromisoformat(day) if day is not None else datetime.now(UTC).date()
-        except ValueError:
-            raise InvalidInput(f"day: expected a date YYYY-MM-DD; got {day!r}") from None
-        start = datetime.combine(when, time(), UTC)
+            start = datetime.combine(when, time(), UTC)
+            end = start + timedelta(days=1)
+        except (ValueError, OverflowError):
+            raise InvalidInput(f"day: expected a date YYYY-MM-DD before 9999-12-31; got {day!r}") from None
         await asyncio.to_thread(self.core.meter.flush)
-        entries = await asyncio.to_thread(self.core.meter.ledger.audit, p.owner, start, start + timedelta(days=1),
-                                          AUDIT_TYPES[event_type])
+        entries = await asyncio.to_thread(self.core.meter.ledger.audit, p.owner, start, end, AUDIT_TYPES[event_type])
         out = []
         for e in entries:
             checkpoint = e.event.startswith("checkpoint_")
@@ -253,9 +253,16 @@ class EvalService:
         targets = resolve_targets(catalog, p.owner, req.revisions, self.core.engine.base_model)
 
         async def run() -> EvalResponse:
+            # Tokenizing and parsing off the loop; the engine's futures are awaited, holding no thread.
             evaluation = await asyncio.to_thread(Evaluation, self.core.engine, self._tokenizer(), req.metric,
                                                  examples, max_tokens=req.max_tokens, chat=req.chat, key=p.owner)
-            scores = await asyncio.to_thread(evaluation.run, targets)
+            submitted = await asyncio.to_thread(evaluation.submit, targets)
+            try:
+                results = [(t, await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+                           for t, futures in submitted]
+            finally:
+                evaluation.cancel(submitted)
+            scores = await asyncio.to_thread(lambda: [evaluation.score(t, r) for t, r in results])
             records = []
             if req.record:
                 records = await asyncio.to_thread(catalog.record_evals, p.owner,

@@ -154,9 +154,9 @@ class Evaluation:
                 raise InvalidInput(f"dataset[{i}]: {e}") from None
         return jobs
 
-    def score(self, target: Target, futures: list[Future]) -> Score:
-        """Wait for one revision's jobs (blocking) and score them."""
-        results = [f.result() for f in futures]  # scores: each token's logprob (None first); else SampleResponses
+    def score(self, target: Target, results: list[Any]) -> Score:
+        """One revision's job results (for logprob: each token's logprob, None first; else
+        SampleResponses), scored."""
         if self.metric == "logprob":
             per_example = []
             for prompt, answer, scores in zip(self.prompts, self.targets, results, strict=True):
@@ -169,16 +169,30 @@ class Evaluation:
         return Score(target.ref, target.sha256, sum(hits) / len(hits), len(hits), outputs)
 
     def run(self, targets: Sequence[Target], progress: Callable[[int], None] = lambda n: None) -> list[Score]:
-        """Every revision's jobs parsed, then all submitted at once, then scored in order (blocking)."""
+        """Every revision's jobs parsed, then all submitted at once, then scored in order (blocking:
+        for the CLI; the server awaits the same futures instead, see api/admin.py)."""
+        submitted = self.submit(targets)
+        scores = []
+        try:
+            for t, futures in submitted:
+                scores.append(self.score(t, [f.result() for f in futures]))
+                progress(len(scores))
+        finally:
+            self.cancel(submitted)
+        return scores
+
+    def submit(self, targets: Sequence[Target]) -> list[tuple[Target, list[Future]]]:
         if not 1 <= len(targets) <= MAX_REVISIONS:
             raise InvalidInput(f"revisions: between 1 and {MAX_REVISIONS}; got {len(targets)}")
-        parsed = [(t, self.jobs(t)) for t in targets]
-        submitted = [(t, [self.engine.submit(job) for job in jobs]) for t, jobs in parsed]
-        scores = []
-        for t, futures in submitted:
-            scores.append(self.score(t, futures))
-            progress(len(scores))
-        return scores
+        parsed = [(t, self.jobs(t)) for t in targets]  # all parsed before any runs
+        return [(t, [self.engine.submit(job) for job in jobs]) for t, jobs in parsed]
+
+    def cancel(self, submitted: Sequence[tuple[Target, list[Future]]]) -> None:
+        """Stop what is still running (an eval that failed or was abandoned)."""
+        for _, futures in submitted:
+            for f in futures:
+                if not f.done():
+                    self.engine.cancel(f)
 
 
 def resolve_targets(catalog: Any, owner: str, refs: Sequence[str], base_model: str) -> list[Target]:

@@ -12,7 +12,7 @@ from tinker import types
 from mint_server.api.auth import ADMIN, TRAIN, Principal
 from mint_server.api.http import json_body, needs, parse, service
 from mint_server.api.mint_types import EvalRequest, RunMetricsReport
-from mint_server.api.openapi import body_doc
+from mint_server.api.openapi import ProjectBody, body_doc
 
 router = APIRouter(prefix="/api/v1")
 TRACE_EXPORT_UNSUPPORTED = (
@@ -48,7 +48,7 @@ async def search_sessions(request: Request, p: Principal = needs(TRAIN)) -> Any:
     return service(request).admin.search_sessions(p, req).model_dump(mode="json")
 
 
-@router.put("/sessions/{session_id}/project", status_code=204)
+@router.put("/sessions/{session_id}/project", status_code=204, openapi_extra=body_doc(ProjectBody))
 async def assign_session_project(session_id: str, request: Request, p: Principal = needs(TRAIN)) -> Response:
     service(request).admin.assign_project(p, session_id, await json_body(request))
     return Response(status_code=204)

@@ -37,30 +37,38 @@ METRICS_FILE = "metrics.jsonl"
 
 @dataclass
 class _Pending:
-    """Pass results of one run since its last optimizer step."""
+    """Pass results of one run since its last optimizer step, reduced as they arrive (bounded
+    however many passes come before the step): name → [value so far, datums so far]."""
 
-    values: dict[str, list[tuple[float, int]]] = field(default_factory=dict)  # name → (value, datums)
+    values: dict[str, list[float]] = field(default_factory=dict)
     tokens: int = 0
     loss_fn: str | None = None
 
+    def add(self, name: str, value: float, datums: int) -> None:
+        reduction = name.rpartition(":")[2]
+        held = self.values.get(name)
+        if held is None:
+            self.values[name] = [value * datums if reduction == "mean" else value, datums]
+        elif reduction == "sum":
+            held[0] += value
+        elif reduction == "mean":  # weighted by datums, as the SDK weights chunks
+            held[0] += value * datums
+        elif reduction == "min":
+            held[0] = min(held[0], value)
+        elif reduction == "max":
+            held[0] = max(held[0], value)
+        else:
+            held[0] = value  # no reduction the SDK knows: the latest
+        if held is not None:
+            held[1] += datums  # the weight of a mean: datums (the SDK's), or positions (the KL's)
 
-def _reduce(name: str, values: list[tuple[float, int]]) -> float:
-    reduction = name.rpartition(":")[2]
-    xs = [v for v, _ in values]
-    if reduction == "sum":
-        return float(sum(xs))
-    if reduction == "min":
-        return float(min(xs))
-    if reduction == "max":
-        return float(max(xs))
-    if reduction == "mean":
-        weight = sum(w for _, w in values)
-        return float(sum(v * w for v, w in values) / weight) if weight else float(np.mean(xs))
-    return float(xs[-1])
+    def reduced(self) -> dict[str, float]:
+        return {name: (v / n if name.endswith(":mean") else v) for name, (v, n) in self.values.items()}
 
 
-def sample_train_kl(datums: Sequence[types.Datum], output: types.ForwardBackwardOutput) -> dict[str, float]:
-    """The cookbook's kl_sample_train_v1/v2 over the datums that carry sampling logprobs."""
+def sample_train_kl(datums: Sequence[types.Datum], output: types.ForwardBackwardOutput) -> tuple[dict[str, float], int]:
+    """The cookbook's kl_sample_train_v1/v2 over the datums that carry sampling logprobs, and the
+    number of positions they average over (chunks combine weighted by it)."""
     diffs = []
     for datum, out in zip(datums, output.loss_fn_outputs, strict=False):
         sampled, trained = datum.loss_fn_inputs.get("logprobs"), out.get("logprobs")
@@ -71,8 +79,9 @@ def sample_train_kl(datums: Sequence[types.Datum], output: types.ForwardBackward
             continue
         diffs.append((s - t)[s != 0])
     if not diffs or not (diff := np.concatenate(diffs)).size:
-        return {}
-    return {"kl_sample_train_v1:mean": float(diff.mean()), "kl_sample_train_v2:mean": float(0.5 * np.mean(diff**2))}
+        return {}, 0
+    kl = {"kl_sample_train_v1:mean": float(diff.mean()), "kl_sample_train_v2:mean": float(0.5 * np.mean(diff**2))}
+    return kl, int(diff.size)
 
 
 class RunMetrics:
@@ -87,17 +96,19 @@ class RunMetrics:
                          output: types.ForwardBackwardOutput) -> None:
         pending = self._pending.setdefault(run_id, _Pending())
         n = max(1, len(datums))
-        metrics = {**output.metrics, **sample_train_kl(datums, output)}
-        for name, value in metrics.items():
+        for name, value in output.metrics.items():
             if isinstance(value, int | float) and math.isfinite(value):
-                pending.values.setdefault(name, []).append((float(value), n))
+                pending.add(name, float(value), n)
+        kl, positions = sample_train_kl(datums, output)
+        for name, value in kl.items():  # over every sampled position of the step, not per chunk
+            pending.add(name, value, positions)
         pending.tokens += sum(d.model_input.length for d in datums)
         pending.loss_fn = loss_fn
 
     def optim_step(self, run_id: str, step: int, output: types.OptimStepResponse) -> dict[str, Any]:
         """Close step `step` (1-based: the run's optimizer steps so far) and record it."""
         pending = self._pending.pop(run_id, _Pending())
-        metrics = {name: _reduce(name, values) for name, values in pending.values.items()}
+        metrics = pending.reduced()
         metrics.update({k: float(v) for k, v in (output.metrics or {}).items()
                         if isinstance(v, int | float) and math.isfinite(v)})
         record = {"step": step, "time": time.time(), "tokens": pending.tokens, "loss_fn": pending.loss_fn,

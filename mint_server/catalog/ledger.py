@@ -2,7 +2,8 @@
 same figures (tinker 0.38's `AdminClient`: billing usage events and the audit log).
 
 Usage arrives already summed by hour (the service meters in memory and flushes every few
-seconds, see api/usage.py); a read sums the rows of a window by bucket and attribution. Nothing
+seconds, see api/usage.py) and is added to its bucket's row (one per hour, kind and attribution);
+a read sums a window's rows by bucket and attribution. Nothing
 here knows prices: this is self-hosted usage, not billing.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import Engine, false, func, insert, or_, select
 
@@ -31,9 +33,10 @@ class Ledger:
             return
         with db.full_database_named(), self._writer.begin() as conn:
             if usage:
-                conn.execute(insert(UsageRow), [
+                conn.execute(_add_to_bucket(conn.dialect.name), [
                     {"owner": u.owner, "bucket_start": u.bucket_start, "kind": u.kind, "quantity": u.quantity,
-                     "session_id": u.session_id, "project_id": u.project_id, "base_model": u.base_model}
+                     "session_id": u.session_id or "", "project_id": u.project_id or "",
+                     "base_model": u.base_model or ""}
                     for u in usage
                 ])
             if audit:
@@ -52,7 +55,8 @@ class Ledger:
         with self._engine.connect() as conn:
             rows = conn.execute(q).all()
         return [UsageEntry(owner=owner, bucket_start=_aware(r.bucket_start), kind=r.kind, quantity=float(r.quantity),
-                           session_id=r.session_id, project_id=r.project_id, base_model=r.base_model)
+                           session_id=r.session_id or None, project_id=r.project_id or None,
+                           base_model=r.base_model or None)
                 for r in rows]
 
     def audit(self, owner: str, start: datetime, end: datetime,
@@ -67,6 +71,19 @@ class Ledger:
         with self._engine.connect() as conn:
             rows = conn.execute(q).all()
         return [AuditEntry(owner=owner, at=_aware(r.at), event=r.event, details=dict(r.details)) for r in rows]
+
+
+def _add_to_bucket(dialect: str) -> Any:
+    """INSERT … ON CONFLICT (the bucket's key) DO UPDATE SET quantity = quantity + the new count:
+    one row per bucket and attribution however often the meter flushes (both backends speak it)."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    t = UsageRow.__table__
+    stmt = dialect_insert(t)
+    keys = ["owner", "bucket_start", "kind", "session_id", "project_id", "base_model"]
+    return stmt.on_conflict_do_update(index_elements=keys, set_={"quantity": t.c.quantity + stmt.excluded.quantity})
 
 
 def _aware(value: datetime) -> datetime:

@@ -178,20 +178,21 @@ class ApiKeyRow(Base):
 
 class UsageRow(Base):
     """Usage of one tenant in one UTC hour, by kind (training / sampling_prefill / sampling_sample /
-    checkpoint) and attribution. The service adds rows as it flushes its meter; a bucket may hold
-    several rows of one kind, summed when read (catalog/ledger.py)."""
+    checkpoint) and attribution ("" where there is none: the key must be unique, and NULLs never
+    collide). The service adds its metered counts to the bucket's row (catalog/ledger.py)."""
 
     __tablename__ = "catalog_usage"
-    # A tenant's window, in bucket order.
-    __table_args__ = (Index(None, "owner", "bucket_start"),)
+    # One row per bucket and attribution; its leading columns serve a tenant's window in bucket order.
+    __table_args__ = (UniqueConstraint("owner", "bucket_start", "kind", "session_id", "project_id", "base_model",
+                                       name="uq_catalog_usage_bucket"),)  # the generated name passes PG's 63
 
     id: Mapped[int] = mapped_column(Id, primary_key=True)
     owner: Mapped[str] = mapped_column(Key(256))
     bucket_start: Mapped[datetime] = mapped_column(UTCDateTime())
-    kind: Mapped[str] = mapped_column(String(32))
-    session_id: Mapped[str | None] = mapped_column(String(64))
-    project_id: Mapped[str | None] = mapped_column(String(128))
-    base_model: Mapped[str | None] = mapped_column(String(512))
+    kind: Mapped[str] = mapped_column(Key(32))
+    session_id: Mapped[str] = mapped_column(Key(64))
+    project_id: Mapped[str] = mapped_column(Key(128))
+    base_model: Mapped[str] = mapped_column(Key(512))
     quantity: Mapped[float] = mapped_column(Double())
 
 

@@ -29,14 +29,15 @@ def upgrade() -> None:
         sa.Column("id", ID, primary_key=True),
         sa.Column("owner", key(256), nullable=False),
         sa.Column("bucket_start", TIME, nullable=False),
-        sa.Column("kind", sa.String(32), nullable=False),
-        sa.Column("session_id", sa.String(64), nullable=True),
-        sa.Column("project_id", sa.String(128), nullable=True),
-        sa.Column("base_model", sa.String(512), nullable=True),
+        sa.Column("kind", key(32), nullable=False),
+        sa.Column("session_id", key(64), nullable=False),
+        sa.Column("project_id", key(128), nullable=False),
+        sa.Column("base_model", key(512), nullable=False),
         sa.Column("quantity", sa.Double(), nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_catalog_usage"),
+        sa.UniqueConstraint("owner", "bucket_start", "kind", "session_id", "project_id", "base_model",
+                            name="uq_catalog_usage_bucket"),
     )
-    op.create_index("ix_catalog_usage_owner_bucket_start", "catalog_usage", ["owner", "bucket_start"])
     op.create_table(
         "catalog_audit_events",
         sa.Column("id", ID, primary_key=True),
