@@ -86,8 +86,13 @@ def _html(body: str, status: int = 200) -> HTMLResponse:
     })
 
 
-def _missing(request: Request, p: Principal, what: str) -> HTMLResponse:
-    return _html(html.not_found(what, _who(p), _csrf(request)), 404)
+def _missing(request: Request, p: Principal, what: str, status: int = 404) -> HTMLResponse:
+    return _html(html.problem("Not found" if status == 404 else "Not done", what, _who(p), _csrf(request)), status)
+
+
+def _refused(request: Request, p: Principal, e: Exception) -> HTMLResponse:
+    """A catalog refusal of a move: absent (404), or bad input such as an alias name (400)."""
+    return _missing(request, p, str(e), 404 if isinstance(e, CatalogNotFound) else 400)
 
 
 @router.post("/login")
@@ -232,7 +237,7 @@ async def promote(name: str, request: Request) -> Response:
         await asyncio.to_thread(catalog.set_alias, p.owner, name, alias, target.number, actor=p.urn,
                                 reason="promoted from the dashboard")
     except (CatalogNotFound, InvalidArgument) as e:
-        return _missing(request, p, str(e))
+        return _refused(request, p, e)
     return RedirectResponse(f"{base}?moved={quote(alias)}", status_code=303)
 
 
@@ -258,7 +263,7 @@ async def rollback(name: str, request: Request) -> Response:
         await asyncio.to_thread(catalog.rollback_alias, p.owner, name, alias, actor=p.urn,
                                 reason="rolled back from the dashboard")
     except (CatalogNotFound, InvalidArgument) as e:
-        return _missing(request, p, str(e))
+        return _refused(request, p, e)
     return RedirectResponse(f"{base}?moved={quote(alias)}", status_code=303)
 
 

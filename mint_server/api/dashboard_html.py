@@ -83,8 +83,8 @@ def login(error: str | None = None) -> str:
     return page("Log in", body)
 
 
-def not_found(message: str, who: str, csrf: str) -> str:
-    return page("Not found", f'<p class="error">{h(message)}</p><p><a href="/dashboard">Back to the overview</a></p>',
+def problem(title: str, message: str, who: str, csrf: str) -> str:
+    return page(title, f'<p class="error">{h(message)}</p><p><a href="/dashboard">Back to the overview</a></p>',
                 who=who, csrf=csrf)
 
 
