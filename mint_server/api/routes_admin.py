@@ -1,24 +1,49 @@
 """The rest of tinker 0.38's REST surface — the `AdminClient` routes (audit log, usage events,
-checkpoint storage), session search, moving a session into a project, trace export (refused) — and
-MinT's run metrics and evals. Handlers only decode, call the service, and encode."""
+checkpoint storage), session search, moving a session into a project, trace export (refused), the
+key check `tinker auth login` makes — and MinT's run metrics and evals. Handlers only decode, call the service, and encode."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Query, Request, Response
 from tinker import types
 
-from mint_server.api.auth import ADMIN, TRAIN, Principal
+from mint_server.api.auth import ADMIN, SERVE, TRAIN, Principal
 from mint_server.api.http import json_body, needs, parse, service
 from mint_server.api.mint_types import EvalRequest, RunMetricsReport
 from mint_server.api.openapi import ProjectBody, body_doc
+from mint_server.api.validate import InvalidInput
 
 router = APIRouter(prefix="/api/v1")
+CONFIGURED_KEY_NAME = "configured key"  # keys given to `mint serve` have no name of their own
 TRACE_EXPORT_UNSUPPORTED = (
     "trace export is not supported by this server: MinT keeps no per-request timeline of a session "
     "(its Prometheus metrics at /metrics and the dashboard's run curves are what it records)"
 )
+
+
+@router.get("/auth/apikey/me")
+async def my_api_key(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
+    """The presented key's public record, as `tinker auth login` checks a pasted key: its id (the
+    key id read as a number; a configured key's owner-id prefix), name, and who it is (its URN, in
+    the `email` the CLI prints, and its tenant)."""
+    name = CONFIGURED_KEY_NAME
+    if p.key_id is not None and (found := await asyncio.to_thread(request.app.state.authenticator.keys.get, p.key_id)):
+        name = found[0].name
+    return {"key_id": int(p.key_id or p.owner[:16], 16), "name": name, "note": "",
+            "details": {"org_details": {"name": f"tenant {p.owner[:12]}"}, "user_details": {"email": p.urn}}}
+
+
+@router.delete("/auth/apikey/me", status_code=204)
+async def revoke_my_api_key(request: Request, p: Principal = needs(SERVE)) -> Response:
+    """Revoke the presented scoped key itself (`tinker auth logout` of a key minted for the CLI)."""
+    if p.key_id is None:
+        raise InvalidInput("this key is configured on the server (--api-key, MINT_API_KEYS); it cannot revoke itself")
+    await asyncio.to_thread(request.app.state.authenticator.keys.revoke, p.owner, p.key_id)
+    service(request).core.meter.audit(p.owner, "organization_api_key_revoked", key_id=p.key_id, actor=p.urn)
+    return Response(status_code=204)
 
 
 @router.get("/audit")

@@ -32,7 +32,7 @@ def test_admin_client_reports_usage_audit_and_storage(server: LiveServer) -> Non
     train(tc, 2)
     keep = tc.save_state("keep").result().path
     gone = tc.save_state("gone").result().path
-    sampler = tc.save_weights_and_get_sampling_client()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = types.ModelInput.from_ints([5, 17, 33, 60])
     sample = sampler.sample(prompt, 2, types.SamplingParams(max_tokens=3, temperature=1.0, seed=1)).result()
     rest = tinker.RestClient(base_url=server.url, api_key=KEY_A)
@@ -128,6 +128,14 @@ def test_search_sessions_projects_and_whoami(server: LiveServer) -> None:
                         json={"name": "ci", "scopes": ["train"]}).json()
     mine = tinker.RestClient(base_url=server.url, api_key=scoped["key"]).whoami().result()
     assert mine.user_urn == f"mint:key:{scoped['key_id']}" and mine.org_urn == me.org_urn  # same tenant
+    # The key check `tinker auth login` makes, and a scoped key revoking itself (`tinker auth logout`).
+    me_key = httpx.get(f"{server.url}/api/v1/auth/apikey/me", headers={"X-API-Key": scoped["key"]}).json()
+    assert me_key["name"] == "ci" and me_key["key_id"] == int(scoped["key_id"], 16)
+    assert me_key["details"]["user_details"]["email"] == mine.user_urn
+    configured = httpx.delete(f"{server.url}/api/v1/auth/apikey/me", headers={"X-API-Key": KEY_A})
+    assert configured.status_code == 400 and "configured" in configured.json()["detail"]
+    assert httpx.delete(f"{server.url}/api/v1/auth/apikey/me", headers={"X-API-Key": scoped["key"]}).status_code == 204
+    assert httpx.get(f"{server.url}/api/v1/auth/apikey/me", headers={"X-API-Key": scoped["key"]}).status_code == 401
     nightly.close("success")
     theirs.close("success")
 
@@ -146,12 +154,12 @@ class Cli:
     def __init__(self, server: LiveServer, home: Path) -> None:
         self.env = {"HOME": str(home), "TINKER_BASE_URL": server.url}
 
-    def __call__(self, *args: str, ok: bool = True) -> tuple[int, str]:
+    def __call__(self, *args: str, ok: bool = True, stdin: str | None = None) -> tuple[int, str]:
         from click.testing import CliRunner
         from tinker.cli.__main__ import main_cli
         from tinker.cli.exceptions import TinkerCliError
 
-        result = CliRunner().invoke(main_cli, list(args), env={**self.env, "TINKER_API_KEY": KEY_A})
+        result = CliRunner().invoke(main_cli, list(args), env={**self.env, "TINKER_API_KEY": KEY_A}, input=stdin)
         code, out = result.exit_code, result.output
         if isinstance(result.exception, TinkerCliError):  # what `main()` prints and exits with
             code, out = result.exception.exit_code, f"{out}Error: {result.exception.message}\n{result.exception.details}"
@@ -193,6 +201,14 @@ def test_the_tinker_cli_works_unmodified(server: LiveServer, client_a: tinker.Se
     # Another tenant's CLI sees none of it (its own process: the SDK shares one connection per process).
     proc = tinker_cli(server, tmp_path, "-f", "json", "checkpoint", "list", key=KEY_B)
     assert proc.returncode == 0 and json.loads(proc.stdout)["checkpoints"] == [], proc.stderr
+    # `tinker auth login` checks a pasted key here and stores it; logout forgets it (a pasted key stays live).
+    code, out = cli("auth", "login", stdin=KEY_A + "\n")
+    assert f"Logged in as {me['user_urn']}" in out
+    stored = json.loads((tmp_path / ".tinker" / "credentials.json").read_text())
+    assert [k["key"] for k in stored["keys"].values()] == [KEY_A]
+    assert "The API key is still active" in cli("auth", "logout")[1]
+    code, out = cli("auth", "login", stdin="tml-not-a-key-here\n", ok=False)
+    assert code != 0 and "unknown API key" in out
     # What this server cannot do says so at once.
     code, out = cli("session", "export-trace", client_a.holder.get_session_id(), ok=False)
     assert code != 0 and "not supported" in out
