@@ -209,6 +209,9 @@ def test_the_tinker_cli_works_unmodified(server: LiveServer, client_a: tinker.Se
     assert "The API key is still active" in cli("auth", "logout")[1]
     code, out = cli("auth", "login", stdin="tml-not-a-key-here\n", ok=False)
     assert code != 0 and "unknown API key" in out
+    assert "Tinker accessible: yes" in cli("auth", "status")[1]
+    models = json.loads(cli("-f", "json", "model", "list")[1])
+    assert BASE in json.dumps(models)
     # What this server cannot do says so at once.
     code, out = cli("session", "export-trace", client_a.holder.get_session_id(), ok=False)
     assert code != 0 and "not supported" in out
