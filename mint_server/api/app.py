@@ -8,7 +8,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from mint_server.api import CATALOG_PREFIX, openapi, routes_keys, routes_rest, routes_service, routes_training
+from mint_server.api import (
+    CATALOG_PREFIX,
+    dashboard,
+    openapi,
+    routes_admin,
+    routes_keys,
+    routes_rest,
+    routes_service,
+    routes_training,
+)
 from mint_server.api.auth import TRAIN, Authenticator, Principal, Signer
 from mint_server.api.http import BodyLimit, install_error_handlers, needs
 from mint_server.api.jsonsafe import SafeJSONResponse
@@ -59,6 +68,8 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(routes_training.router)
     app.include_router(routes_rest.router)
     app.include_router(routes_keys.router)
+    app.include_router(routes_admin.router)
+    dashboard.install(app)
     for router in openai_routes.routers:
         app.include_router(router)
     app.include_router(

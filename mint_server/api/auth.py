@@ -68,6 +68,12 @@ class Principal:
     scopes: frozenset[str] = ALL_SCOPES
     key_id: str | None = None  # the scoped key presented, if any
 
+    @property
+    def urn(self) -> str:
+        """Who is calling, as `whoami` names it: the key (a scoped key by its id; a configured key by
+        the start of its digest, which is its owner id). The tenant is `owner`."""
+        return f"mint:key:{self.key_id or self.owner[:16]}"
+
     def require(self, scope: str) -> None:
         if scope not in self.scopes:
             held = ", ".join(s for s in SCOPES if s in self.scopes) or "none"
@@ -212,28 +218,45 @@ class Authenticator:
     def _from_token(self, token: str, typ: str) -> Principal:
         """Whom a token we signed acts for, checked against the key it was issued to as of now."""
         claims = self._signer.verify(token)
-        if claims is None or claims.get("typ") != typ or not isinstance(claims.get("sub"), str):
+        owner = claims.get("own", claims.get("sub")) if claims is not None else None
+        if claims is None or claims.get("typ") != typ or not isinstance(owner, str):
             raise AuthError("invalid or expired token")
         key_id = claims.get("kid")
         if key_id is None:
-            if not (self._no_auth or self._configured(claims["sub"])):
+            if not (self._no_auth or self._configured(owner)):
                 raise AuthError("invalid or expired token")  # its key is no longer configured
-            return Principal(owner=claims["sub"])
+            return Principal(owner=owner)
         found = self.keys.get(key_id) if self.keys is not None and isinstance(key_id, str) else None
-        if found is None or found[0].owner != claims["sub"]:
+        if found is None or found[0].owner != owner:
             raise AuthError("invalid or expired token")
         if found[0].revoked_at is not None:
             raise AuthError("the API key this token was issued to has been revoked")
-        return Principal(owner=claims["sub"], scopes=granted(found[0].scopes), key_id=key_id)
+        return Principal(owner=owner, scopes=granted(found[0].scopes), key_id=key_id)
 
     def _claims(self, principal: Principal) -> dict[str, Any]:
         return {"sub": principal.owner} | ({"kid": principal.key_id} if principal.key_id else {})
 
     def issue_jwt(self, principal: Principal) -> str:
+        """An access token with the identity claims tinker 0.38's `whoami` reads: `sub` (the key, as
+        a URN), `org_id` (the tenant: the owner id) and `email` (none: keys are not people). The
+        owner the token acts as is `own` (tokens from before it carried the owner in `sub`)."""
         now = int(time.time())
+        identity = {"sub": principal.urn, "own": principal.owner, "org_id": principal.owner, "email": ""}
         return self._signer.issue(
-            self._claims(principal) | {"typ": "access", "iss": "mint", "iat": now, "exp": now + JWT_LIFETIME_S}
+            self._claims(principal) | identity | {"typ": "access", "iss": "mint", "iat": now, "exp": now + JWT_LIFETIME_S}
         )
+
+    def issue_session(self, principal: Principal, lifetime_s: int) -> str:
+        """The dashboard's login cookie: a token standing for the key that logged in, checked against
+        that key on every request (a revoked key logs its sessions out)."""
+        exp = int(time.time()) + lifetime_s
+        return self._signer.issue(self._claims(principal) | {"typ": "dashboard", "exp": exp})
+
+    def from_session(self, token: str) -> Principal:
+        return self._from_token(token, "dashboard")
+
+    def sign(self, message: str) -> str:
+        return self._signer.sign(message.encode())
 
     def issue_download(self, principal: Principal, subject: dict[str, str], lifetime_s: int = 900) -> tuple[str, int]:
         exp = int(time.time()) + lifetime_s

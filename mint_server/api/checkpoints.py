@@ -131,6 +131,8 @@ class CheckpointService:
             expires_at=expires, user_metadata=rec.user_metadata,
         ))
         answer = types.CopyWeightsResponse(tinker_path=ref.tinker_path)
+        self.core.meter.audit(p.owner, "checkpoint_copied", tinker_path=ref.tinker_path, source=rec.ref.tinker_path,
+                              project_id=project)
         if idempotency_key is not None:
             self._copies[(p.owner, idempotency_key)] = answer
         return answer
@@ -139,16 +141,21 @@ class CheckpointService:
         self.runs.get_checkpoint(ref, p.owner, write=True)
         self.core.forget_checkpoint(ref)
         self.runs.delete_checkpoint(ref)
+        self.core.meter.audit(p.owner, "checkpoint_deleted", tinker_path=ref.tinker_path, model_id=ref.run_id)
 
     def set_public(self, p: Principal, ref: CheckpointRef, public: bool) -> None:
         rec = self.runs.get_checkpoint(ref, p.owner, write=True)
         rec.public = public
         self.runs.update_checkpoint(rec)
+        self.core.meter.audit(p.owner, "checkpoint_published" if public else "checkpoint_unpublished",
+                              tinker_path=ref.tinker_path, model_id=ref.run_id)
 
     def set_ttl(self, p: Principal, ref: CheckpointRef, ttl_seconds: int | None) -> None:
         rec = self.runs.get_checkpoint(ref, p.owner, write=True)
         rec.expires_at = check_ttl(ttl_seconds)
         self.runs.update_checkpoint(rec)
+        self.core.meter.audit(p.owner, "checkpoint_ttl_set", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                              ttl_seconds=ttl_seconds)
 
     def weights_info(self, p: Principal, tinker_path: str) -> types.WeightsInfoResponse:
         if (policy_ref := parse_policy_ref(tinker_path)) is not None:
@@ -170,15 +177,22 @@ class CheckpointService:
     def tied_embeddings(self) -> bool:
         return self.core.tied_embeddings()
 
-    def readable(self, p: Principal, ref: CheckpointRef) -> CheckpointRecord:
-        return self.runs.get_checkpoint(ref, p.owner)
+    def readable(self, p: Principal, ref: CheckpointRef, purpose: str) -> CheckpointRecord:
+        """A checkpoint `p` may read, about to be handed out (a download link): audited as a read."""
+        rec = self.runs.get_checkpoint(ref, p.owner)
+        self.core.meter.audit(p.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                              purpose=purpose, reader=p.urn)
+        if rec.owner != p.owner:  # a published checkpoint: its owner learns it was read, not by whom
+            self.core.meter.audit(rec.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                                  purpose=purpose, reader="another tenant")
+        return rec
 
     def external_files(self, p: Principal, ref: CheckpointRef) -> tuple[CheckpointRecord, list[str]]:
         """An external weights checkpoint `p` may read, and its files (paths relative to its root)."""
         if ref.kind != "external_weights":
             raise InvalidInput(f"{ref.tinker_path!r} is not an external weights checkpoint "
                                "(tinker://<run>/external_weights/<name>, from save_weights_external)")
-        rec = self.runs.get_checkpoint(ref, p.owner)
+        rec = self.readable(p, ref, "download")
         root = self.runs.data_dir(ref)
         return rec, sorted(str(f.relative_to(root)) for f in root.rglob("*") if f.is_file())
 

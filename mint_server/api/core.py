@@ -25,11 +25,14 @@ from mint_server.api.ordering import Sequencer
 from mint_server.api.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
 from mint_server.api.policies import Policies
 from mint_server.api.recorded import RecordedSequences
+from mint_server.api.run_metrics import RunMetrics
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
 from mint_server.api.sessions import SessionRegistry
 from mint_server.api.settings import Settings
+from mint_server.api.usage import PREFILL, SAMPLE, Meter
 from mint_server.api.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
+from mint_server.catalog.ledger import Ledger
 from mint_server.catalog.records import Revision
 from mint_server.engine.interface import AdapterSource, Engine, EngineError, Priority
 from mint_server.model.config import ModelConfig
@@ -103,6 +106,8 @@ class Core:
         self.settings = settings
         self.metrics = metrics
         self.runs = RunStore(settings.data_dir / "runs")
+        self.run_metrics = RunMetrics(self.runs)  # per-step training curves
+        self.meter = Meter(Ledger(catalog.engine), engine.base_model)  # usage and audit, per tenant
         self.policies = Policies(catalog, engine.base_model)
         self.futures = FutureStore(settings.result_ttl_s)
         self.sessions = SessionRegistry(settings.session_ttl_s)
@@ -258,6 +263,17 @@ class Core:
         return self.engine.prepare_sample(source, prompt, num_samples, params, prompt_logprobs,
                                           topk_prompt_logprobs, record=record, key=owner,
                                           top_logprobs=top_logprobs, priority=klass, **(controls or {}))
+
+    def project_of(self, session_id: str | None) -> str | None:
+        session = self.sessions.find(session_id) if session_id is not None else None
+        return session.project_id if session is not None else None
+
+    def note_sampled(self, owner: str, job: Any, result: types.SampleResponse, session_id: str | None = None) -> None:
+        """Meter a finished sample request: its prompt once, and every token it drew."""
+        project = self.project_of(session_id)
+        self.meter.count(owner, PREFILL, len(job.prompt), session_id=session_id, project_id=project)
+        drawn = sum(len(s.tokens) for s in result.sequences)
+        self.meter.count(owner, SAMPLE, drawn, session_id=session_id, project_id=project)
 
     def check_base_model(self, name: str | None, field_name: str = "base_model") -> None:
         """Accept any name of the served base model: its hub id, its short name or its checkpoint dir.

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from mint_server.engine.interface import Engine, Priority
+from mint_server.engine.interface import Engine, EngineReport, Priority
 
 _LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -86,9 +88,9 @@ class Metrics:
         self.engine_queue.set_function(lambda: float(engine.queue_depth()))
         engine.register_metrics(self.registry)  # an engine's own families (a fleet's routing)
 
-    def _pull_engine(self) -> None:
+    def _pull_engine(self) -> EngineReport | None:
         if self._engine is None:
-            return
+            return None
         r = self._engine.report()
         for tier, n in r["resident"].items():
             self.adapters_resident.labels(tier).set(n)
@@ -122,6 +124,18 @@ class Metrics:
         self.kv_blocks.set(r["kv_blocks_in_use"])
         for quantity, value in r.get("calibration", {}).items():
             self.calibration.labels(quantity).set(value)
+        return r
+
+    def engine_view(self) -> dict[str, Any]:
+        """The engine's current figures for the dashboard: residency tiers, queue, fair-share tokens
+        per key. Pulled like a scrape, so what the report hands over once still reaches /metrics."""
+        r = self._pull_engine()
+        if r is None:
+            return {"resident": {}, "served": {}, "waiting_for_adapter": 0, "kv_blocks_in_use": 0, "engine_queue": 0}
+        assert self._engine is not None
+        return {"resident": dict(r["resident"]), "served": dict(r.get("served", {})),
+                "waiting_for_adapter": r["waiting_for_adapter"], "kv_blocks_in_use": r["kv_blocks_in_use"],
+                "engine_queue": self._engine.queue_depth()}
 
     def render(self) -> bytes:
         self._pull_engine()

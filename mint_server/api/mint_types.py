@@ -1,6 +1,6 @@
 """Wire shapes that are not in the `tinker` package (docs/wire-protocol.md): the two
-mindlab-toolkit extension endpoints (`/api/v1/mint/...`), and the sampling controls that
-`/api/v1/asample` takes beyond tinker's SamplingParams.
+mindlab-toolkit extension endpoints (`/api/v1/mint/...`), MinT's own, and the sampling controls
+that `/api/v1/asample` takes beyond tinker's SamplingParams.
 
 mindlab-toolkit pins tinker 0.22 and cannot be a server dependency, so its shapes are declared here;
 those requests ignore unknown fields, like the client's own models do. Sampling params do not: a
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from tinker import types
 
 
@@ -95,3 +95,42 @@ class MintSamplingParams(types.SamplingParams, SamplingExtensions):
 
 class MintSampleRequest(types.SampleRequest):
     sampling_params: MintSamplingParams
+# --- MinT's own endpoints: unknown fields are refused, never ignored --------------------------------
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EvalRequest(_Strict):
+    """`POST /api/v1/mint/evals` (see api/evals.py)."""
+
+    revisions: list[str] = Field(min_length=1, max_length=32)  # NAME@N, NAME@ALIAS, NAME@<sha prefix>
+    metric: Literal["exact_match", "contains", "regex", "logprob"]
+    dataset: list[dict[str, Any]] = Field(min_length=1)  # {"prompt": str, "target": str} each
+    dataset_name: str = Field(default="dataset", min_length=1, max_length=200)
+    max_tokens: int = Field(default=64, ge=1)
+    chat: bool = False  # render each prompt as a user message through the chat template
+    record: bool = True  # store the scores as eval records on the revisions
+    include_outputs: bool = False  # return each example's completion per revision
+
+
+class EvalRevisionResult(BaseModel):
+    revision: str  # NAME@N: the revision the reference named when the eval ran
+    sha256: str
+    value: float
+    n: int
+    eval_id: int | None = None  # the eval record, when recorded
+    outputs: list[str] | None = None
+
+
+class EvalResponse(BaseModel):
+    metric: str
+    dataset: str  # as recorded: the dataset name and a hash of its content
+    results: list[EvalRevisionResult]
+    type: Literal["mint_eval"] = "mint_eval"
+
+
+class RunMetricsReport(_Strict):
+    """`POST /api/v1/mint/runs/{run_id}/metrics`: what only the client knows about a step (rewards …)."""
+
+    metrics: dict[str, Any]
+    step: int | None = Field(default=None, ge=0)  # default: the run's optimizer steps so far

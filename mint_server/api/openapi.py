@@ -49,6 +49,10 @@ class TtlBody(BaseModel):
     ttl_seconds: int | None = None
 
 
+class ProjectBody(BaseModel):
+    project_id: str
+
+
 class CancelFutureBody(BaseModel):
     request_id: str
 

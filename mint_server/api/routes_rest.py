@@ -100,7 +100,7 @@ async def archive_url(run_id: str, kind: str, name: str, request: Request, p: Pr
     """302 to a short-lived signed URL: the SDK hands the URL out, and whoever fetches it has no key."""
     svc = service(request).checkpoints
     ref = svc.ref(run_id, kind, name)
-    svc.readable(p, ref)
+    svc.readable(p, ref, "archive")
     token, expires = request.app.state.authenticator.issue_download(
         p, {"run": ref.run_id, "kind": ref.kind, "name": ref.name}
     )

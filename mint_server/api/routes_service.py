@@ -19,6 +19,7 @@ from mint_server.api.openapi import CancelFutureBody, body_doc
 from mint_server.engine.interface import EngineError, SampleCancelled
 
 router = APIRouter(prefix="/api/v1")
+FINISH_REASONS = ("success", "errored", "interrupted")  # what a client may say when it finishes a session
 PROTO = "application/x-protobuf"
 
 
@@ -29,10 +30,12 @@ async def healthz() -> dict[str, str]:
 
 @router.post("/client/config", openapi_extra=body_doc(types.ClientConfigRequest))
 async def client_config(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
-    await parse(request, types.ClientConfigRequest)
+    req = await parse(request, types.ClientConfigRequest)
     # Advertise only what this server implements; every other flag keeps the SDK default.
     return types.ClientConfigResponse(
-        pjwt_auth_enabled=p.wants_jwt,  # `sk-` keys only work through JWT exchange on tinker 0.22
+        # `sk-` keys only work through JWT exchange on tinker 0.22; tinker 0.38 reads `whoami` from
+        # the exchanged token's claims, so its clients exchange too.
+        pjwt_auth_enabled=p.wants_jwt or reads_identity_claims(req.sdk_version),
         use_pyqwest_transport=False,
         parallel_fwdbwd_chunks=True,
         proto_compress_fwdbwd=True,
@@ -40,6 +43,15 @@ async def client_config(request: Request, p: Principal = needs(SERVE)) -> dict[s
         custom_loss_server_side=True,
         sample_join_sampling_session=False,
     ).model_dump(mode="json")
+
+
+def reads_identity_claims(sdk_version: str | None) -> bool:
+    """Whether an SDK of this version reads `whoami` from its JWT (tinker 0.38 on)."""
+    parts = (sdk_version or "").split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (0, 38)
+    except (ValueError, IndexError):
+        return False
 
 
 @router.post("/client/dynamic_config", openapi_extra=body_doc(types.ClientConfigRequest))
@@ -78,7 +90,9 @@ async def session_heartbeat(request: Request, p: Principal = needs(SERVE)) -> di
 
 @router.post("/sessions/{session_id}/finish", status_code=204)
 async def finish_session(session_id: str, request: Request, p: Principal = needs(SERVE)) -> Response:
-    service(request).finish_session(p, session_id)
+    reason = (await json_body(request)).get("reason")
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    service(request).finish_session(p, session_id, kind if kind in FINISH_REASONS else None)
     return Response(status_code=204)
 
 

@@ -156,6 +156,12 @@ class RunStore:
         if run := self._runs.get(run_id):
             run.last_request_time = time.time()
 
+    def set_project(self, run_id: str, project_id: str) -> None:
+        run = self._runs[run_id]
+        updated = RunRecord(**{**asdict(run), "project_id": project_id})
+        atomic_write_json(self.run_dir(run_id) / "run.json", asdict(updated))  # durable first, then seen
+        run.project_id = project_id
+
     def get_run(self, run_id: str, owner: str) -> RunRecord:
         run = self._runs.get(run_id)
         if run is None or run.owner != owner:

@@ -148,7 +148,9 @@ class SamplingService:
 
         async def run() -> types.SampleResponse:
             waits_on_engine(engine_wait)
-            return await self.core.call(self.engine.submit(job))
+            result = await self.core.call(self.engine.submit(job))
+            self.core.note_sampled(p.owner, job, result, sampler.session_id)
+            return result
 
         if job.record and job.sequence_ids:  # scope the records to this session (RecordedSequences.check)
             prefix = job.sequence_ids[0].rsplit("-", 1)[0]

@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import Any
 
+from mint_server.api.admin import AdminService, EvalService
 from mint_server.api.auth import Principal
 from mint_server.api.checkpoints import CheckpointService
 from mint_server.api.core import Core
@@ -33,6 +34,8 @@ class Service:
         self.checkpoints = CheckpointService(self.core)
         self.mint = MintService(self.core, self.training)
         self.openai = OpenAIService(self.core)
+        self.admin = AdminService(self.core)
+        self.evals = EvalService(self.core, lambda: self.openai.tokenizer)
         self._upkeep: asyncio.Task[None] | None = None
         self._retiring: set[asyncio.Task[Any]] = set()
 
@@ -48,11 +51,12 @@ class Service:
         self.core.metrics.sessions.set(self.core.sessions.active_count())
         return session.session_id
 
-    def finish_session(self, p: Principal, session_id: str) -> None:
+    def finish_session(self, p: Principal, session_id: str, reason: str | None = None) -> None:
         """Idempotent for the caller's own sessions; an unknown or another key's session is a 404,
-        like every other cross-tenant call, and nothing changes."""
+        like every other cross-tenant call, and nothing changes. `reason` is what the client said."""
         session = self.core.sessions.get(session_id, p.owner)
         if self.core.sessions.close(session):
+            session.finish_reason = reason
             self._retire_session(session, "session finished")
 
     def _retire_session(self, session: Session, reason: str) -> None:
@@ -83,6 +87,10 @@ class Service:
                 self.upkeep(sweep_checkpoints=ticks % max(1, int(60 / interval)) == 0)
             except Exception:
                 log.exception("upkeep failed")
+            try:
+                await asyncio.to_thread(self.core.meter.flush)
+            except Exception:
+                log.exception("writing usage and audit records failed (kept for the next try)")
             ticks += 1
 
     def upkeep(self, sweep_checkpoints: bool = True) -> None:
@@ -110,3 +118,7 @@ class Service:
         if left:
             log.warning("shutdown: %d operations still running after %.0fs", left, self.core.settings.drain_timeout_s)
         await asyncio.to_thread(self.core.engine.shutdown, True)
+        try:
+            await asyncio.to_thread(self.core.meter.flush)
+        except Exception:
+            log.exception("shutdown: the last usage and audit records could not be written")

@@ -31,6 +31,7 @@ class Session:
     model_ids: list[str] = field(default_factory=list)
     sampler_ids: list[str] = field(default_factory=list)
     closed: bool = False
+    finish_reason: str | None = None  # what its client said when it finished it: success | errored | interrupted
 
 
 class SessionRegistry:
@@ -50,6 +51,10 @@ class SessionRegistry:
         if session is None or session.owner != owner:
             raise NotFound(f"session {session_id!r} not found")
         return session
+
+    def find(self, session_id: str) -> Session | None:
+        """Any owner's session (for attributing work already checked to be the caller's)."""
+        return self._sessions.get(session_id)
 
     def live(self, session_id: str, owner: str) -> Session:
         """A session that may still create things."""

@@ -26,6 +26,7 @@ from mint_server.api.paths import CheckpointRef, Kind, check_name
 from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
+from mint_server.api.usage import CHECKPOINT, TRAINING
 from mint_server.api.validate import InvalidInput, check_lora
 from mint_server.engine.interface import AdapterLost, compile_loss
 from mint_server.fsutil import full_disk_named
@@ -310,16 +311,30 @@ class TrainingService:
     def forward_backward(self, p: Principal, call: FwdBwdCall) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
             if call.loss_fn == "custom":
-                return self._custom_loss(model, call)
+                return self._recorded(model, call, self._custom_loss(model, call))
             if call.loss_fn == "stable_reinforce":  # the one loss that reads sampling records
                 self.core.recorded.check(call.data, model.owner, self.core.samplers)
             # Parsed once, here, before the request takes its place in the sequence: bad input is a
             # 400 naming the field, and the engine runs the typed job without checking it again.
             job = self.engine.prepare_train(call.data, call.loss_fn, call.loss_fn_config, backward=not call.forward_only,
                                             key=model.owner)
-            return lambda: self.core.call(self.engine.submit(job.on(model.adapter())))
+            return self._recorded(model, call, lambda: self.core.call(self.engine.submit(job.on(model.adapter()))))
 
         return self.sequenced(p, call.model_id, call.seq_id, "forward" if call.forward_only else "forward_backward", check)
+
+    def _recorded(self, model: TrainingModel, call: FwdBwdCall, op: Op) -> Op:
+        """`op`, whose result is metered (tokens trained) and, for a backward pass, held for the
+        run's next step record (run_metrics.py)."""
+        async def run() -> Any:
+            out = await op()
+            tokens = sum(d.model_input.length for d in call.data)
+            self.core.meter.count(model.owner, TRAINING, tokens, session_id=model.session_id,
+                                  project_id=self.core.project_of(model.session_id))
+            if not call.forward_only:
+                self.core.run_metrics.forward_backward(model.model_id, call.loss_fn, call.data, out)
+            return out
+
+        return run
 
     def optim_step(self, p: Principal, req: types.OptimStepRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:
@@ -328,6 +343,7 @@ class TrainingService:
             async def run() -> types.OptimStepResponse:
                 out = await self.core.call(self.engine.submit(job.on(model.adapter())))
                 model.steps += 1
+                self.core.run_metrics.optim_step(model.model_id, model.steps, out)
                 return out
 
             return run
@@ -539,11 +555,17 @@ class TrainingService:
                 size_bytes=size, expires_at=expires_at, user_metadata=user_metadata,
             )
         )
+        run = self.core.runs.find_run(ref.run_id)
+        session_id = run.session_id if run is not None else None
+        self.core.meter.count(owner, CHECKPOINT, 1, session_id=session_id, project_id=self.core.project_of(session_id))
+        self.core.meter.audit(owner, "checkpoint_created", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                              size_bytes=size)
 
     async def _release(self, model: TrainingModel, reason: str) -> None:
         """Free the model's adapter; its checkpoints and run record stay."""
         model.failed = reason
         self.core.models.pop(model.model_id, None)
+        self.core.run_metrics.forget(model.model_id)
         if model.adapter_id is not None:
             adapter_id, model.adapter_id = model.adapter_id, None
             await self.core.call(self.engine.release_adapter(adapter_id))

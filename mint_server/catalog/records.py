@@ -95,6 +95,27 @@ class ApiKey:
 
 
 @dataclass(frozen=True)
+class UsageEntry:
+    """A quantity of one kind of usage in one UTC hour, attributed to a session and project where known."""
+
+    owner: str
+    bucket_start: datetime
+    kind: str  # training | sampling_prefill | sampling_sample | checkpoint (tokens; checkpoints counted)
+    quantity: float
+    session_id: str | None = None
+    project_id: str | None = None
+    base_model: str | None = None
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    owner: str
+    at: datetime
+    event: str  # <resource>_<action>, e.g. checkpoint_deleted
+    details: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class SeedResult:
     policies: int
     revisions: int

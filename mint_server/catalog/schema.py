@@ -174,3 +174,37 @@ class ApiKeyRow(Base):
     scopes: Mapped[list[str]] = mapped_column(Json)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+
+
+class UsageRow(Base):
+    """Usage of one tenant in one UTC hour, by kind (training / sampling_prefill / sampling_sample /
+    checkpoint) and attribution ("" where there is none: the key must be unique, and NULLs never
+    collide). The service adds its metered counts to the bucket's row (catalog/ledger.py)."""
+
+    __tablename__ = "catalog_usage"
+    # One row per bucket and attribution; its leading columns serve a tenant's window in bucket order.
+    __table_args__ = (UniqueConstraint("owner", "bucket_start", "kind", "session_id", "project_id", "base_model",
+                                       name="uq_catalog_usage_bucket"),)  # the generated name passes PG's 63
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    owner: Mapped[str] = mapped_column(Key(256))
+    bucket_start: Mapped[datetime] = mapped_column(UTCDateTime())
+    kind: Mapped[str] = mapped_column(Key(32))
+    session_id: Mapped[str] = mapped_column(Key(64))
+    project_id: Mapped[str] = mapped_column(Key(128))
+    base_model: Mapped[str] = mapped_column(Key(512))
+    quantity: Mapped[float] = mapped_column(Double())
+
+
+class AuditEventRow(Base):
+    """One audited action of a tenant: `<resource>_<action>` with what it was about."""
+
+    __tablename__ = "catalog_audit_events"
+    # A tenant's day, in time order.
+    __table_args__ = (Index(None, "owner", "at"),)
+
+    id: Mapped[int] = mapped_column(Id, primary_key=True)
+    owner: Mapped[str] = mapped_column(Key(256))
+    at: Mapped[datetime] = mapped_column(UTCDateTime())
+    event: Mapped[str] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(Json)

@@ -519,7 +519,7 @@ def alias_list(
 
 
 # -- eval ---------------------------------------------------------------------------------------
-eval_app = typer.Typer(no_args_is_help=True, help="Evaluation results attached to revisions.")
+eval_app = typer.Typer(no_args_is_help=True, help="Evals of revisions: `mint eval REF… --dataset F --metric M` runs one (see `run`); record and list results.")
 
 
 @eval_app.command("record")

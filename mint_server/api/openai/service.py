@@ -256,10 +256,12 @@ class OpenAIService:
         streamed = job.streaming(on_token, cancel) if on_token is not None else job
         future = self.engine.submit(streamed)
         try:
-            return await self.core.call(future)
+            result = await self.core.call(future)
         except asyncio.CancelledError:  # the client went away: stop the work and free its KV
             self.engine.cancel(future)
             raise
+        self.core.note_sampled(job.key, job, result)
+        return result
 
     # --- admission --------------------------------------------------------------------------------
     def _params(self, req: _Sampling, prompts: list[list[int]], max_tokens: int | None) -> types.SamplingParams:
