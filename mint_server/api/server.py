@@ -6,12 +6,17 @@ every other error: 431 for a request head over `max_header_bytes`, 408 for one n
 `header_timeout_s` (a slowloris holds no connection for long). Slow bodies are timed out by
 `BodyLimit` (http.py), idle keep-alive connections by uvicorn's own `timeout_keep_alive` (re-armed
 here where uvicorn leaves a connection idle without it).
+
+`Server` tells the app when shutdown starts: uvicorn waits for open requests before it runs the
+app's lifespan shutdown, so a held long poll would otherwise hold the whole shutdown for its
+timeout (or the graceful-shutdown limit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,3 +120,16 @@ def uvicorn_config(app: Any, limits: ConnectionLimits, **kwargs: Any) -> uvicorn
         h11_max_incomplete_event_size=2 * limits.max_header_bytes,
         **kwargs,
     )
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that calls `on_shutdown_start` (on the server's loop) before it waits for
+    open requests: the app answers its held long polls then, not at their timeout."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown_start: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_shutdown_start = on_shutdown_start
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self._on_shutdown_start()
+        await super().shutdown(sockets=sockets)

@@ -106,12 +106,17 @@ class Service:
                 self.core.forget_checkpoint(ref)
             log.info("deleted %d expired checkpoints", len(expired))
 
+    def begin_shutdown(self) -> None:
+        """Refuse new work and answer held long polls now (try_again): the first thing on shutdown,
+        before the server waits for open requests."""
+        self.core.admission.accepting = False
+        self.core.futures.release_pollers()
+
     async def shutdown(self) -> None:
         """Refuse new work, finish what was accepted (up to drain_timeout_s), then stop the engine."""
-        self.core.admission.accepting = False
+        self.begin_shutdown()
         if self._upkeep is not None:
             self._upkeep.cancel()
-        self.core.futures.release_pollers()
         for model in self.core.models.values():
             model.sequencer.drop_unreachable("server shut down before this request's predecessors arrived")
         left = await self.core.futures.drain(self.core.settings.drain_timeout_s)

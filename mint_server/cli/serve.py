@@ -246,11 +246,10 @@ def register(app: typer.Typer) -> None:
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
-        import uvicorn
 
         from mint_server.api.app import create_app
         from mint_server.api.auth import check_key_form
-        from mint_server.api.server import ConnectionLimits, uvicorn_config
+        from mint_server.api.server import ConnectionLimits, Server, uvicorn_config
         from mint_server.api.settings import Settings
         from mint_server.engine.interface import NotSupportedError
         from mint_server.engine.local import LocalEngine
@@ -309,4 +308,4 @@ def register(app: typer.Typer) -> None:
             app, ConnectionLimits(), host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=settings.drain_timeout_s,
         )
-        uvicorn.Server(config).run()
+        Server(config, app.state.service.begin_shutdown).run()

@@ -15,11 +15,10 @@ from typing import Any
 
 import httpx
 import torch
-import uvicorn
 from tinker import types
 
 from mint_server.api.app import create_app
-from mint_server.api.server import ConnectionLimits, uvicorn_config
+from mint_server.api.server import ConnectionLimits, Server, uvicorn_config
 from mint_server.api.settings import Settings
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
@@ -76,7 +75,7 @@ class LiveServer:
         config = uvicorn_config(
             self.app, limits or ConnectionLimits(), log_level="warning", lifespan="on", timeout_graceful_shutdown=30
         )
-        self._server = uvicorn.Server(config)
+        self._server = Server(config, self.app.state.service.begin_shutdown)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
 
     @property

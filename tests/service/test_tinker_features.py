@@ -383,8 +383,8 @@ def test_retrieve_futures_and_cancel_round_trip(client_a: tinker.ServiceClient, 
     assert empty == {"completions": [], "cursor": polled["cursor"]}
 
     # Cancel a running sample: hold the batch after a step once the sample holds KV, until the
-    # cancel reaches the engine queue, so the sample cannot finish first.
-    engine, sampler = server.engine, server.engine.sampler
+    # cancel reaches the sampler, so the sample cannot finish first.
+    sampler = server.engine.sampler
     step, running = sampler.step, threading.Event()
 
     def gated_step() -> None:
@@ -392,7 +392,7 @@ def test_retrieve_futures_and_cancel_round_trip(client_a: tinker.ServiceClient, 
         if sampler.kv_blocks_in_use and not running.is_set():
             running.set()
             deadline = time.monotonic() + 60
-            while not engine._queue and time.monotonic() < deadline:
+            while not sampler._cancels and time.monotonic() < deadline:
                 time.sleep(0.005)
 
     sampler.step = gated_step
