@@ -17,10 +17,14 @@ running sequence reads (`pins`) and that was not just brought in for the step ab
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -113,9 +117,8 @@ class Residency:
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         self._tag = uuid.uuid4().hex[:8]  # per engine: ids from two engines never collide
-        # single-threaded math: no OpenMP team beside the engine worker's (see LocalEngine.__init__)
         self._pool = ThreadPoolExecutor(settings.loader_threads, thread_name_prefix="mint-loader",
-                                        initializer=torch.set_num_threads, initargs=(1,))
+                                        initializer=_start_loader_thread, initargs=(settings.loader_nice,))
         self._on_loaded = on_loaded or (lambda: None)
         self._fresh: set[str] = set()  # brought into a slot for the step about to run
         self._loading: set[Adapter] = set()  # store → host reads in flight
@@ -512,6 +515,17 @@ class Residency:
         """Pages belong to this process's adapters: they go with it."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         shutil.rmtree(self.page_root, ignore_errors=True)
+
+
+def _start_loader_thread(nice: int) -> None:
+    """Single-threaded math (no OpenMP team beside the engine worker's: see LocalEngine.__init__),
+    at a lower priority than the steps (EngineSettings.loader_nice)."""
+    torch.set_num_threads(1)
+    if nice and sys.platform == "linux":  # Linux's setpriority takes a thread id; elsewhere it is a pid
+        tid = threading.get_native_id()
+        # a sandbox that refuses it: loads still work, at the engine's priority
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
 def _to(pairs: dict[str, tuple[Tensor, Tensor]], device: torch.device) -> dict[str, tuple[Tensor, Tensor]]:

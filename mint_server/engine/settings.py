@@ -68,6 +68,10 @@ class EngineSettings:
     max_batch_rows: int = 256  # running sequences at once
     records_ttl_s: float = 3600.0
     loader_threads: int = 2
+    # Niceness the loader threads add to the process's own (Linux; 0: none). A burst of cold loads
+    # reads and decodes on the cores the engine's steps run on; at equal priority it takes their
+    # share of the CPU and every running stream slows, while loads only need to land a step ahead.
+    loader_nice: int = 10
     # Bytes copied host → device slots between two steps (at least one adapter per step).
     load_bytes_per_step: int = 256 * 1024 * 1024
     # Where paged-out training state lives; None: a private temporary dir.
@@ -110,6 +114,8 @@ class EngineSettings:
         if self.step_overhead_tokens is not None and (
                 not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0):
             raise ValueError(f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
+        if not isinstance(self.loader_nice, int) or not 0 <= self.loader_nice <= 19:
+            raise ValueError(f"loader_nice must be an integer in 0..19, got {self.loader_nice!r}")
         if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
             raise ValueError(f"max_top_logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
         if not (isinstance(self.tp_timeout_s, int | float) and math.isfinite(self.tp_timeout_s)

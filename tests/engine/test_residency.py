@@ -3,6 +3,8 @@ every result equal to the same work run alone on an engine with room for everyth
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -166,5 +168,27 @@ def test_an_op_needing_more_adapters_than_slots_is_refused_not_stuck(train_llama
         with pytest.raises(EngineError, match="device-slots"):
             e.interpolate([a, b], [0.5, 0.5])
         assert e.residency.get(e.interpolate([a, a], [0.5, 0.5]).result()) is not None  # one adapter: fine
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_cold_loads_run_below_the_steps_priority(sampling_llama_dir, tmp_path):
+    """A burst of cold loads must not take the cores from running streams: the store reads run on
+    loader threads `loader_nice` below the engine's priority (the engine thread keeps its own)."""
+    e = engine(sampling_llama_dir, tmp_path, slots=2, loader_nice=7)
+    dirs = _peft_dirs(e.model.config, tmp_path, 1)
+    seen: list[tuple[int, int]] = []
+
+    def read() -> dict[str, bytes]:  # runs on the loader thread that serves this load
+        tid = threading.get_native_id()
+        seen.append((os.getpriority(os.PRIO_PROCESS, tid), os.getpriority(os.PRIO_PROCESS, os.getpid())))
+        return {name: (dirs[0] / name).read_bytes() for name in ("adapter_config.json", "adapter_model.safetensors")}
+
+    try:
+        out = _sample(e, AdapterSource("cold", read=read), [5, 6]).result(timeout=120)
+        assert len(out.sequences[0].tokens) == 8
+        (loader, process), = seen
+        assert loader == min(19, process + 7)
     finally:
         e.shutdown()
