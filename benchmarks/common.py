@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -9,9 +10,13 @@ from pathlib import Path
 
 
 def smollm2_dir() -> Path:
-    """The prepared SmolLM2 dir (prepares it into the data dir on first use)."""
+    """The prepared SmolLM2 dir (prepares it into the data dir on first use), or $MINT_BENCH_MODEL_DIR:
+    a checkpoint of the same shape (random weights, say, on a GPU machine without the package's GGUF;
+    speeds hold, greedy outputs mean nothing)."""
     from mint_server.model.prepare import resolve_base_model
 
+    if os.environ.get("MINT_BENCH_MODEL_DIR"):
+        return Path(os.environ["MINT_BENCH_MODEL_DIR"])
     return resolve_base_model(None, None)
 
 
