@@ -56,8 +56,26 @@ def test_grpo_default_loss(server: LiveServer, tiny_dir: Path, tmp_path: Path) -
     """The recipe's own default, stable_reinforce, which samples with record_stability_info."""
     from examples import grpo
 
-    args = [*common_args(server, tiny_dir, tmp_path / "grpo"), "--problems", "2", "--group-size", "2"]
-    check_outputs(grpo.run(args), "env/all/reward/total", 2)
+    args = [*common_args(server, tiny_dir, tmp_path / "grpo"), "--problems", "2", "--group-size", "2",
+            "--max-operand", "9"]
+    rows = check_outputs(grpo.run(args), "env/all/correct", 2)
+    assert all(r["env/all/reward/total"] != "" for r in rows)
+
+
+def test_grpo_operand_range_holds_for_the_run_only() -> None:
+    """--max-operand's problems stay in range; the recipe's own range is back once the run ends."""
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDataset
+
+    from examples.grpo import operands_up_to
+
+    def operands(dataset: ArithmeticDataset) -> set[int]:
+        builders = [b for i in range(20) for b in dataset.get_batch(i)]
+        return {v for b in builders for v in b.env_thunk.args[:2]}
+
+    dataset = ArithmeticDataset(batch_size=8, renderer=None, group_size=2)  # type: ignore[arg-type]
+    with operands_up_to(3):
+        assert operands(dataset) == {0, 1, 2, 3}  # 320 draws: every value in range appears
+    assert max(operands(dataset)) > 3
 
 
 def test_run_recipe_gives_smollm2_the_chatml_renderer(tiny_dir: Path) -> None:
