@@ -173,6 +173,9 @@ def _grouped_devices_from_env() -> frozenset[str]:
 _grouped_devices = _grouped_devices_from_env()
 # torch._grouped_mm's fast kernel on CUDA (sm90) is bf16 only; its other dtypes fall back to a loop there.
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}
+# The CUDA kernel takes fewer than 1024 groups per call (aten GroupMM.cu); (expert, adapter)
+# segments can be more (128 experts × 8 adapters), so they are split into calls (_grouped_in_calls).
+GROUPED_MAX_GROUPS = 1023
 
 
 def grouped_devices() -> frozenset[str]:
@@ -196,11 +199,28 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
     last two dims are row- or column-major). offsets: int32 [G] on x's device, the cumulative ends of
     the segments (offsets[-1] == P); empty segments are allowed. Differentiable in x and w."""
     if _grouped_kernel_takes(x, w):
-        return _GroupedMM.apply(x, w, offsets)
+        return _grouped_in_calls(x, w, offsets)
     sizes = _segment_sizes(offsets)
     ws = w.unbind(0)  # one backward (a stack) for all groups, not one scatter per group
     parts = [xg @ ws[g].transpose(0, 1) for g, xg in enumerate(x.split(sizes)) if sizes[g]]
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-2])
+
+
+def _grouped_in_calls(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """One _GroupedMM per GROUPED_MAX_GROUPS groups. A call over groups [g0, g1) gets a zero-weight
+    group before and one after them, covering the other calls' rows (which come out 0), so the
+    calls' outputs add up without reading the bounds on the host."""
+    G = w.shape[0]
+    if G <= GROUPED_MAX_GROUPS:
+        return _GroupedMM.apply(x, w, offsets)
+    step, zero, start = GROUPED_MAX_GROUPS - 2, w.new_zeros(1, *w.shape[1:]), offsets.new_zeros(1)
+    y = None
+    for g0 in range(0, G, step):
+        g1 = min(g0 + step, G)
+        bounds = torch.cat((offsets[g0 - 1 : g0] if g0 else start, offsets[g0:g1], offsets[-1:]))
+        part = _GroupedMM.apply(x, torch.cat((zero, w[g0:g1], zero)), bounds)
+        y = part if y is None else y + part
+    return y
 
 
 def _segment_sizes(offsets: Tensor) -> list[int]:
@@ -221,8 +241,11 @@ def _grouped_kernel_takes(x: Tensor, w: Tensor) -> bool:
     kind = x.device.type
     if kind not in _grouped_devices or x.dtype not in _GROUPED_DTYPES.get(kind, ()) or w.dtype != x.dtype:
         return False
-    step = 16 // x.element_size()  # the backward's dy [P, out] and x [P, in] are row-major too
-    return w.shape[-1] % step == 0 and w.shape[-2] % step == 0 and _aligned(x) and _aligned(w)
+    # x row-major: the CUDA kernel's dw (segments along the contracted dim) takes empty segments and
+    # unaligned bounds only with dyᵀ column-major and x row-major (a device assert otherwise).
+    step = 16 // x.element_size()  # the backward's dy [P, out] is row-major too
+    return (w.shape[-1] % step == 0 and w.shape[-2] % step == 0 and x.stride(-1) == 1
+            and _aligned(x) and _aligned(w))
 
 
 class _GroupedMM(torch.autograd.Function):

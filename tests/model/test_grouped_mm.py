@@ -27,12 +27,17 @@ def reference(x, w, sizes):
     return torch.bmm(w[group], x[:, :, None]).squeeze(-1)
 
 
-def run(path, x, w, offsets, dy):
-    """y, dx, dw through grouped_mm on `path` ("grouped": torch._grouped_mm forced on; "loop")."""
+def run(path, x, w, offsets, dy, monkeypatch):
+    """y, dx, dw through grouped_mm on `path`: "grouped" (torch._grouped_mm forced on), "calls" (the
+    same, at most 4 groups per call: the split that CUDA's 1023-group limit takes) or "loop"."""
     x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    with kernels.use_grouped_devices([x.device.type] if path == "grouped" else []):
+    with monkeypatch.context() as m, kernels.use_grouped_devices([] if path == "loop" else [x.device.type]):
+        if path == "calls":
+            m.setattr(kernels, "GROUPED_MAX_GROUPS", 4)
         y = kernels.grouped_mm(x, w, offsets)
-    expected_node = "_GroupedMMBackward" if path == "grouped" else "CatBackward0"
+    split = path == "calls" and w.shape[0] > 4
+    expected_node = {"grouped": "_GroupedMMBackward", "calls": "AddBackward0" if split else "_GroupedMMBackward",
+                     "loop": "CatBackward0"}[path]
     assert type(y.grad_fn).__name__ == expected_node, (path, type(y.grad_fn).__name__)
     (y * dy).sum().backward()
     return y, x.grad, w.grad
@@ -41,9 +46,9 @@ def run(path, x, w, offsets, dy):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", SIZES)
-@pytest.mark.parametrize("path", ["grouped", "loop"])
-def test_grouped_mm_matches_a_dense_reference_forward_and_backward(device, dtype, layout, path):
-    if device == "cuda" and dtype == torch.float32 and path == "grouped":
+@pytest.mark.parametrize("path", ["grouped", "calls", "loop"])
+def test_grouped_mm_matches_a_dense_reference_forward_and_backward(device, dtype, layout, path, monkeypatch):
+    if device == "cuda" and dtype == torch.float32 and path != "loop":
         pytest.skip("CUDA's grouped kernel is bf16 only (fp32 takes the loop)")
     sizes = SIZES[layout]
     g = torch.Generator().manual_seed(len(sizes))
@@ -51,7 +56,7 @@ def test_grouped_mm_matches_a_dense_reference_forward_and_backward(device, dtype
     x = torch.randn(P, IN, generator=g).to(device, dtype)
     w = torch.randn(len(sizes), OUT, IN, generator=g).to(device, dtype)
     dy = torch.randn(P, OUT, generator=g).to(device, dtype)
-    y, dx, dw = run(path, x, w, segments(sizes, device), dy)
+    y, dx, dw = run(path, x, w, segments(sizes, device), dy, monkeypatch)
 
     x64, w64 = x.double().requires_grad_(True), w.double().requires_grad_(True)
     y64 = reference(x64, w64, sizes)
@@ -65,7 +70,7 @@ def test_grouped_mm_matches_a_dense_reference_forward_and_backward(device, dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_grouped_and_loop_paths_agree_on_a_transposed_weight_view(device):
+def test_grouped_and_loop_paths_agree_on_a_transposed_weight_view(device, monkeypatch):
     """w may be a [G, out, in] view of a [G, in, out] store (column-major last dims)."""
     sizes = SIZES["mixed"]
     dtype = torch.bfloat16
@@ -73,21 +78,27 @@ def test_grouped_and_loop_paths_agree_on_a_transposed_weight_view(device):
     x = torch.randn(sum(sizes), IN, generator=g).to(device, dtype)
     w = torch.randn(len(sizes), IN, OUT, generator=g).to(device, dtype).transpose(1, 2)
     dy = torch.randn(sum(sizes), OUT, generator=g).to(device, dtype)
-    grouped = run("grouped", x, w, segments(sizes, device), dy)
-    loop = run("loop", x, w, segments(sizes, device), dy)
+    grouped = run("grouped", x, w, segments(sizes, device), dy, monkeypatch)
+    loop = run("loop", x, w, segments(sizes, device), dy, monkeypatch)
     for what, a, b, n in zip(("y", "dx", "dw"), grouped, loop, (IN, OUT, sum(sizes)), strict=True):
         Tolerance(n=n, dtype=dtype).check(a.float(), b.float(), what)
 
 
-def test_a_layout_the_grouped_kernel_refuses_takes_the_loop():
-    """Rows of 6 float32 (24 bytes) are not 16-byte strided: the loop runs even when forced on."""
-    sizes = [3, 0, 4]
-    x = torch.randn(sum(sizes), 6, requires_grad=True)
-    w = torch.randn(len(sizes), 8, 6)
+@pytest.mark.parametrize("layout", ["rows of 24 bytes", "column-major x"])
+def test_a_layout_the_grouped_kernel_refuses_takes_the_loop(layout):
+    """Rows of 6 float32 are not 16-byte strided; a column-major x would need other kernel variants
+    (CUDA's dw refuses empty segments there): the loop runs even when forced on."""
+    sizes = [3, 0, 5]
+    fan_in = 6 if layout == "rows of 24 bytes" else 8
+    x = torch.randn(sum(sizes), fan_in)
+    if layout == "column-major x":
+        x = x.t().contiguous().t()
+    x.requires_grad_(True)
+    w = torch.randn(len(sizes), 8, fan_in)
     with kernels.use_grouped_devices(["cpu"]):
         y = kernels.grouped_mm(x, w, segments(sizes, "cpu"))
     assert type(y.grad_fn).__name__ == "CatBackward0"
-    Tolerance(n=6).check(y.detach(), reference(x.detach(), w, sizes), "y")
+    Tolerance(n=fan_in).check(y.detach(), reference(x.detach(), w, sizes), "y")
 
 
 def test_group_pairs_bounds_segments_expert_major_with_base_pairs_in_slot_zero():
