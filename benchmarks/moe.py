@@ -12,8 +12,16 @@
    rows on one adapter.
 3. Bytes per adapter (attention + experts + lm_head, all layers) for Qwen3-30B-A3B and a
    Kimi-K2-class config at ranks 1, 8, 32 — the table in docs/moe.md.
+4. Grouped (`--only grouped`): one sparse MoE layer with expert LoRA (rank --rank on every expert's
+   gate/up/down), forward + backward (the LoRA weights' and the input's gradients), its segments
+   through torch._grouped_mm ("grouped") vs one matmul per segment ("loop"), the same tokens on one
+   adapter vs spread over 8 fused adapters; on a tiny-but-wide layer (the throughput model's: hidden
+   512, 64 experts of 256, top-8, 512 tokens) and a Qwen3-30B-A3B-shaped one (hidden 2048, 128
+   experts of 768, top-8, --tokens tokens). Imports only mint_server.model (runs where the server's
+   dependencies are not installed).
 
     python -m benchmarks.moe [--layers 8] [--repeats 5] [--device cpu]
+    python -m benchmarks.moe --only grouped --device cuda --dtype bfloat16 [--tokens 4096] [--repeats 20] [--shape tiny]
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import json
 import statistics
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -175,6 +184,84 @@ def bench_throughput(device: str, repeats: int) -> dict:
     return out
 
 
+# --- 4. grouped vs per-segment products ---------------------------------------------------------
+
+GROUPED_SHAPES = {  # hidden, expert intermediate, experts, top-k, tokens (None: --tokens)
+    "tiny": (512, 256, 64, 8, 512),
+    "qwen3-30b-a3b": (2048, 768, 128, 8, None),
+}
+
+
+def moe_layer(hidden: int, inter: int, experts: int, top_k: int, device: str, dtype: torch.dtype):
+    from mint_server.model.moe import SparseMoE
+
+    cfg = ModelConfig(**{**QWEN3_30B_A3B, "hidden_size": hidden, "num_layers": 1, "num_experts": experts,
+                         "num_experts_per_tok": top_k, "moe_intermediate_size": inter})
+    torch.manual_seed(0)
+    layer = SparseMoE(cfg, 0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, hidden**-0.5)
+    return layer.to(device, dtype).requires_grad_(False)
+
+
+def expert_lora(layer, rows: list[int], rank: int, device: str, dtype: torch.dtype):
+    """A LoraBatch over max(rows) + 1 adapters, trainable A/B (nonzero B) on every expert projection."""
+    from mint_server.model.lora import EXPERT_PREFIX, LoraBatch
+
+    n, E = max(rows) + 1, layer.num_experts
+    g = torch.Generator().manual_seed(n)
+    weights = {}
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        fan_out, fan_in = getattr(layer.experts, name).shape[1:]
+        A = torch.randn(n, 1, E, rank, fan_in, generator=g) * fan_in**-0.5
+        B = torch.randn(n, 1, E, fan_out, rank, generator=g) * 0.01
+        weights[EXPERT_PREFIX + name] = (A.to(device, dtype).requires_grad_(), B.to(device, dtype).requires_grad_())
+    return LoraBatch(weights, torch.tensor(rows, device=device), torch.full((n,), 2.0, device=device))
+
+
+def train_step(layer, x: torch.Tensor, dy: torch.Tensor, batch) -> None:
+    """Forward and backward to the input and every LoRA weight (no accumulation into .grad)."""
+    torch.autograd.grad(layer(x, batch), [x, *(t for ab in batch.weights.values() for t in ab)], dy)
+
+
+def bench_grouped(device: str, dtype: torch.dtype, repeats: int, tokens: int, rank: int, shapes: list[str]) -> dict:
+    from mint_server.model import kernels
+    from mint_server.model import lora as lora_mod
+
+    rows = 8
+    lora_mod.EXPERT_GATHER_LIMIT = 0  # the segments path at every size (training's, at real sizes)
+    out: dict = {"dtype": str(dtype).removeprefix("torch."), "rank": rank}
+    for shape in shapes:
+        hidden, inter, experts, top_k, n_tokens = GROUPED_SHAPES[shape]
+        n_tokens = n_tokens or tokens
+        layer = moe_layer(hidden, inter, experts, top_k, device, dtype)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(rows, n_tokens // rows, hidden, generator=g).to(device, dtype).requires_grad_()
+        dy = torch.randn(rows, n_tokens // rows, hidden, generator=g).to(device, dtype)
+        batches = {"single": expert_lora(layer, [0] * rows, rank, device, dtype),
+                   "fused8": expert_lora(layer, list(range(rows)), rank, device, dtype)}
+        pairs = rows * (n_tokens // rows) * top_k
+        # base: forward and the input gradient (the experts are frozen), 3 projections of 2·in·out per pair
+        flops = 3 * 2 * 3 * pairs * hidden * inter
+        res: dict = {"tokens": rows * (n_tokens // rows), "base_gflop": flops / 1e9}
+        for path, devices in (("grouped", [torch.device(device).type]), ("loop", [])):
+            with kernels.use_grouped_devices(devices):
+                for name, batch in batches.items():
+                    res[f"{path}_{name}_s"] = median_of(partial(train_step, layer, x, dy, batch), repeats, device)
+            res[f"{path}_fused8_over_single"] = res[f"{path}_fused8_s"] / res[f"{path}_single_s"]
+            print(f"grouped {shape:>13} {path:>7}: one adapter {res[f'{path}_single_s'] * 1e3:9.2f} ms "
+                  f"({flops / res[f'{path}_single_s'] / 1e12:.2f} base TFLOP/s), 8 fused "
+                  f"{res[f'{path}_fused8_s'] * 1e3:9.2f} ms: 8 fused / 1 = {res[f'{path}_fused8_over_single']:.2f}x",
+                  flush=True)
+        for name in batches:
+            res[f"grouped_over_loop_{name}"] = res[f"grouped_{name}_s"] / res[f"loop_{name}_s"]
+        print(f"grouped {shape:>13}: grouped / loop = {res['grouped_over_loop_single']:.2f}x (one adapter), "
+              f"{res['grouped_over_loop_fused8']:.2f}x (8 fused)", flush=True)
+        out[shape] = res
+    return out
+
+
 # --- 3. bytes per adapter ---------------------------------------------------------------------------
 
 
@@ -217,11 +304,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--only", choices=("grouped",), help="run only this benchmark")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the grouped benchmark's")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens through the Qwen3-30B-A3B-shaped layer (grouped)")
+    ap.add_argument("--rank", type=int, default=16, help="expert LoRA rank (grouped)")
+    ap.add_argument("--shape", action="append", choices=tuple(GROUPED_SHAPES), help="the grouped layers (default: all)")
     args = ap.parse_args()
-    summary = {"device": args.device, "bytes_per_adapter": bytes_table(),
-               "load": bench_load(args.layers, args.repeats, args.device)}
-    if not args.skip_throughput:
-        summary["throughput"] = bench_throughput(args.device, args.repeats)
+    summary: dict = {"device": args.device}
+    if args.only is None:
+        summary["bytes_per_adapter"] = bytes_table()
+        summary["load"] = bench_load(args.layers, args.repeats, args.device)
+        if not args.skip_throughput:
+            summary["throughput"] = bench_throughput(args.device, args.repeats)
+    if args.only in (None, "grouped"):
+        summary["grouped"] = bench_grouped(args.device, getattr(torch, args.dtype), args.repeats, args.tokens,
+                                           args.rank, args.shape or list(GROUPED_SHAPES))
     print(json.dumps(summary))
 
 

@@ -159,3 +159,109 @@ def calibrate_skinny(weights: Sequence[Tensor], candidates: Sequence[int] = (1, 
         set_mode(old)
     set_skinny_rows(chosen)
     return chosen
+
+
+# --- grouped products (mixture-of-experts) ---------------------------------------------------------
+# Which device types run `grouped_mm` as one torch._grouped_mm (the others, and any product whose
+# layout or dtype it does not take, run one matmul per group). Default "cuda": on CPUs torch's
+# grouped kernel is itself a per-group loop (benchmarks/moe.py --only grouped measures it).
+# MINT_GROUPED_DEVICES is read at import ("cuda,cpu", or "" for none); `use_grouped_devices` switches it.
+def _grouped_devices_from_env() -> frozenset[str]:
+    return frozenset(d.strip().lower() for d in os.environ.get("MINT_GROUPED_DEVICES", "cuda").split(",") if d.strip())
+
+
+_grouped_devices = _grouped_devices_from_env()
+# torch._grouped_mm's fast kernel on CUDA (sm90) is bf16 only; its other dtypes fall back to a loop there.
+_GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}
+# The CUDA kernel takes fewer than 1024 groups per call (aten GroupMM.cu); (expert, adapter)
+# segments can be more (128 experts × 8 adapters), so they are split into calls (_grouped_in_calls).
+GROUPED_MAX_GROUPS = 1023
+
+
+def grouped_devices() -> frozenset[str]:
+    return _grouped_devices
+
+
+@contextmanager
+def use_grouped_devices(devices: Sequence[str]) -> Iterator[None]:
+    """Run a block with `grouped_mm`'s grouped kernel on these device types, then restore."""
+    global _grouped_devices
+    old = _grouped_devices
+    _grouped_devices = frozenset(devices)
+    try:
+        yield
+    finally:
+        _grouped_devices = old
+
+
+def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """y [P, out] with each row segment g of x [P, in] times w[g]ᵀ (w [G, out, in], any layout whose
+    last two dims are row- or column-major). offsets: int32 [G] on x's device, the cumulative ends of
+    the segments (offsets[-1] == P); empty segments are allowed. Differentiable in x and w."""
+    if _grouped_kernel_takes(x, w):
+        return _grouped_in_calls(x, w, offsets)
+    sizes = _segment_sizes(offsets)
+    ws = w.unbind(0)  # one backward (a stack) for all groups, not one scatter per group
+    parts = [xg @ ws[g].transpose(0, 1) for g, xg in enumerate(x.split(sizes)) if sizes[g]]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-2])
+
+
+def _grouped_in_calls(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """One _GroupedMM per GROUPED_MAX_GROUPS groups. A call over groups [g0, g1) gets a zero-weight
+    group before and one after them, covering the other calls' rows (which come out 0), so the
+    calls' outputs add up without reading the bounds on the host."""
+    G = w.shape[0]
+    if G <= GROUPED_MAX_GROUPS:
+        return _GroupedMM.apply(x, w, offsets)
+    step, zero, start = GROUPED_MAX_GROUPS - 2, w.new_zeros(1, *w.shape[1:]), offsets.new_zeros(1)
+    y = None
+    for g0 in range(0, G, step):
+        g1 = min(g0 + step, G)
+        bounds = torch.cat((offsets[g0 - 1 : g0] if g0 else start, offsets[g0:g1], offsets[-1:]))
+        part = _GroupedMM.apply(x, torch.cat((zero, w[g0:g1], zero)), bounds)
+        y = part if y is None else y + part
+    return y
+
+
+def _segment_sizes(offsets: Tensor) -> list[int]:
+    ends = offsets.tolist()
+    return [e - s for s, e in zip([0] + ends[:-1], ends, strict=True)]
+
+
+def _aligned(t: Tensor) -> bool:
+    """torch._grouped_mm's layout rule: the last two dims row- or column-major with the other
+    stride a multiple of 16 bytes, and a 16-byte aligned start."""
+    step = 16 // t.element_size()
+    s_row, s_col = t.stride(-2), t.stride(-1)
+    major = s_row if s_col == 1 else s_col if s_row == 1 else 0
+    return major > 0 and major % step == 0 and t.data_ptr() % 16 == 0
+
+
+def _grouped_kernel_takes(x: Tensor, w: Tensor) -> bool:
+    kind = x.device.type
+    if kind not in _grouped_devices or x.dtype not in _GROUPED_DTYPES.get(kind, ()) or w.dtype != x.dtype:
+        return False
+    # x row-major: the CUDA kernel's dw (segments along the contracted dim) takes empty segments and
+    # unaligned bounds only with dyᵀ column-major and x row-major (a device assert otherwise).
+    step = 16 // x.element_size()  # the backward's dy [P, out] is row-major too
+    return (w.shape[-1] % step == 0 and w.shape[-2] % step == 0 and x.stride(-1) == 1
+            and _aligned(x) and _aligned(w))
+
+
+class _GroupedMM(torch.autograd.Function):
+    """torch._grouped_mm with an explicit backward: autograd's own derivative of it passes layouts
+    the kernel refuses (e.g. an expanded ones-gradient), and its dw would not use grouped K offsets."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w, offsets)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor) -> tuple[Tensor | None, Tensor | None, None]:  # type: ignore[override]
+        x, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, w, offs=offsets) if ctx.needs_input_grad[0] else None
+        # dw[g] = dy_gᵀ x_g: one grouped product with the segments along the contracted dim (zeros for empty ones)
+        dw = torch._grouped_mm(dy.t(), x, offs=offsets) if ctx.needs_input_grad[1] else None
+        return dx, dw, None

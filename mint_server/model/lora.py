@@ -157,8 +157,8 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
 
 
 # Below this many gathered LoRA elements (pairs × r × (in + out)) an expert LoRA gathers every
-# pair's own A/B and runs one batched matmul (decode: few pairs, many groups); above it, it runs
-# one matmul per (expert, adapter) group (training: many pairs per group).
+# pair's own A/B and runs one batched matmul (decode: few pairs, many groups); above it, one grouped
+# product over the (expert, adapter) segments for A and one for B (kernels.grouped_mm; training, prefill).
 EXPERT_GATHER_LIMIT = 1 << 24
 
 
@@ -167,36 +167,28 @@ class ExpertGroups:
     """The token→expert pairs of one MoE layer, sorted by expert and, within an expert, by adapter.
 
     Pairs are (token, k-th choice) in token-major order before sorting; `order` maps each sorted
-    pair back to it. Groups are the non-empty runs of equal (expert, adapter), in sorted order.
+    pair back to it. Groups are the runs of equal (expert, adapter) in sorted order, expert-major,
+    one per (expert, adapter slot) whether used or not (empty ones included), so their bounds need
+    no host sync; base pairs (adapter -1) sit in their expert's first group (their LoRA scale is 0).
     """
 
     order: Tensor  # [P] long: unsorted pair index of each sorted pair
     expert: Tensor  # [P] long: expert of each sorted pair
     adapter: Tensor  # [P] long: adapter (index into the batch's n) of each sorted pair; -1 = base
-    expert_sizes: list[int]  # [E] pairs per expert
-    group_sizes: list[int]  # [G] pairs per group
-    group_expert: list[int]  # [G]
-    group_adapter: list[int]  # [G]; -1 = base rows (no LoRA)
+    group_offsets: Tensor  # [E · max(n, 1)] int32: cumulative end of each (expert, adapter) group
+    expert_offsets: Tensor  # [E] int32: cumulative end of each expert's pairs
 
 
 def group_pairs(expert: Tensor, adapter: Tensor, num_experts: int, num_adapters: int) -> ExpertGroups:
     """Sort pairs (expert [P], adapter [P] with -1 = base) into expert-major, adapter-minor groups.
 
-    One stable sort and one bincount; the only host sync is reading the group sizes.
+    One stable sort and one bincount, all on the pairs' device: no host sync.
     """
-    key = expert * (num_adapters + 1) + (adapter + 1)
+    slots = max(num_adapters, 1)
+    key = expert * slots + adapter.clamp(min=0)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts * (num_adapters + 1)).tolist()
-    sizes, g_expert, g_adapter = [], [], []
-    expert_sizes = [0] * num_experts
-    for k, c in enumerate(counts):
-        if c:
-            e, a = divmod(k, num_adapters + 1)
-            sizes.append(c)
-            g_expert.append(e)
-            g_adapter.append(a - 1)
-            expert_sizes[e] += c
-    return ExpertGroups(order, expert[order], adapter[order], expert_sizes, sizes, g_expert, g_adapter)
+    ends = torch.bincount(key, minlength=num_experts * slots).cumsum(0).to(torch.int32)
+    return ExpertGroups(order, expert[order], adapter[order], ends, ends[slots - 1 :: slots].contiguous())
 
 
 @dataclass
@@ -448,29 +440,21 @@ def _add_mixed_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, p
 
 
 def _add_expert_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch, groups: ExpertGroups) -> Tensor:
-    if all(a < 0 for a in groups.group_adapter):
+    if all(r < 0 for r in batch.row_list):
         return y
-    P, r = x.shape[0], A.shape[-2]
-    if P * r * (A.shape[-1] + B.shape[-2]) <= EXPERT_GATHER_LIMIT:
+    P, (n, E, r, fan_in), fan_out = x.shape[0], A.shape, B.shape[-2]
+    a = groups.adapter.clamp(min=0)
+    s = torch.where(groups.adapter >= 0, batch.scale[a], torch.zeros_like(batch.scale[:1])).to(x.dtype)
+    if P * r * (fan_in + fan_out) <= EXPERT_GATHER_LIMIT:
         # Few pairs: gather each pair's (adapter, expert) A/B; base pairs get scale 0.
-        a = groups.adapter.clamp(min=0)
-        s = torch.where(groups.adapter >= 0, batch.scale[a], torch.zeros_like(batch.scale[:1])).to(x.dtype)
         xa = torch.bmm(A[a, groups.expert], x[:, :, None]) * s[:, None, None]  # [P, r, 1]
         return torch.baddbmm(y[:, :, None], B[a, groups.expert], xa).squeeze(-1)
-    # Many pairs: one matmul pair per (expert, adapter) group. One gather of the groups' A/B and
-    # unbind/split/cat keep autograd's backward to a single scatter per weight, not one per group.
-    lora = [g for g, a in enumerate(groups.group_adapter) if a >= 0]
-    dev = A.device
-    ga = torch.tensor([groups.group_adapter[g] for g in lora], device=dev)
-    ge = torch.tensor([groups.group_expert[g] for g in lora], device=dev)
-    As, Bs = A[ga, ge].unbind(0), B[ga, ge].unbind(0)
-    scales = batch.scale[ga].to(x.dtype).unbind(0)
-    parts = list(y.split(groups.group_sizes))
-    xs = x.split(groups.group_sizes)
-    for j, g in enumerate(lora):
-        xa = (xs[g] @ As[j].transpose(0, 1)) * scales[j]
-        parts[g] = torch.addmm(parts[g], xa, Bs[j].transpose(0, 1))
-    return torch.cat(parts)
+    # Many pairs: one grouped product over the (expert, adapter) segments for A, one for B; the
+    # per-pair scale (0 on base pairs) is applied to the rank-r intermediate.
+    Ag = A.transpose(0, 1).reshape(E * n, r, fan_in)
+    Bg = B.transpose(0, 1).reshape(E * n, fan_out, r)
+    xa = kernels.grouped_mm(x, Ag, groups.group_offsets) * s[:, None]
+    return y + kernels.grouped_mm(xa, Bg, groups.group_offsets)
 
 
 def init_lora_weights(

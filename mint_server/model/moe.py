@@ -3,9 +3,10 @@
 Each token picks `top_k` experts (softmax over all router logits, then top-k, optionally
 renormalised to sum to 1: `norm_topk_prob`); its output is the routing-weighted sum of those
 experts' SwiGLU MLPs. The (token, expert) pairs are sorted by expert and, within an expert, by the
-adapter of the token's batch row (`group_pairs`), so the base expert matmuls run once per expert
-and the expert LoRA once per (expert, adapter) group, or as one gathered batched matmul when the
-pairs are few — never a Python loop over rows. The LoRA math itself stays in `lora.add_lora`.
+adapter of the token's batch row (`group_pairs`), so the base expert matmuls are one grouped
+product over the experts' segments and the expert LoRA one over the (expert, adapter) segments
+(`kernels.grouped_mm`), or one gathered batched matmul when the pairs are few — never a Python loop
+over rows. The LoRA math itself stays in `lora.add_lora`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.lora import EXPERT_PREFIX, EXPERT_TARGETS, ExpertGroups, LoraBatch, group_pairs
 from mint_server.model.tp_group import TP
@@ -82,8 +84,6 @@ class SparseMoE(nn.Module):
         return out if tp is None else tp.reduce(out)
 
     def _project(self, name: str, x: Tensor, groups: ExpertGroups, lora: LoraBatch | None) -> Tensor:
-        """Each pair through its expert's base projection (one matmul per used expert), plus LoRA."""
-        W = getattr(self.experts, name)
-        parts = x.split(groups.expert_sizes)
-        y = torch.cat([p @ W[e].transpose(0, 1) for e, p in enumerate(parts) if groups.expert_sizes[e]])
+        """Each pair through its expert's base projection (one grouped product over the experts' segments), plus LoRA."""
+        y = kernels.grouped_mm(x, getattr(self.experts, name), groups.expert_offsets)
         return y if lora is None else lora.apply(EXPERT_PREFIX + name, self.index, x, y, groups, tp=self.tp)

@@ -4,6 +4,7 @@ import pytest
 import torch
 from tinker import types
 
+from mint_server.model import kernels
 from mint_server.model import lora as lora_mod
 from mint_server.model.config import ModelConfig
 from mint_server.model.loader import load_model
@@ -15,12 +16,16 @@ from tests.moe.helpers import load_hf, merged_logits
 from tests.tolerance import for_model
 
 
-@pytest.fixture(params=["gathered", "grouped"])
+@pytest.fixture(params=["gathered", "per_group", "grouped_mm"])
 def expert_path(request, monkeypatch):
-    """Run expert LoRA through both of add_lora's expert paths (one gathered bmm / one matmul per group)."""
-    if request.param == "grouped":
+    """Run expert LoRA through add_lora's expert paths: one gathered bmm, or the (expert, adapter)
+    segments as one matmul per group or as one torch._grouped_mm (forced on CPU; the base expert
+    products follow the same switch)."""
+    if request.param != "gathered":
         monkeypatch.setattr(lora_mod, "EXPERT_GATHER_LIMIT", 0)
-    return request.param
+    devices = {"gathered": kernels.grouped_devices(), "per_group": (), "grouped_mm": ("cpu",)}[request.param]
+    with kernels.use_grouped_devices(devices):
+        yield request.param
 
 
 def tokens_of(seed, rows, length, vocab=320):
