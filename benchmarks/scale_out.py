@@ -440,6 +440,15 @@ def torch_sync(device: Any) -> Callable[[], None]:
     return lambda: None
 
 
+def print_ttft(case: str, figures: dict[str, Any]) -> None:
+    """One case's line, as soon as it is measured; adds the ratio cold p99 / hot p99 to `figures`."""
+    cold, hot = figures["cold"], figures["hot"]
+    figures["cold_p99_over_hot_p99"] = cold["p99_ms"] / hot["p99_ms"]
+    print(f"  ttft {case}: cold p50 {cold['p50_ms']:.1f} / p99 {cold['p99_ms']:.1f} ms, hot p50 {hot['p50_ms']:.1f} / "
+          f"p99 {hot['p99_ms']:.1f} ms, cold p99 / hot p99 {figures['cold_p99_over_hot_p99']:.2f}; loaders' read+decode "
+          f"p50 {figures['loader_read_decode'].get('p50_ms', 0):.1f} ms   (load {figures['load_average']})", flush=True)
+
+
 def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
     """Time to first token (max_tokens 1, one short prompt) on one engine reading catalog revisions as
     `mint serve` does (a lookup per request, cli.sweep.revision_source): requests on random COLD
@@ -494,7 +503,8 @@ def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
     cold_s, hot_s = alternate(cold["idle"])
     figures.drain()
     out["idle"] = {"cold": percentiles(cold_s), "hot": percentiles(hot_s),
-                   "loader_read_decode": percentiles(figures.load_seconds)}
+                   "loader_read_decode": percentiles(figures.load_seconds), "load_average": load_average()}
+    print_ttft("idle", out["idle"])
 
     stop, started = threading.Event(), threading.Event()
     failed: list[BaseException] = []
@@ -538,12 +548,8 @@ def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
                           "paused_seconds": m["paused_seconds"],
                           "loader_read_decode": percentiles(figures.load_seconds),
                           "load_average": load_average()}
+    print_ttft("under_sweep", out["under_sweep"])
     out["breakdown"] = cold_load_breakdown(catalog, owner, breakdown_names, engine)
-    for case in ("idle", "under_sweep"):
-        out[case]["cold_p99_over_hot_p99"] = out[case]["cold"]["p99_ms"] / out[case]["hot"]["p99_ms"]
-        print(f"  ttft {case}: cold p50 {out[case]['cold']['p50_ms']:.1f} / p99 {out[case]['cold']['p99_ms']:.1f} ms, "
-              f"hot p50 {out[case]['hot']['p50_ms']:.1f} / p99 {out[case]['hot']['p99_ms']:.1f} ms, "
-              f"cold p99 / hot p99 {out[case]['cold_p99_over_hot_p99']:.2f}", flush=True)
     print("  cold load stages (p50 ms): " + ", ".join(f"{k} {v['p50_ms']:.2f}" for k, v in out["breakdown"].items()),
           flush=True)
     return out
