@@ -332,6 +332,15 @@ class EngineFigures:
             self.drain()
 
 
+def worker_cpu_seconds() -> float | None:
+    """CPU seconds of the engine's worker thread ("mint-engine") so far: its steps' compute (all of it
+    with --threads 1; OpenMP helper threads are not counted); None off Unix."""
+    worker = next((t for t in threading.enumerate() if t.name == "mint-engine"), None)
+    if worker is None or worker.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    return time.clock_gettime(time.pthread_getcpuclockid(worker.ident))
+
+
 def process_io() -> dict[str, int]:
     """This process's bytes read so far: `rchar` (every read call, page cache hits too) and `read_bytes`
     (from the disk); empty where /proc/self/io is missing."""
@@ -371,12 +380,12 @@ def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
         figures = EngineFigures(engine)
         metric = f"bench-sweep-{uuid.uuid4().hex[:8]}"  # fresh: a rerun on a reused catalog skips nothing
         out = ctx.workdir / "sweeps" / metric
-        io_before = process_io()
+        io_before, worker_before = process_io(), worker_cpu_seconds()
         with measured() as m:
             counts = run_sweep(engine, ctx.servable, ctx.owner, [PROMPT], block_prefix(0, n), "prod", 1, metric,
                                out, SWEEP_WINDOW, figures.progress)
         figures.drain()
-        io_after = process_io()
+        io_after, worker_after = process_io(), worker_cpu_seconds()
         shutil.rmtree(out, ignore_errors=True)
         active = max(1e-9, m["seconds"] - m["paused_seconds"])
         loads = sorted(figures.load_seconds)
@@ -384,6 +393,8 @@ def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
                "cpu_ms_per_adapter": 1e3 * m["cpu_seconds"] / n, "active_ms_per_adapter": 1e3 * active / n,
                "payload_MBps": n * payload_bytes / m["seconds"] / 1e6,
                "step_fraction": figures.step_seconds / m["seconds"], "steps": figures.steps,
+               "worker_cpu_fraction": (worker_after - worker_before) / m["seconds"]
+               if worker_before is not None and worker_after is not None else None,
                "loads": len(loads), "load_ms_p50": 1e3 * loads[len(loads) // 2] if loads else None,
                "load_average": load_average()}
         if io_before:
@@ -393,7 +404,7 @@ def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
         print(f"  sweep {n:,}: {run['adapters_per_s']:,.1f} adapters/s ({run['adapters_per_active_s']:,.1f} running), "
               f"{run['cpu_ms_per_adapter']:.1f} ms CPU/adapter, payload {run['payload_MBps']:.2f} MB/s "
               f"(disk reads {run.get('disk_read_MBps', 0):.2f} MB/s), engine busy {run['step_fraction']:.0%} "
-              f"of the wall, {counts}   (load {run['load_average']})", flush=True)
+              f"of the wall (worker CPU {run['worker_cpu_fraction'] or 0:.0%}), {counts}   (load {run['load_average']})", flush=True)
     first, last = runs[0], runs[-1]
     disk = ctx.extra.get("disk", {})
     return {"runs": runs, "payload_bytes_per_adapter": payload_bytes,
