@@ -6,6 +6,8 @@ the engine side fills (sweep cost per adapter, cold vs hot first token, fleet wa
     … --db-url postgresql+psycopg://…        # the catalog on PostgreSQL (a fresh schema per run)
     … --store s3://bucket/prefix             # blobs on S3 (AWS_* env vars); default <workdir>/…/blobs
     … --compare-s3-clients                   # obstore vs s3fs throughput against a local moto server
+    … --workdir DIR --keep, then … --workdir DIR --reuse --hooks ttft_cold_hot   # rerun hooks, no seeding
+    … --sweep-sizes 100,1000,10000           # sweep_cost's sizes (powers of ten up to --servable)
 
 Prints, in order:
   1. the disk under --workdir: sequential write (fsync'd) and O_DIRECT read MB/s, and small fsync'd
@@ -16,7 +18,10 @@ Prints, in order:
   3. bytes: catalog bytes per policy record, catalog + blob bytes per adapter revision, host-cache
      bytes per resident adapter (the fp32 weights the residency host tier keeps) and pack-index bytes
      per blob (the in-memory map every reading process keeps);
-  4. the engine-side hooks (None until filled in: see `hooks`);
+  4. the engine-side hooks (`--hooks`, default all): sweep_cost (adapters/s, CPU per adapter and its
+     ratio largest/smallest sweep, payload vs disk read rate, engine busy fraction), ttft_cold_hot
+     (cold vs hot first token p50/p99, idle and under a sweep, and a cold load's stages);
+     fleet_wave_ratio is None (not measured here);
 and last one JSON line with everything. The load average is printed with the figures: the machine
 is shared, so rates are floors of what the code does on an idle one.
 """
@@ -147,7 +152,8 @@ def reporter(label: str, total: int) -> Callable[[int], None]:
 
 @contextmanager
 def catalog_at(data_dir: Path, db_url: str | None, store: str | None) -> Iterator[Any]:
-    """A fresh catalog: SQLite in `data_dir`, or a fresh schema of the PostgreSQL database at db_url."""
+    """The catalog in `data_dir` (SQLite: fresh, or a reused workdir's), or a fresh schema of the
+    PostgreSQL database at db_url."""
     from mint_server.catalog import Catalog
 
     if db_url is None:
@@ -263,18 +269,301 @@ class ScaleOutContext:
     records_count: int
     owner: str = OWNER
     extra: dict[str, Any] = field(default_factory=dict)
+    _engine: Any = None
+
+    def engine(self) -> Any:
+        """The hooks' one LocalEngine, with the default settings (but `--threads`) and named as the seeded policies' base
+        model (what `mint serve` and `mint sweep` start), opened on first use: its start-up measures
+        the machine, minutes on a busy one. A hook starts cold by `forget_source("rev:")` (every
+        catalog adapter out of every tier)."""
+        if self._engine is None:
+            from mint_server.cli.serve import base_model_name
+            from mint_server.engine.local import LocalEngine
+            from mint_server.engine.settings import EngineSettings
+
+            self._engine = LocalEngine(self.model_dir, base_model_name(str(self.model_dir), self.model_dir),
+                                       settings=EngineSettings(threads=self.extra.get("threads")))
+        return self._engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
+
+PROMPT = "The capital of France is"  # one short prompt: a first token is its prefill and one sampled token
+SWEEP_WINDOW = 64  # policies in flight, `mint sweep`'s default
+
+
+def policy_name(index: int) -> str:
+    return f"sv-{index:09d}"
+
+
+def block_prefix(start: int, count: int) -> str:
+    """The name prefix (`mint sweep --policy-prefix`) that selects servable policies start … start+count-1:
+    count a power of ten, start a multiple of it."""
+    digits = len(str(count)) - 1
+    if count != 10**digits or start % count:
+        raise ValueError(f"policies {start}+{count}: not a block one name prefix selects (count a power of ten)")
+    name = policy_name(start)
+    return name[: len(name) - digits]
+
+
+class EngineFigures:
+    """What the engine reports, summed over a measurement: each `report()` hands over (drains) the
+    worker's busy turns (`step_seconds`) and the loaders' store → host read+decode seconds."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        engine.report()  # what came before (start-up, an earlier measurement) is not ours
+        self.step_seconds = 0.0
+        self.steps = 0
+        self.load_seconds: list[float] = []
+
+    def drain(self) -> None:
+        report = self.engine.report()
+        self.step_seconds += sum(report["step_seconds"])
+        self.steps += len(report["step_seconds"])
+        self.load_seconds += report["load_seconds"]
+
+    def progress(self, done: int) -> None:
+        """A sweep's progress callback: drain now and then (the worker keeps its last 10,000 turns only)."""
+        if done % 1000 == 0:
+            self.drain()
+
+
+def worker_cpu_seconds() -> float | None:
+    """CPU seconds of the engine's worker thread ("mint-engine") so far: its steps' compute (all of it
+    with --threads 1; OpenMP helper threads are not counted); None off Unix."""
+    worker = next((t for t in threading.enumerate() if t.name == "mint-engine"), None)
+    if worker is None or worker.ident is None or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    return time.clock_gettime(time.pthread_getcpuclockid(worker.ident))
+
+
+def process_io() -> dict[str, int]:
+    """This process's bytes read so far: `rchar` (every read call, page cache hits too) and `read_bytes`
+    (from the disk); empty where /proc/self/io is missing."""
+    try:
+        text = Path("/proc/self/io").read_text()
+    except OSError:
+        return {}
+    fields = dict(line.split(": ") for line in text.splitlines())
+    return {"rchar": int(fields["rchar"]), "read_bytes": int(fields["read_bytes"])}
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    """p50 and p99 in ms (nearest rank: of 40 samples, p99 is the largest)."""
+    ordered = sorted(seconds)
+    if not ordered:
+        return {"n": 0}
+    at = lambda q: ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]  # noqa: E731
+    return {"n": len(ordered), "p50_ms": 1e3 * at(0.5), "p99_ms": 1e3 * at(0.99)}
 
 
 def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
-    """Engine side: `mint sweep` cost per adapter at 1K / 10K / 100K (ratio vs 1K), adapters/s, bytes read/s
-    vs the disk's read rate, fraction of time the engine computes."""
-    return None
+    """`mint sweep`'s loop (cli.sweep.run_sweep: one short prompt a policy, max_tokens 1, scores stored
+    as evals) over the first N servable policies for each N in ctx.extra["sweep_sizes"], each starting
+    with no catalog adapter loaded: adapters/s, process CPU per adapter, the ratio of cost per adapter at the largest N to the
+    smallest, payload bytes/s against the disk's read rate, and the fraction of wall time the engine's
+    worker spent in turns that ran work."""
+    from mint_server.cli.sweep import run_sweep
+
+    sizes = [n for n in ctx.extra.get("sweep_sizes", (100, 1000)) if n <= ctx.servable_count]
+    if not sizes:
+        return None
+    payload_bytes = ctx.servable.resolve(ctx.owner, policy_name(0)).size
+    runs: list[dict[str, Any]] = []
+    engine = ctx.engine()
+    for n in sizes:
+        engine.forget_source("rev:").result()
+        figures = EngineFigures(engine)
+        metric = f"bench-sweep-{uuid.uuid4().hex[:8]}"  # fresh: a rerun on a reused catalog skips nothing
+        out = ctx.workdir / "sweeps" / metric
+        io_before, worker_before = process_io(), worker_cpu_seconds()
+        with measured() as m:
+            counts = run_sweep(engine, ctx.servable, ctx.owner, [PROMPT], block_prefix(0, n), "prod", 1, metric,
+                               out, SWEEP_WINDOW, figures.progress)
+        figures.drain()
+        io_after, worker_after = process_io(), worker_cpu_seconds()
+        shutil.rmtree(out, ignore_errors=True)
+        active = max(1e-9, m["seconds"] - m["paused_seconds"])
+        loads = sorted(figures.load_seconds)
+        run = {"policies": n, **counts, **m, "adapters_per_s": n / m["seconds"], "adapters_per_active_s": n / active,
+               "cpu_ms_per_adapter": 1e3 * m["cpu_seconds"] / n, "active_ms_per_adapter": 1e3 * active / n,
+               "payload_MBps": n * payload_bytes / m["seconds"] / 1e6,
+               "step_fraction": figures.step_seconds / m["seconds"], "steps": figures.steps,
+               "worker_cpu_fraction": (worker_after - worker_before) / m["seconds"]
+               if worker_before is not None and worker_after is not None else None,
+               "loads": len(loads), "load_ms_p50": 1e3 * loads[len(loads) // 2] if loads else None,
+               "load_average": load_average()}
+        if io_before:
+            run["read_call_MBps"] = (io_after["rchar"] - io_before["rchar"]) / m["seconds"] / 1e6
+            run["disk_read_MBps"] = (io_after["read_bytes"] - io_before["read_bytes"]) / m["seconds"] / 1e6
+        runs.append(run)
+        print(f"  sweep {n:,}: {run['adapters_per_s']:,.1f} adapters/s ({run['adapters_per_active_s']:,.1f} running), "
+              f"{run['cpu_ms_per_adapter']:.1f} ms CPU/adapter, payload {run['payload_MBps']:.2f} MB/s "
+              f"(disk reads {run.get('disk_read_MBps', 0):.2f} MB/s), engine busy {run['step_fraction']:.0%} "
+              f"of the wall (worker CPU {run['worker_cpu_fraction'] or 0:.0%}), {counts}   (load {run['load_average']})", flush=True)
+    first, last = runs[0], runs[-1]
+    disk = ctx.extra.get("disk", {})
+    return {"runs": runs, "payload_bytes_per_adapter": payload_bytes,
+            "cpu_cost_ratio_largest_vs_smallest": last["cpu_ms_per_adapter"] / first["cpu_ms_per_adapter"],
+            "active_cost_ratio_largest_vs_smallest": last["active_ms_per_adapter"] / first["active_ms_per_adapter"],
+            "payload_over_disk_read": last["payload_MBps"] / disk["read_MBps"] if disk.get("read_MBps") else None}
+
+
+def cold_load_breakdown(catalog: Any, owner: str, names: list[str], engine: Any) -> dict[str, Any]:
+    """The stages of a cold load, each timed on this thread for never-loaded policies: catalog lookup
+    (resolve @prod), blob read (verified payload), decode (load_peft_files, what a loader thread runs)
+    and the copy into a slot (a one-slot bank of the engine's shapes, dtype and device, written as the
+    residency writes one)."""
+    from mint_server.model.lora import LoraBank
+    from mint_server.model.peft_io import load_peft_files
+
+    cfg = engine.model.config
+    bank = LoraBank(cfg, 1, engine.settings.max_rank, engine.device, engine.dtype)
+    sync = torch_sync(engine.device)
+    stages: dict[str, list[float]] = {"lookup": [], "read": [], "decode": [], "copy_to_slot": []}
+    for name in names:
+        t0 = time.perf_counter()
+        revision = catalog.resolve(owner, f"{name}@prod")
+        t1 = time.perf_counter()
+        files = catalog.read_payload(revision)
+        t2 = time.perf_counter()
+        weights = load_peft_files(files, cfg)
+        host = {t: (a.float(), b.float()) for t, (a, b) in weights.weights.items()}  # the host tier's copy
+        t3 = time.perf_counter()
+        bank.write(0, {t: (a.to(engine.device), b.to(engine.device)) for t, (a, b) in host.items()},
+                   weights.rank, weights.alpha)
+        sync()
+        t4 = time.perf_counter()
+        for stage, seconds in zip(stages, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            stages[stage].append(seconds)
+    return {stage: percentiles(seconds) for stage, seconds in stages.items()}
+
+
+def torch_sync(device: Any) -> Callable[[], None]:
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def print_ttft(case: str, figures: dict[str, Any]) -> None:
+    """One case's line, as soon as it is measured; adds the ratio cold p99 / hot p99 to `figures`."""
+    cold, hot = figures["cold"], figures["hot"]
+    figures["cold_p99_over_hot_p99"] = cold["p99_ms"] / hot["p99_ms"]
+    print(f"  ttft {case}: cold p50 {cold['p50_ms']:.1f} / p99 {cold['p99_ms']:.1f} ms, hot p50 {hot['p50_ms']:.1f} / "
+          f"p99 {hot['p99_ms']:.1f} ms, cold p99 / hot p99 {figures['cold_p99_over_hot_p99']:.2f}; loaders' read+decode "
+          f"p50 {figures['loader_read_decode'].get('p50_ms', 0):.1f} ms   (load {figures['load_average']})", flush=True)
 
 
 def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
-    """Engine side: TTFT of a random cold policy (store → host → device) vs a hot one, p50/p99, idle and
-    under a sweep, with its breakdown (lookup, read, decode, copy to slot)."""
-    return None
+    """Time to first token (max_tokens 1, one short prompt) on one engine reading catalog revisions as
+    `mint serve` does (a lookup per request, cli.sweep.revision_source): requests on random COLD
+    policies (never loaded: store → host → device) alternate with requests on a HOT one (in a slot),
+    one at a time, (a) on an idle engine and (b) while `mint sweep`'s loop runs over other policies
+    on the same engine; p50/p99 of each, the ratio cold p99 / hot p99, and a cold load's stages.
+
+    Policies by index: 0 is the hot one; the first half of the catalog (past block 0) holds the cold
+    ones; the sweep cycles through the second half."""
+    import random
+
+    from tinker import types
+
+    from mint_server.cli.sweep import revision_source, run_sweep
+
+    n = ctx.servable_count
+    requests = ctx.extra.get("ttft_requests", 40)
+    block = 10 ** (len(str(max(1, n // 10))) - 1)
+    blocks = n // block
+    cold_pool = list(range(block, (blocks // 2) * block))
+    if blocks < 4 or len(cold_pool) < 2 * requests + 20:
+        return {"skipped": f"{n} servable policies: too few for {requests} cold requests twice and a sweep"}
+    picks = random.Random(0).sample(cold_pool, 2 * requests + 20)
+    cold = {"idle": [policy_name(i) for i in picks[:requests]],
+            "under_sweep": [policy_name(i) for i in picks[requests: 2 * requests]]}
+    breakdown_names = [policy_name(i) for i in picks[2 * requests:]]
+    hot = policy_name(0)
+    params = types.SamplingParams(max_tokens=1, temperature=0.0)
+    catalog, owner = ctx.servable, ctx.owner
+    engine = ctx.engine()
+    engine.forget_source("rev:").result()
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+
+    def first_token(name: str) -> float:
+        t0 = time.perf_counter()
+        revision = catalog.resolve(owner, f"{name}@prod")
+        engine.submit(engine.prepare_sample(revision_source(catalog, revision), prompt, 1, params,
+                                            key="ttft")).result()
+        return time.perf_counter() - t0
+
+    def alternate(cold_names: list[str]) -> tuple[list[float], list[float]]:
+        cold_s, hot_s = [], []
+        for name in cold_names:
+            cold_s.append(first_token(name))
+            hot_s.append(first_token(hot))
+        return cold_s, hot_s
+
+    for _ in range(3):  # the hot policy into its slot; the first steps' one-off costs out of the figures
+        first_token(hot)
+    out: dict[str, Any] = {"requests": requests, "sweep_window": SWEEP_WINDOW}
+    figures = EngineFigures(engine)
+    cold_s, hot_s = alternate(cold["idle"])
+    figures.drain()
+    out["idle"] = {"cold": percentiles(cold_s), "hot": percentiles(hot_s),
+                   "loader_read_decode": percentiles(figures.load_seconds), "load_average": load_average()}
+    print_ttft("idle", out["idle"])
+
+    stop, started = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+    swept = [0]
+    sweep_blocks = [block_prefix(b * block, block) for b in range(blocks // 2, blocks)]
+
+    def progress(done: int) -> None:
+        swept[0] += 1
+        if swept[0] >= SWEEP_WINDOW:  # the window is full: the engine is busy with the sweep
+            started.set()
+
+    def sweep() -> None:
+        try:
+            while not stop.is_set():  # a pass, then another (metric fresh) until the measurement ends
+                metric = f"bench-ttft-{uuid.uuid4().hex[:8]}"
+                for prefix in sweep_blocks:
+                    if stop.is_set():
+                        break
+                    run_sweep(engine, catalog, owner, [PROMPT], prefix, "prod", 1, metric,
+                              ctx.workdir / "sweeps" / metric, SWEEP_WINDOW, progress)
+                shutil.rmtree(ctx.workdir / "sweeps" / metric, ignore_errors=True)
+        except BaseException as e:  # noqa: BLE001 - reported on the measuring thread
+            failed.append(e)
+        finally:
+            started.set()  # never leave the measurement waiting
+
+    thread = threading.Thread(target=sweep, name="bench-sweep", daemon=True)
+    figures = EngineFigures(engine)
+    thread.start()
+    started.wait()
+    swept_before = swept[0]
+    with measured() as m:
+        cold_s, hot_s = alternate(cold["under_sweep"])
+    stop.set()
+    thread.join()
+    if failed:
+        raise RuntimeError("the sweep under the measurement failed") from failed[0]
+    figures.drain()
+    out["under_sweep"] = {"cold": percentiles(cold_s), "hot": percentiles(hot_s),
+                          "sweep_policies_during": swept[0] - swept_before, "seconds": m["seconds"],
+                          "paused_seconds": m["paused_seconds"],
+                          "loader_read_decode": percentiles(figures.load_seconds),
+                          "load_average": load_average()}
+    print_ttft("under_sweep", out["under_sweep"])
+    out["breakdown"] = cold_load_breakdown(catalog, owner, breakdown_names, engine)
+    print("  cold load stages (p50 ms): " + ", ".join(f"{k} {v['p50_ms']:.2f}" for k, v in out["breakdown"].items()),
+          flush=True)
+    return out
 
 
 def fleet_wave_ratio(ctx: ScaleOutContext) -> dict[str, Any] | None:
@@ -284,7 +573,7 @@ def fleet_wave_ratio(ctx: ScaleOutContext) -> dict[str, Any] | None:
 
 
 HOOKS: dict[str, Callable[[ScaleOutContext], dict[str, Any] | None]] = {
-    "sweep": sweep_cost, "ttft": ttft_cold_hot, "fleet_wave": fleet_wave_ratio,
+    hook.__name__: hook for hook in (sweep_cost, ttft_cold_hot, fleet_wave_ratio)
 }
 
 
@@ -388,6 +677,56 @@ def _gb(value: float) -> str:
 
 
 # -- main ----------------------------------------------------------------------------------------
+def seed_and_measure(args: argparse.Namespace, result: dict[str, Any], servable: Any, records: Any, workdir: Path,
+                     model_dir: Path) -> dict[str, Any]:
+    """Sections 2 and 3: seed both catalogs (rates into `result`), then measure bytes per policy; returns those."""
+    if args.baseline:
+        base = one_fsync_per_blob(workdir, args.baseline, model_dir)
+        result["one_fsync_per_blob"] = base
+    sv = seed_servable(servable, args.servable, model_dir, args.servable_batch)
+    result["servable"] = sv
+    print(f"servable seed: {sv['adapters']:,} adapters in {sv['seconds']:,.1f}s = "
+          f"{sv['adapters_per_s']:,.0f} adapters/s ({sv['blob_MBps']:,.1f} MB/s of blobs); "
+          f"{sv['paused_seconds']:,.0f}s of it paused, {sv['adapters_per_active_s']:,.0f} adapters/s running; "
+          f"{sv['cpu_ms_per_adapter']:.2f} ms CPU per adapter"
+          + (f"; one fsync'd blob each: {base['adapters_per_s']:,.0f} adapters/s "
+             f"(bulk {sv['adapters_per_s'] / base['adapters_per_s']:.1f}x)" if args.baseline else "")
+          + f"   (load {sv['load_average']})", flush=True)
+    rec = seed_records(records, args.records, args.records_batch)
+    result["records"] = rec
+    print(f"records seed: {rec['policies']:,} policies ({rec['rows']:,} rows) in {rec['seconds']:,.1f}s = "
+          f"{rec['policies_per_s']:,.0f} policies/s, {rec['rows_per_s']:,.0f} rows/s; "
+          f"{rec['paused_seconds']:,.0f}s paused; {rec['cpu_us_per_policy']:.0f} µs CPU per policy   "
+          f"(load {rec['load_average']})", flush=True)
+
+    host = host_bytes_per_adapter(servable, model_dir)
+    servable.blobs.refresh()
+    packed_blobs = sum(len(p.blobs) for p in servable.blobs.iter_packs())
+    sizes = {
+        "catalog_bytes_per_policy_record": rec["catalog_bytes"] / max(1, args.records),
+        "catalog_bytes_per_servable_policy": sv["catalog_bytes"] / max(1, args.servable),
+        "blob_bytes_per_adapter_revision": sv["blob_bytes"] / max(1, args.servable),
+        **host,
+        "pack_index_bytes_per_blob": servable.blobs.index_bytes(compact=True) / max(1, packed_blobs)
+        if hasattr(servable.blobs, "index_bytes") else None,
+    }
+    result["bytes"] = sizes
+    print(f"bytes: {sizes['catalog_bytes_per_policy_record']:,.0f} B catalog per policy record; "
+          f"{sizes['catalog_bytes_per_servable_policy'] + sizes['blob_bytes_per_adapter_revision']:,.0f} B "
+          f"per servable revision (catalog {sizes['catalog_bytes_per_servable_policy']:,.0f} + blobs "
+          f"{sizes['blob_bytes_per_adapter_revision']:,.0f}); host cache {host['host_cache_bytes_per_adapter']:,} B "
+          f"per resident adapter; pack index {sizes['pack_index_bytes_per_blob'] or 0:.0f} B per blob", flush=True)
+    return sizes
+
+
+def _names(value: str) -> list[str]:
+    return [name for name in value.split(",") if name]
+
+
+def _sizes(value: str) -> list[int]:
+    return sorted(int(n) for n in value.split(","))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servable", type=int, default=1000, help="servable SmolLM2 adapters to seed")
@@ -402,12 +741,31 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="SmolLM2 dir (default: the prepared one)")
     parser.add_argument("--compare-s3-clients", action="store_true")
     parser.add_argument("--table", action="store_true", help="print the extrapolation table (docs/scale-out.md)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="--workdir already holds the seeded catalogs (a run with --keep): skip seeding and bytes")
+    parser.add_argument("--hooks", type=_names, default=list(HOOKS),
+                        help=f"engine-side hooks to run, comma-separated (default all: {','.join(HOOKS)}; '' for none)")
+    parser.add_argument("--sweep-sizes", type=_sizes, default=[100, 1000],
+                        help="sweep_cost: policies per sweep, powers of ten up to --servable (default 100,1000)")
+    parser.add_argument("--ttft-requests", type=int, default=40, help="ttft_cold_hot: cold (and hot) requests per case")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the hooks' engine: intra-op threads (`mint serve --threads`; default the cores it may use)")
     args = parser.parse_args()
+    if any(n < 1 or 10 ** (len(str(n)) - 1) != n for n in args.sweep_sizes):
+        parser.error(f"--sweep-sizes: powers of ten (one name prefix selects each sweep), got {args.sweep_sizes}")
+    if unknown := set(args.hooks) - set(HOOKS):
+        parser.error(f"--hooks: no hook {sorted(unknown)}; the hooks are {','.join(HOOKS)}")
+    reuse = args.reuse and args.workdir is not None and (args.workdir / "servable").is_dir() \
+        and (args.workdir / "records").is_dir()
+    if args.reuse and args.db_url is not None:
+        parser.error("--reuse: the catalog is on SQLite in the workdir (--db-url seeds a fresh schema)")
+    if reuse and args.table:
+        parser.error("--table needs the seeding figures: leave out --reuse")
 
     model_dir = args.model or smollm2_dir()
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="mint-scale-out-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"load_average_start": load_average(), "cpus": os.cpu_count()}
+    result: dict[str, Any] = {"load_average_start": load_average(), "cpus": os.cpu_count(), "reused": reuse}
     try:
         disk = disk_rates(workdir)
         result["disk"] = disk
@@ -422,47 +780,27 @@ def main() -> None:
                 for op in ("put_250KB", "get_250KB", "put_64MB", "get_64MB", "range_250KB")), flush=True)
         with catalog_at(workdir / "servable", args.db_url, args.store) as servable, \
                 catalog_at(workdir / "records", args.db_url, None) as records:
-            if args.baseline:
-                base = one_fsync_per_blob(workdir, args.baseline, model_dir)
-                result["one_fsync_per_blob"] = base
-            sv = seed_servable(servable, args.servable, model_dir, args.servable_batch)
-            result["servable"] = sv
-            print(f"servable seed: {sv['adapters']:,} adapters in {sv['seconds']:,.1f}s = "
-                  f"{sv['adapters_per_s']:,.0f} adapters/s ({sv['blob_MBps']:,.1f} MB/s of blobs); "
-                  f"{sv['paused_seconds']:,.0f}s of it paused, {sv['adapters_per_active_s']:,.0f} adapters/s running; "
-                  f"{sv['cpu_ms_per_adapter']:.2f} ms CPU per adapter"
-                  + (f"; one fsync'd blob each: {base['adapters_per_s']:,.0f} adapters/s "
-                     f"(bulk {sv['adapters_per_s'] / base['adapters_per_s']:.1f}x)" if args.baseline else "")
-                  + f"   (load {sv['load_average']})", flush=True)
-            rec = seed_records(records, args.records, args.records_batch)
-            result["records"] = rec
-            print(f"records seed: {rec['policies']:,} policies ({rec['rows']:,} rows) in {rec['seconds']:,.1f}s = "
-                  f"{rec['policies_per_s']:,.0f} policies/s, {rec['rows_per_s']:,.0f} rows/s; "
-                  f"{rec['paused_seconds']:,.0f}s paused; {rec['cpu_us_per_policy']:.0f} µs CPU per policy   "
-                  f"(load {rec['load_average']})", flush=True)
+            if reuse:
+                from mint_server.catalog.seed import next_index
 
-            host = host_bytes_per_adapter(servable, model_dir)
-            servable.blobs.refresh()
-            packed_blobs = sum(len(p.blobs) for p in servable.blobs.iter_packs())
-            sizes = {
-                "catalog_bytes_per_policy_record": rec["catalog_bytes"] / max(1, args.records),
-                "catalog_bytes_per_servable_policy": sv["catalog_bytes"] / max(1, args.servable),
-                "blob_bytes_per_adapter_revision": sv["blob_bytes"] / max(1, args.servable),
-                **host,
-                "pack_index_bytes_per_blob": servable.blobs.index_bytes(compact=True) / max(1, packed_blobs)
-                if hasattr(servable.blobs, "index_bytes") else None,
-            }
-            result["bytes"] = sizes
-            print(f"bytes: {sizes['catalog_bytes_per_policy_record']:,.0f} B catalog per policy record; "
-                  f"{sizes['catalog_bytes_per_servable_policy'] + sizes['blob_bytes_per_adapter_revision']:,.0f} B "
-                  f"per servable revision (catalog {sizes['catalog_bytes_per_servable_policy']:,.0f} + blobs "
-                  f"{sizes['blob_bytes_per_adapter_revision']:,.0f}); host cache {host['host_cache_bytes_per_adapter']:,} B "
-                  f"per resident adapter; pack index {sizes['pack_index_bytes_per_blob'] or 0:.0f} B per blob", flush=True)
+                servable_count, records_count = next_index(servable, OWNER, "sv-"), next_index(records, OWNER, "rec-")
+                print(f"reused {workdir}: {servable_count:,} servable policies, {records_count:,} records", flush=True)
+            else:
+                servable_count, records_count = args.servable, args.records
+                sizes = seed_and_measure(args, result, servable, records, workdir, model_dir)
 
-            ctx = ScaleOutContext(model_dir, workdir, servable, records, args.servable, args.records)
-            result["hooks"] = {name: hook(ctx) for name, hook in HOOKS.items()}
-            for name, value in result["hooks"].items():
-                print(f"{name}: {value if value is not None else 'not measured here (engine side)'}", flush=True)
+            ctx = ScaleOutContext(model_dir, workdir, servable, records, servable_count, records_count,
+                                  extra={"disk": disk, "sweep_sizes": args.sweep_sizes,
+                                         "ttft_requests": args.ttft_requests, "threads": args.threads})
+            result["hooks"] = {}
+            try:
+                for name in args.hooks:
+                    print(f"{name}: (load {load_average()})", flush=True)
+                    value = result["hooks"][name] = HOOKS[name](ctx)
+                    if value is None:
+                        print(f"{name}: not measured here", flush=True)
+            finally:
+                ctx.close()
             if args.table:
                 weights = servable.read_payload(servable.resolve(OWNER, "sv-000000000"))["adapter_model.safetensors"]
                 header = int.from_bytes(weights[:8], "little") + 8

@@ -15,9 +15,14 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from mint_server.catalog.catalog import Catalog
+    from mint_server.catalog.records import Revision
+    from mint_server.engine.values import AdapterSource
 
 log = logging.getLogger(__name__)
 TARGETS = ("q_proj", "v_proj")
@@ -69,6 +74,14 @@ def servable_payloads(model_dir: Path, rank: int) -> tuple[str, dict[str, Any], 
         return {"adapter_config.json": config, "adapter_model.safetensors": bytes(out)}
 
     return name, lora, payload
+
+
+def revision_source(catalog: Catalog, revision: Revision) -> AdapterSource:
+    """The engine's source for a catalog revision: keyed by content, so revisions with
+    equal bytes share one loaded adapter; read and verified from the blob store on a loader thread."""
+    from mint_server.engine.values import AdapterSource
+
+    return AdapterSource(f"rev:{revision.sha256}", read=lambda: catalog.read_payload(revision))
 
 
 def register(app: typer.Typer) -> None:
@@ -133,7 +146,6 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
     from tinker import types
 
     from mint_server.catalog.errors import NotFound
-    from mint_server.engine.values import AdapterSource
     from mint_server.fsutil import atomic_write_json
 
     tok = engine.tokenizer
@@ -186,7 +198,7 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
             if catalog.list_evals(owner, revision.ref, metric=metric, limit=1).items:
                 counts["skipped"] += 1  # resumed: swept before
                 continue
-            source = AdapterSource(f"rev:{revision.sha256}", read=lambda r=revision: catalog.read_payload(r))
+            source = revision_source(catalog, revision)
             futures = [engine.submit(engine.prepare_sample(source, ids, 1, params, key="sweep")) for ids in encoded]
             inflight.append((policy, revision, futures))
             if len(inflight) >= window:
