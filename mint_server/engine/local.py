@@ -124,6 +124,7 @@ class LocalEngine(JobParsing):
         self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, self.grammars,
                                 images=image_processing(cfg, self.model_dir))
         self._cv = threading.Condition()
+        self._landed = False  # a cold load finished since the worker last looked (LocalEngine._loop)
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
         self.runner: Runner | None = None
         if tp is not None:
@@ -331,6 +332,7 @@ class LocalEngine(JobParsing):
 
     def _wake(self) -> None:
         with self._cv:
+            self._landed = True
             self._cv.notify()
 
     def _resolve(self, work: _Work) -> bool:
@@ -412,6 +414,7 @@ class LocalEngine(JobParsing):
                 if not self._running and not self._queue and not self.sampler.has_work():
                     return
                 queued = list(self._queue)
+                self._landed = False  # loads landing from here on are news to this turn's wait
             t0 = time.perf_counter()
             try:
                 ran = self._turn(queued)
@@ -424,7 +427,8 @@ class LocalEngine(JobParsing):
                     del self.step_seconds[:-10000]
             else:  # everything waits for cold loads: sleep until a loader finishes
                 with self._cv:
-                    if self._running and not self._abort:
+                    # one that finished during the turn already notified (nobody was waiting then)
+                    if self._running and not self._abort and not self._landed:
                         self._cv.wait(timeout=0.05)
 
     def _has_work(self) -> bool:

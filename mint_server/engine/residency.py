@@ -265,7 +265,8 @@ class Residency:
 
         Finished loads land in the host tier; host-tier adapters are copied into free slots, or into
         slots evicted from adapters not needed, then from needed ones further down the list; store
-        adapters start loading (prefetch, bounded by the loader pool and the host budget).
+        adapters start loading in that order (prefetch, bounded by the loads in flight and the host
+        budget).
         """
         self._fresh = set()
         self._collect_loads()
@@ -286,7 +287,11 @@ class Residency:
             if a.slot is not None:
                 continue
             if a.host is None:
-                self._start_load(a)
+                # Loads start most urgent first, a few at a time: the pool runs what it is given in
+                # order, so a long prefetch queue (a sweep's) would hold a quiet request's cold load
+                # behind it. Twice the threads keeps them busy between two of these calls.
+                if len(self._loading) < 2 * self.settings.loader_threads:
+                    self._start_load(a)
                 continue
             if copied and copied + _nbytes(a.host) > budget:
                 continue

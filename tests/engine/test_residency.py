@@ -15,7 +15,7 @@ from tinker import types
 from mint_server.engine.interface import EngineError
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings
-from mint_server.engine.values import AdapterSource
+from mint_server.engine.values import AdapterSource, Priority
 from mint_server.model.peft_io import save_peft
 from tests.engine.test_training import sft_datums
 from tests.model.test_parity import random_adapter
@@ -98,9 +98,23 @@ def _peft_dirs(cfg, tmp_path, n: int) -> list:
     return dirs
 
 
-def _sample(e: LocalEngine, source, prompt, max_tokens: int = 8, key: str = "") -> Future:
+def _sample(e: LocalEngine, source, prompt, max_tokens: int = 8, key: str = "",
+            priority: Priority = Priority.ROLLOUT) -> Future:
     params = types.SamplingParams(max_tokens=max_tokens, **GREEDY)
-    return e.submit(e.prepare_sample(source, prompt, 1, params, key=key))
+    return e.submit(e.prepare_sample(source, prompt, 1, params, key=key, priority=priority))
+
+
+def _peft_read(path, reads: list[str], name: str, gate: threading.Event | None = None,
+               started: threading.Event | None = None):
+    """AdapterSource.read for a PEFT dir that logs the order of store reads (and may wait on a gate)."""
+    def read() -> dict[str, bytes]:
+        reads.append(name)
+        if started is not None:
+            started.set()
+        if gate is not None:
+            assert gate.wait(timeout=120)
+        return {f: (path / f).read_bytes() for f in ("adapter_config.json", "adapter_model.safetensors")}
+    return read
 
 
 def test_200_revisions_on_4_slots_each_equal_alone(sampling_llama_dir, tmp_path):
@@ -191,4 +205,29 @@ def test_cold_loads_run_below_the_steps_priority(sampling_llama_dir, tmp_path):
         (loader, process), = seen
         assert loader == min(19, process + 7)
     finally:
+        e.shutdown()
+
+
+def test_a_quiet_cold_load_is_not_queued_behind_a_sweeps_prefetch(sampling_llama_dir, tmp_path):
+    """Loads start most urgent first and only a few at a time: an interactive request's cold adapter
+    arriving while a batch sweep has 20 cold adapters waiting is read right after the loads already
+    in flight, not after the sweep's (a loader pool runs what it was handed in order)."""
+    e = engine(sampling_llama_dir, tmp_path, slots=2, loader_threads=1)
+    dirs = _peft_dirs(e.model.config, tmp_path, 21)
+    reads: list[str] = []
+    gate, started = threading.Event(), threading.Event()
+    try:
+        sweep = [_sample(e, AdapterSource(f"s{i}", read=_peft_read(d, reads, f"s{i}", *((gate, started) if i == 0 else ()))),
+                         [5, 6], max_tokens=2, key="sweep", priority=Priority.BATCH)
+                 for i, d in enumerate(dirs[:20])]
+        assert started.wait(timeout=120)  # the first sweep load holds the one loader thread at the gate
+        quiet = _sample(e, AdapterSource("quiet", read=_peft_read(dirs[20], reads, "quiet")), [5, 6],
+                        key="quiet", priority=Priority.INTERACTIVE)
+        gate.set()
+        assert len(quiet.result(timeout=300).sequences[0].tokens) == 8
+        assert all(len(f.result(timeout=300).sequences[0].tokens) == 2 for f in sweep)
+        # in flight when it arrived: at most 2 × loader_threads sweep loads; then the quiet one
+        assert reads.index("quiet") <= 2, reads
+    finally:
+        gate.set()
         e.shutdown()
