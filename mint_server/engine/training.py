@@ -87,8 +87,9 @@ class Trainer:
         keep only their input), so it keeps the activations of ~B tokens at the cost of k/L of one
         more forward. None = never.
     logits_chunk: most logits elements materialised at once; above it the lm_head + log-softmax
-        run in position chunks that are recomputed in backward, so the [rows, T, vocab] logits
-        (the biggest tensors of a small-hidden, big-vocab model) never exist whole.
+        run in even position chunks, all but the last recomputed in backward, so the
+        [rows, T, vocab] logits (the biggest tensors of a small-hidden, big-vocab model) never
+        exist whole.
 
     Fusing never raises the peak: a micro-batch that holds more padded tokens than the largest of
     its requests would alone recomputes enough blocks to keep no more block activations than that
@@ -415,15 +416,20 @@ def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int
 
 def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targets: Tensor,
                     logits_chunk: int) -> Tensor:
-    """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time."""
+    """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time.
+
+    Above `logits_chunk` elements the positions split into the fewest even chunks within it (sizes
+    differ by at most one: no runt chunk paying a full lm_head pass for a few positions). Every chunk
+    but the last keeps no logits and rebuilds them in backward; the last one's backward runs first,
+    right after the forward, so rebuilding it would save no peak memory.
+    """
     rows, T, _ = h.shape
-    step = max(1, logits_chunk // (rows * model.config.vocab_size))
-    if step >= T:
+    chunks = -(-T // max(1, logits_chunk // (rows * model.config.vocab_size)))  # ceil
+    if chunks == 1:
         return logprobs_block(model, h, targets, lora)
     parts = []
-    for s in range(0, T, step):
-        hs, ts = h[:, s : s + step], targets[:, s : s + step]
-        if torch.is_grad_enabled():  # keep no chunk's logits: recompute them in backward
+    for i, (hs, ts) in enumerate(zip(h.tensor_split(chunks, dim=1), targets.tensor_split(chunks, dim=1), strict=True)):
+        if torch.is_grad_enabled() and i + 1 < chunks:
             parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lora, use_reentrant=False))
         else:
             parts.append(logprobs_block(model, hs, ts, lora))

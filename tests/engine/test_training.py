@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from tinker import types
 from transformers import AutoModelForCausalLM
 
+from mint_server.engine import training
 from mint_server.engine.interface import EngineError
 from mint_server.engine.losses import ReverseKLDatum
 from mint_server.model import invariant
@@ -340,6 +341,38 @@ def test_recomputing_the_first_k_blocks_gives_the_same_gradients(deep_model):
         for t in g0:
             tol(deep_model).check_rel(g[t][0], g0[t][0], (t, "A"))
             tol(deep_model).check_rel(g[t][1], g0[t][1], (t, "B"))
+
+
+@pytest.mark.parametrize("lengths, sizes", [([21, 14], [7, 7, 7]), ([22, 15], [8, 7, 7])])
+def test_logits_chunks_are_even_and_the_last_is_not_recomputed(model, monkeypatch, lengths, sizes):
+    """Logits over 8 positions at a time: T = 21 or 22 positions run as three chunks of sizes within one
+    (not 8, 8, 5 / 8, 8, 6); in backward only the first two build their logits again (the last's
+    backward runs right after the forward). Gradients equal the unchunked pass's."""
+    rows = len(lengths)
+    datums = sft_datums(lengths, seed=11)
+    calls: list[tuple[int, ...]] = []  # each call's chunk, by its row-0 targets
+    block = training.logprobs_block
+
+    def counted(model_, h, targets, lora):
+        calls.append(tuple(targets[0, :, 0].tolist()))
+        return block(model_, h, targets, lora)
+
+    grads = []
+    for chunk in (None, rows * model.config.vocab_size * 8):
+        tr = new_trainer(model, checkpoint_from_tokens=None, **({} if chunk is None else {"logits_chunk": chunk}))
+        aid = tr.create_adapter(types.LoraConfig(rank=4, seed=5))
+        tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        tr.optim_step(aid, ADAM)
+        if chunk is not None:
+            monkeypatch.setattr(training, "logprobs_block", counted)
+        tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        grads.append(tr.residency.get(aid).grads)
+    forward, backward = calls[: len(sizes)], calls[len(sizes) :]  # the backward starts after the whole forward
+    assert [len(c) for c in forward] == sizes
+    assert sorted(backward) == sorted(forward[:-1])  # every chunk but the last, once
+    for t in grads[0]:
+        tol(model).check_rel(grads[1][t][0], grads[0][t][0], (t, "A"))
+        tol(model).check_rel(grads[1][t][1], grads[0][t][1], (t, "B"))
 
 
 def test_sft_learns_a_small_task(trainer):
