@@ -17,7 +17,8 @@ still costs its forward/backward), again so that both modes do the same work.
 - sequential: the same policies, one iteration after another.
 - fused_one_pass (with --one-pass): fused, with a training budget that holds every policy's batch
   in one pass, and the memory held to one policy's: a pass bigger than one policy's batch
-  recomputes its blocks in backward (`--checkpoint-from-tokens` = one policy's batch + 1).
+  recomputes enough of its blocks in backward to keep one policy's block activations
+  (`--checkpoint-from-tokens` = one policy's batch + 1).
 
 The server runs with `--max-fused-tokens` at one policy's padded batch (unless given): a fused
 pass is split into micro-batches of that size, so it never holds more training activations than

@@ -13,6 +13,10 @@ Measures, each variant in a fresh subprocess (clean memory peaks, no shared cach
    adapter in turn: wall-time ratio and peak-RSS ratio. A third variant fuses but keeps
    micro-batches at one adapter's size (max_tokens_per_pass), trading wall time for memory.
 
+The Trainer runs with the engine's training-memory settings (`--checkpoint-from-tokens`,
+`--logits-chunk-mb`; default `mint serve`'s own, which the SDK side gets too), so a batch over the
+budget pays its block recomputation and logits chunks here as it does through the service.
+
 Medians over --steps steps after --warmup (pooled over --rounds interleaved repeats); wall time
 and process CPU time. First it prints the machine's measured read bandwidth and fp32 matmul peak;
 a training step's floor is its FLOPs / that peak, and each step is also given as a multiple of it.
@@ -21,6 +25,7 @@ process: the before/after ratio of the kernels, measured side by side. Goals: �
 ≥ 75% of the matmul peak. The last stdout line is a JSON summary.
 
     python benchmarks/train.py [--model-dir DIR] [--steps 5] [--warmup 2] [--rounds 1] [--device cpu]
+                               [--checkpoint-from-tokens 2048] [--logits-chunk-mb 128]
     python benchmarks/train.py --through sdk   # the same step via `mint serve` + the tinker SDK, vs PEFT
 """
 
@@ -108,6 +113,7 @@ def worker_ours(args, build_only: bool = False):
     from tinker import types
 
     from mint_server.engine.host_memory import keep_freed_memory
+    from mint_server.engine.settings import EngineSettings
     from mint_server.model.loader import load_model
     from tests.engine.helpers import AdapterRegistry, TrainRequest
     from tests.engine.helpers import TrainerHarness as Trainer
@@ -121,7 +127,10 @@ def worker_ours(args, build_only: bool = False):
     residency = AdapterRegistry(cfg, num_slots=n_adapters, max_rank=args.rank, device=args.device, dtype=dtype)
     # fused-microbatch: never more than one adapter's share of the batch in a forward pass
     budget = (args.rows // args.adapters) * args.seq if args.variant == "fused-microbatch" else None
-    trainer = Trainer(model, residency, "bench", max_tokens_per_pass=budget, checkpoint_from_tokens=None)
+    memory = EngineSettings(checkpoint_from_tokens=args.checkpoint_from_tokens, logits_chunk_mb=args.logits_chunk_mb)
+    trainer = Trainer(model, residency, "bench", max_tokens_per_pass=budget,
+                      checkpoint_from_tokens=memory.checkpoint_from_tokens or None,
+                      logits_chunk=memory.logits_chunk_elements())
     ids = [trainer.create_adapter(types.LoraConfig(rank=args.rank, seed=i)) for i in range(n_adapters)]
     rows_each = args.rows // n_adapters
     reqs = []
@@ -240,6 +249,7 @@ def worker_sdk(args) -> dict:
     path = model_dir(args.model_dir)
     with tempfile.TemporaryDirectory(prefix="mint-train-sdk-") as data, ServeProcess(
         "--base-model", str(path), "--data-dir", data, "--max-rank", str(max(args.rank, 32)), "--log-level", "warning",
+        "--checkpoint-from-tokens", str(args.checkpoint_from_tokens), "--logits-chunk-mb", str(args.logits_chunk_mb),
         *(["--threads", str(args.threads)] if args.threads else []), *args.serve_args.split(),
     ) as server:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
@@ -300,7 +310,8 @@ def spawn(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--rows", str(args.rows), "--seq", str(args.seq), "--rank", str(args.rank),
            "--adapters", str(args.adapters), "--device", args.device, "--dtype", args.dtype,
-           "--threads", str(args.threads), "--serve-args", args.serve_args]
+           "--threads", str(args.threads), "--serve-args", args.serve_args,
+           "--checkpoint-from-tokens", str(args.checkpoint_from_tokens), "--logits-chunk-mb", str(args.logits_chunk_mb)]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     print(f"[{variant}] running…", file=sys.stderr, flush=True)
@@ -323,6 +334,9 @@ def flop_model(path: Path) -> dict:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's mint_server, benchmarks.*, tests.*
+    from mint_server.engine.settings import EngineSettings
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir")
     ap.add_argument("--steps", type=int, default=5)
@@ -342,8 +356,12 @@ def main() -> None:
                     help="sdk: the single-adapter step through `mint serve` and the tinker SDK, vs PEFT and the "
                          "engine directly, all in this run")
     ap.add_argument("--serve-args", default="", help="extra `mint serve` flags for the sdk side (one string)")
+    ap.add_argument("--checkpoint-from-tokens", type=int, default=EngineSettings.checkpoint_from_tokens,
+                    help="the Trainer's block-activation budget in padded tokens, as `mint serve` takes it "
+                         "(0: never recompute; default: the engine's)")
+    ap.add_argument("--logits-chunk-mb", type=float, default=EngineSettings.logits_chunk_mb,
+                    help="most fp32 logits materialised at once, as `mint serve` takes it (default: the engine's)")
     args = ap.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # benchmarks.*, tests.* helpers
     if args.worker:
         if args.threads:
             import torch
@@ -363,7 +381,8 @@ def main() -> None:
                      "matmul_gflop_s": floors["matmul_flop_per_s"] / 1e9, "load_average_start": load_average(),
                      "device": args.device, "dtype": args.dtype, "threads": args.threads or _threads(), "rows": args.rows,
                      "seq": args.seq, "rank": args.rank, "steps": args.steps, "warmup": args.warmup,
-                     "rounds": args.rounds}
+                     "rounds": args.rounds, "checkpoint_from_tokens": args.checkpoint_from_tokens,
+                     "logits_chunk_mb": args.logits_chunk_mb}
     if "single" in only:
         fm = flop_model(model_dir(args.model_dir))
         res = run_variants(["peak", "ours", "peft"], args)

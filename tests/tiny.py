@@ -67,11 +67,12 @@ def tiny_moe_config(tie: bool = True, **overrides):
 
 def make_tiny_checkpoint(
     dest: Path, family: str = "llama", tie: bool = True, seed: int = 0, fused_experts: bool = False,
-    tools: bool = False, **moe
+    tools: bool = False, layers: int = 2, **moe
 ) -> Path:
     """Save a random tiny `family` model (llama | qwen3 | qwen3_moe) plus tokenizer into dest; returns dest.
 
     tools: a tokenizer with a tool-capable chat template (see save_tiny_tokenizer).
+    layers: llama / qwen3 depth (qwen3_moe takes num_hidden_layers in `moe`).
 
     qwen3_moe: `moe` overrides tiny_moe_config's fields; the router gets a larger init than HF's
     0.02 so routing is decisive (no near-ties between experts). fused_experts: write transformers'
@@ -81,7 +82,7 @@ def make_tiny_checkpoint(
 
     torch.manual_seed(seed)
     common = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )

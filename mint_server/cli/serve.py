@@ -211,9 +211,10 @@ def register(app: typer.Typer) -> None:
         ),
         checkpoint_from_tokens: int = typer.Option(
             None, "--checkpoint-from-tokens",
-            help=f"A training pass with at least this many padded tokens recomputes its blocks in backward "
-            f"[default: {_default('checkpoint_from_tokens')}; 0: never]: activation memory stops growing with "
-            "the fused batch, for about one more forward.",
+            help=f"Block activations a training pass keeps for backward, in padded tokens "
+            f"[default: {_default('checkpoint_from_tokens')}; 0: no bound]: a pass of T > B tokens recomputes "
+            "its first ceil((1 - B/T) x layers) blocks in backward, so activation memory stops growing with the "
+            "batch, for that share of one more forward.",
         ),
         logits_chunk_mb: float = typer.Option(
             None, "--logits-chunk-mb",

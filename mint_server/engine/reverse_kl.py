@@ -53,7 +53,7 @@ class ReverseKL:
                 if runner is not None:  # every rank runs the pass on its share; gradients stay pending there
                     el = runner.call("reverse_kl_pass", rows=batch, student=self.trainer.lora_ref(student),
                                      reference_slot=None if reference is None else reference.slot,
-                                     temperature=temperature, checkpoint=self._recompute(batch))
+                                     temperature=temperature, recomputed_blocks=self._recomputed_blocks(batch))
                 else:
                     el, grads = self._kl_micro_batch(batch, student, reference, temperature)
                     accumulate(pending, grads)
@@ -74,7 +74,7 @@ class ReverseKL:
         return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
                       loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
 
-    def _recompute(self, rows: list[KLRow]) -> bool:
+    def _recomputed_blocks(self, rows: list[KLRow]) -> int:
         padded = len(rows) * max(len(r.student) for r in rows)  # one student's rows: nothing fused
         return self.trainer.memory_plan(padded, padded)[0]
 
@@ -82,15 +82,14 @@ class ReverseKL:
         self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
     ) -> tuple[np.ndarray, dict[str, Pairs]]:
         tr = self.trainer
-        checkpoint = self._recompute(rows)
         ref_slot = reference.slot if reference is not None else None
         el, leaves = kl_micro_batch(tr.model, tr.residency.bank, rows, student, ref_slot, temperature, tr.device,
-                                    tr.residency.dtype, checkpoint)
+                                    tr.residency.dtype, self._recomputed_blocks(rows))
         return el, leaf_grads(leaves)
 
 
 def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, reference_slot: int | None,
-                   temperature: float, dev: torch.device, dtype: torch.dtype, checkpoint: bool) -> tuple[np.ndarray, Any]:
+                   temperature: float, dev: torch.device, dtype: torch.dtype, recomputed_blocks: int) -> tuple[np.ndarray, Any]:
     """One reverse-KL forward + backward over `rows` on any model / bank (a tensor-parallel rank's
     share too): the per-position losses and the student's gradient leaves."""
     R = len(rows)
@@ -113,7 +112,7 @@ def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, 
         del hr
     lora_s, leaves = training_lora(bank, [student], [0] * R, dev, dtype)
     with torch.enable_grad():
-        hs = model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s, checkpoint=checkpoint)
+        hs = model.hidden_states(torch.from_numpy(s_tok).to(dev), lora=lora_s, recomputed_blocks=recomputed_blocks)
         s_lp = torch.log_softmax(model.logits(hs, lora_s).float() / temperature, -1)
         kl = (s_lp.exp() * (s_lp - ref_lp)).sum(-1)
         el = kl * torch.from_numpy(w * valid).to(dev)

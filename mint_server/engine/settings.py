@@ -53,11 +53,10 @@ class EngineSettings:
     # Padded tokens in one fused training pass (more are split into micro-batches).
     max_fused_tokens: int = 32768
     # Training memory. A fused pass never holds more than its largest request would alone (it
-    # recomputes its blocks and chunks its logits to that size: Trainer.memory_plan); a request alone
-    # runs at full speed up to these bounds. A pass with at least this many padded tokens recomputes
-    # its transformer blocks in backward (activation checkpointing, about one more forward); 0: never.
-    # (0 and logits_chunk_mb 1024 train an 8 x 256 SmolLM2 batch ~1.5x faster, at ~2.5x the memory of
-    # a 3.5K-token GRPO batch: docs/training-speed.md.)
+    # recomputes blocks and chunks its logits to that size: Trainer.memory_plan); a request alone
+    # runs at full speed up to these bounds. Block activations a pass keeps, in padded tokens: a pass
+    # of T > B tokens recomputes its first ceil((1 - B/T) x layers) blocks in backward (activation
+    # checkpointing, that share of one more forward); 0: no bound. (docs/training-speed.md)
     checkpoint_from_tokens: int = 2048
     # The most fp32 logits a training pass materialises at once (MiB); above it the lm_head and
     # log-softmax run in position chunks, recomputed in backward.

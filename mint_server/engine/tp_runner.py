@@ -352,8 +352,8 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
 # --- training pass --------------------------------------------------------------------------------
 @op
 def train_forward(sh: Shard, tokens: Tensor, targets: Tensor, row_slots: list[int] | None,
-                  adapters: list[LoraRef] | None, row_adapter: list[int] | None, backward: bool, checkpoint: bool,
-                  logits_chunk: int) -> Tensor:
+                  adapters: list[LoraRef] | None, row_adapter: list[int] | None, backward: bool,
+                  recomputed_blocks: int, logits_chunk: int) -> Tensor:
     """Target logprobs [rows, T, K] (replicated); with backward, the graph waits for `train_backward`."""
     leaves = None
     lora = None
@@ -362,7 +362,7 @@ def train_forward(sh: Shard, tokens: Tensor, targets: Tensor, row_slots: list[in
     elif row_slots is not None:
         lora = sh.bank.batch(row_slots, sh.device)
     with torch.set_grad_enabled(backward):
-        h = sh.model.hidden_states(tokens.to(sh.device), lora=lora, checkpoint=checkpoint)
+        h = sh.model.hidden_states(tokens.to(sh.device), lora=lora, recomputed_blocks=recomputed_blocks)
         lp = target_logprobs(sh.model, h, lora, targets.to(sh.device), logits_chunk)
     sh.pass_state = (lp, leaves) if backward else None
     return lp
@@ -398,13 +398,13 @@ def train_commit(sh: Shard, keep: bool) -> list[str]:
 
 @op
 def reverse_kl_pass(sh: Shard, rows: list[Any], student: LoraRef, reference_slot: int | None, temperature: float,
-                    checkpoint: bool) -> Any:
+                    recomputed_blocks: int) -> Any:
     """One reverse-KL micro-batch on every rank's share (the KL over the gathered logits is the same on
     every rank); the student's gradients stay pending until `train_commit`."""
     from mint_server.engine.reverse_kl import kl_micro_batch
 
     el, leaves = kl_micro_batch(sh.model, sh.bank, rows, student, reference_slot, temperature, sh.device, sh.dtype,
-                                checkpoint)
+                                recomputed_blocks)
     accumulate(sh.pending, leaf_grads(leaves))
     return el
 

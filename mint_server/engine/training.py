@@ -81,18 +81,22 @@ class Trainer:
     max_len: longest datum accepted (default: the model's max_position_embeddings).
     max_tokens_per_pass: padded tokens (rows × longest row) per forward/backward; a bigger fused
         batch is split into micro-batches, longest rows first. None = never split.
-    checkpoint_from_tokens: recompute transformer blocks in backward (activation checkpointing) when
-        a micro-batch has at least this many padded tokens (rows × longest row): the blocks' saved
-        activations grow with the padded tokens, so a big batch costs about one more forward
-        instead of its activations. None = never.
+    checkpoint_from_tokens: the block activations a micro-batch may keep for backward, in padded
+        tokens (rows × longest row) through every block. A micro-batch of T > B of them recomputes
+        its first k = ceil((1 − B/T)·L) of the L blocks in backward (activation checkpointing: they
+        keep only their input), so it keeps the activations of ~B tokens at the cost of k/L of one
+        more forward. None = never.
     logits_chunk: most logits elements materialised at once; above it the lm_head + log-softmax
-        run in position chunks that are recomputed in backward, so the [rows, T, vocab] logits
-        (the biggest tensors of a small-hidden, big-vocab model) never exist whole.
+        run in even position chunks, all but the last recomputed in backward, so the
+        [rows, T, vocab] logits (the biggest tensors of a small-hidden, big-vocab model) never
+        exist whole.
 
     Fusing never raises the peak: a micro-batch that holds more padded tokens than the largest of
-    its requests would alone also recomputes its blocks and chunks its logits at that request's size
-    (`memory_plan`), so fused policies train within the memory of the biggest one; a request alone
-    runs at full speed up to the two bounds above.
+    its requests would alone recomputes enough blocks to keep no more block activations than that
+    request keeps alone, and chunks its logits at that request's size (`memory_plan`), so fused
+    policies train within the memory of the biggest one; a request alone runs at full speed up to
+    the two bounds above. Batch-invariant mode leaves fused passes at the bounds of their own size,
+    so a request's gradients do not depend on what it was fused with.
     """
 
     def __init__(
@@ -222,7 +226,7 @@ class Trainer:
         """One padded forward (+ backward) over `mb`; returns the adapters' gradients of this batch."""
         datums = [preps[r.req].datums[r.datum] for r in mb]
         T, K = max(r.length for r in mb), max(d.width for d in datums)
-        recompute, logits_chunk = self.memory_plan(len(mb) * T, alone)
+        recomputed_blocks, logits_chunk = self.memory_plan(len(mb) * T, alone)
         tokens = np.zeros((len(mb), T), dtype=np.int64)
         targets = np.zeros((len(mb), T, K), dtype=np.int64)
         for i, d in enumerate(datums):
@@ -239,7 +243,7 @@ class Trainer:
         runner = self.residency.runner
         if runner is not None:  # every rank runs the forward on its share; the loss stays here
             lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward,
-                                  recompute, logits_chunk)
+                                  recomputed_blocks, logits_chunk)
         elif backward:
             lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
@@ -250,7 +254,7 @@ class Trainer:
         with torch.set_grad_enabled(backward):
             if runner is None:
                 h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                             checkpoint=recompute, vision=self._vision(datums, T))
+                                             recomputed_blocks=recomputed_blocks, vision=self._vision(datums, T))
                 lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
@@ -297,12 +301,13 @@ class Trainer:
 
     def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
                     row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool,
-                    recompute: bool, logits_chunk: int) -> Tensor:
+                    recomputed_blocks: int, logits_chunk: int) -> Tensor:
         refs = [self.lora_ref(a) for a in adapters] if backward else None
         slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
         return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
                            row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,
-                           backward=backward, checkpoint=recompute, logits_chunk=logits_chunk)
+                           backward=backward, recomputed_blocks=recomputed_blocks,
+                           logits_chunk=logits_chunk)
 
     def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
         """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
@@ -315,18 +320,27 @@ class Trainer:
         """
         return training_lora(self.residency.bank, adapters, row_adapter, self.device, self.residency.dtype)
 
-    def memory_plan(self, padded_tokens: int, alone: int) -> tuple[bool, int]:
-        """(recompute the blocks in backward?, most logits elements at once) for a micro-batch of
+    def memory_plan(self, padded_tokens: int, alone: int) -> tuple[int, int]:
+        """(blocks recomputed in backward, most logits elements at once) for a micro-batch of
         `padded_tokens`, in a pass whose largest request alone holds `alone` padded tokens."""
-        recompute = self.checkpoint_from_tokens is not None and padded_tokens >= self.checkpoint_from_tokens
+        blocks = self.model.config.num_layers
+        blocks_kept = self._blocks_kept(padded_tokens)
         chunk = self.logits_chunk
-        # Fused beyond its largest request: hold no more than that request would. Not in batch-invariant
-        # mode, where a request's gradients must not depend on what it was fused with (chunked logits
-        # sum its lm_head gradient in another order).
+        # Fused beyond its largest request: keep no more block activations (blocks kept × tokens) than
+        # that request does alone. Not in batch-invariant mode, where a request's gradients must not
+        # depend on what it was fused with (chunked logits sum its lm_head gradient in another order).
         if padded_tokens > alone and not invariant.enabled():
-            recompute = True
+            blocks_kept = min(blocks_kept, self._blocks_kept(alone) * alone // padded_tokens)
             chunk = max(1, min(chunk, alone * self.vocab))
-        return recompute, chunk
+        return blocks - blocks_kept, chunk
+
+    def _blocks_kept(self, padded_tokens: int) -> int:
+        """Blocks whose activations a micro-batch of `padded_tokens` keeps within checkpoint_from_tokens:
+        the most k with k × padded_tokens <= L × budget (so L − k = ceil((1 − budget/T)·L))."""
+        blocks = self.model.config.num_layers
+        if self.checkpoint_from_tokens is None:
+            return blocks
+        return min(blocks, blocks * self.checkpoint_from_tokens // max(1, padded_tokens))
 
     def commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
         """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""
@@ -402,15 +416,20 @@ def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int
 
 def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targets: Tensor,
                     logits_chunk: int) -> Tensor:
-    """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time."""
+    """log p(target) [rows, T, K] in float32; huge logits tensors are built a chunk at a time.
+
+    Above `logits_chunk` elements the positions split into the fewest even chunks within it (sizes
+    differ by at most one: no runt chunk paying a full lm_head pass for a few positions). Every chunk
+    but the last keeps no logits and rebuilds them in backward; the last one's backward runs first,
+    right after the forward, so rebuilding it would save no peak memory.
+    """
     rows, T, _ = h.shape
-    step = max(1, logits_chunk // (rows * model.config.vocab_size))
-    if step >= T:
+    chunks = -(-T // max(1, logits_chunk // (rows * model.config.vocab_size)))  # ceil
+    if chunks == 1:
         return logprobs_block(model, h, targets, lora)
     parts = []
-    for s in range(0, T, step):
-        hs, ts = h[:, s : s + step], targets[:, s : s + step]
-        if torch.is_grad_enabled():  # keep no chunk's logits: recompute them in backward
+    for i, (hs, ts) in enumerate(zip(h.tensor_split(chunks, dim=1), targets.tensor_split(chunks, dim=1), strict=True)):
+        if torch.is_grad_enabled() and i + 1 < chunks:
             parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lora, use_reentrant=False))
         else:
             parts.append(logprobs_block(model, hs, ts, lora))

@@ -503,7 +503,7 @@ class DeepseekV4Transformer(Transformer):
         self.hc_head = HyperHead(cfg)
 
     def hidden_states(self, tokens: Tensor, positions: Tensor | None = None, lora: LoraBatch | None = None,
-                      cache: CacheView | None = None, checkpoint: bool = False, vision: object = None) -> Tensor:
+                      cache: CacheView | None = None, recomputed_blocks: int = 0, vision: object = None) -> Tensor:
         """tokens [B, T] → final-norm hidden states [B, T, hidden]. Without a cache every row starts
         at position 0 (the compressors pool windows from there). A text-only family: `vision` is None."""
         assert vision is None
@@ -518,9 +518,9 @@ class DeepseekV4Transformer(Transformer):
         ctx = Ctx(tokens, positions, rope_of(main, positions, 1.0, x.dtype),
                   rope_of(compress, positions, factor, x.dtype), compress, factor, cache)
         streams = x[:, :, None].expand(B, T, v.hc_mult, x.shape[-1]).contiguous()
-        recompute = checkpoint and cache is None and torch.is_grad_enabled()
-        for block in self.layers:
-            if recompute:
+        recompute = recomputed_blocks if cache is None and torch.is_grad_enabled() else 0
+        for i, block in enumerate(self.layers):
+            if i < recompute:
                 streams = torch.utils.checkpoint.checkpoint(block, streams, ctx, lora, use_reentrant=False)
             else:
                 streams = block(streams, ctx, lora)

@@ -41,11 +41,11 @@ class GlmMoeDsaTransformer(DeepseekTransformer):
         super().__init__(cfg, block=GlmMoeDsaBlock)
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
-                   recompute: bool, vision: object = None) -> Tensor:
+                   recomputed_blocks: int, vision: object = None) -> Tensor:
         assert vision is None  # a text-only family
         selection = None  # the last full indexer layer's keys per query
-        for block in self.layers:
-            if recompute:
+        for i, block in enumerate(self.layers):
+            if i < recomputed_blocks:
                 x, selection = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lora, cache, selection,
                                                                  use_reentrant=False)
             else:

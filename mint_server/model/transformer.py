@@ -530,13 +530,14 @@ class Transformer(nn.Module):
         positions: Tensor | None = None,
         lora: LoraBatch | None = None,
         cache: CacheView | None = None,
-        checkpoint: bool = False,
+        recomputed_blocks: int = 0,
         vision: VisionInput | None = None,
     ) -> Tensor:
         """tokens [B, T] → final-norm hidden states [B, T, hidden]. positions default to 0..T-1.
 
-        checkpoint: keep only each block's input for backward and recompute the block then (long
-        training sequences fit in memory for about one extra forward). Ignored without autograd.
+        recomputed_blocks: the first k blocks keep only their input for backward and run again then
+        (activation checkpointing: long training batches fit in memory for k/L of one more forward).
+        Ignored without autograd.
         vision: the batch's images (qwen3_vl.VisionInput): their features, rotary positions, DeepStack.
         """
         B, T = tokens.shape
@@ -550,14 +551,15 @@ class Transformer(nn.Module):
         if self.rope_factor != 1.0:
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        recompute = checkpoint and cache is None and torch.is_grad_enabled()
+        recompute = recomputed_blocks if cache is None and torch.is_grad_enabled() else 0
         return self.norm(self.run_layers(x, cos, sin, lora, cache, recompute, vision))
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
-                   recompute: bool, vision: VisionInput | None = None) -> Tensor:
-        """The blocks in order (a family whose blocks hand state to the next overrides this)."""
+                   recomputed_blocks: int, vision: VisionInput | None = None) -> Tensor:
+        """The blocks in order, the first `recomputed_blocks` checkpointed (a family whose blocks hand
+        state to the next overrides this)."""
         for i, block in enumerate(self.layers):
-            if recompute:
+            if i < recomputed_blocks:
                 x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, lora, cache, use_reentrant=False)
             else:
                 x = block(x, cos, sin, lora, cache)

@@ -1,6 +1,7 @@
 """The Trainer on tiny random checkpoints (fp32, CPU): gradient parity with transformers + PEFT,
 fused multi-adapter isolation, micro-batching, reverse KL, learning, and refusal of bad input."""
 
+import math
 import re
 
 import numpy as np
@@ -10,14 +11,17 @@ import torch.nn.functional as F
 from tinker import types
 from transformers import AutoModelForCausalLM
 
+from mint_server.engine import training
 from mint_server.engine.interface import EngineError
 from mint_server.engine.losses import ReverseKLDatum
+from mint_server.model import invariant
 from mint_server.model.loader import load_model
 from mint_server.model.lora import ATTN_TARGETS, UNEMBED_TARGET, LoraBatch
 from mint_server.model.peft_io import save_peft
 from tests.engine.helpers import AdapterRegistry, TrainRequest
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter
+from tests.tiny import make_tiny_checkpoint
 from tests.tolerance import for_model
 
 ADAM = types.AdamParams(learning_rate=1e-3, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -223,7 +227,7 @@ def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
 
 
 def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
-    """One fused pass of three adapters (importance sampling, GRPO's loss) recomputes its blocks and
+    """One fused pass of three adapters (importance sampling, GRPO's loss) recomputes blocks and
     chunks its logits because it is bigger than any of its requests alone (fusing never raises the
     peak), with no threshold set, and gives the losses and gradients of each request run alone."""
     plain = new_trainer(model, checkpoint_from_tokens=None)
@@ -240,7 +244,7 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
     checkpointed = []
     hidden_states = model.hidden_states
     monkeypatch.setattr(model, "hidden_states",
-                        lambda *a, **kw: checkpointed.append(kw.get("checkpoint")) or hidden_states(*a, **kw))
+                        lambda *a, **kw: checkpointed.append(kw.get("recomputed_blocks")) or hidden_states(*a, **kw))
     results = []
     for tr in (plain, budget):
         ids = [tr.create_adapter(types.LoraConfig(rank=4, seed=k)) for k in range(3)]
@@ -250,11 +254,12 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
         jobs = [TrainRequest(aid, datums, "importance_sampling") for aid, datums in zip(ids, reqs, strict=True)]
         outs = [tr.run([job])[0] for job in jobs] if tr is plain else tr.run(jobs)
         results.append((outs, [tr.residency.get(aid).grads for aid in ids]))
-    assert checkpointed[-1] is True and not any(checkpointed[: len(checkpointed) // 2 + 1])
+    # 2 blocks: keeping even one block's activations of 156 tokens is more than 2 blocks' of 52
+    assert checkpointed[-1] == 2 and not any(checkpointed[: len(checkpointed) // 2 + 1])
     vocab = model.config.vocab_size
-    assert budget.memory_plan(156, 52) == (True, min(chunk, 52 * vocab)) and budget.memory_plan(52, 52) == (False, chunk)
+    assert budget.memory_plan(156, 52) == (2, min(chunk, 52 * vocab)) and budget.memory_plan(52, 52) == (0, chunk)
     threshold = new_trainer(model, checkpoint_from_tokens=100)  # a request alone recomputes past its threshold
-    assert threshold.memory_plan(156, 156)[0] and not threshold.memory_plan(13, 13)[0]
+    assert threshold.memory_plan(156, 156)[0] == 1 and threshold.memory_plan(13, 13)[0] == 0
     (outs_a, grads_a), (outs_b, grads_b) = results
     for oa, ob in zip(outs_a, outs_b, strict=True):
         tol(model).check_scalar(oa.metrics["loss:sum"], ob.metrics["loss:sum"], sum(lengths))
@@ -266,6 +271,109 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
         for t in ga:
             tol(model).check_rel(gb[t][0], ga[t][0], (t, "A"))
             tol(model).check_rel(gb[t][1], ga[t][1], (t, "B"))
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """A 4-layer tiny Llama: recomputing one, half or all of the blocks are distinct plans."""
+    return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("deep-llama"), "llama", tie=False, layers=4),
+                      device="cpu")
+
+
+def test_memory_plan_recomputes_the_fewest_first_blocks_within_the_budget(deep_model):
+    """A micro-batch of T padded tokens over a budget of B recomputes k = ceil((1 − B/T)·L) blocks: the
+    fewest that leave it keeping at most L·B block-tokens of activations; fused beyond its largest
+    request, at most what that request keeps alone (except in batch-invariant mode)."""
+    L = deep_model.config.num_layers
+    assert L == 4
+    for B in (1, 7, 100):
+        tr = new_trainer(deep_model, checkpoint_from_tokens=B)
+        for T in range(1, 4 * L * B + 2):
+            k = tr.memory_plan(T, T)[0]
+            assert 0 <= k <= L and (L - k) * T <= L * B, (B, T, k)
+            assert k == 0 or (L - k + 1) * T > L * B, (B, T, k)  # one block fewer would be over
+            assert k == math.ceil((1 - B / T) * L) if T > B else k == 0
+    tr = new_trainer(deep_model, checkpoint_from_tokens=100)
+    assert [tr.memory_plan(T, T)[0] for T in (100, 101, 200, 399, 401)] == [0, 1, 2, 3, 4]
+    assert new_trainer(deep_model, checkpoint_from_tokens=1).memory_plan(64, 64)[0] == L
+    never = new_trainer(deep_model, checkpoint_from_tokens=None)
+    assert never.memory_plan(10**6, 10**6)[0] == 0
+    # fused: 300 tokens keep 1 block (300 ≤ 4 × 100 block-tokens, what the 100-token request keeps)
+    assert never.memory_plan(300, 100)[0] == 3 and never.memory_plan(500, 100)[0] == 4
+    # a request alone over the budget: 200 tokens keep 2 blocks (400); fused 400 tokens keep 1
+    assert tr.memory_plan(400, 200)[0] == 3 and tr.memory_plan(1000, 200)[0] == 4
+    with invariant.use(True):  # a request's gradients must not depend on what it was fused with
+        assert never.memory_plan(300, 100)[0] == 0 and tr.memory_plan(400, 200)[0] == 3
+
+
+def test_recomputing_the_first_k_blocks_gives_the_same_gradients(deep_model):
+    """k in {0, 1, L/2, L} (the budget chosen to give k): the first k blocks run twice (counted on the
+    real forward), the rest once, and the logprobs and gradients are those of k = 0."""
+    L = deep_model.config.num_layers
+    datums = sft_datums([21, 14, 9, 3, 17], seed=9)
+    padded = len(datums) * 21
+    calls = [0] * L
+
+    def count(layer: int):
+        return lambda module, args: calls.__setitem__(layer, calls[layer] + 1)
+
+    hooks = [block.register_forward_pre_hook(count(i)) for i, block in enumerate(deep_model.layers)]
+    results = []
+    try:
+        for k in (0, 1, L // 2, L):
+            budget = max(1, math.ceil((L - k) * padded / L))  # the smallest budget that keeps L − k blocks
+            tr = new_trainer(deep_model, checkpoint_from_tokens=budget)
+            assert tr.memory_plan(padded, padded)[0] == k
+            aid = tr.create_adapter(types.LoraConfig(rank=4, seed=5))
+            tr.run([TrainRequest(aid, datums, "cross_entropy")])
+            tr.optim_step(aid, ADAM)  # B is nonzero now, so A gets a gradient too
+            calls[:] = [0] * L
+            out = tr.run([TrainRequest(aid, datums, "cross_entropy")])[0]
+            assert calls == [2] * k + [1] * (L - k), (k, calls)
+            results.append((out, tr.residency.get(aid).grads))
+    finally:
+        for h in hooks:
+            h.remove()
+    (out0, g0), *rest = results
+    for out, g in rest:
+        for x, y in zip(out0.loss_fn_outputs, out.loss_fn_outputs, strict=True):
+            tol(deep_model).check(y["logprobs"].to_torch(), x["logprobs"].to_torch(), "logprobs")
+        for t in g0:
+            tol(deep_model).check_rel(g[t][0], g0[t][0], (t, "A"))
+            tol(deep_model).check_rel(g[t][1], g0[t][1], (t, "B"))
+
+
+@pytest.mark.parametrize("lengths, sizes", [([21, 14], [7, 7, 7]), ([22, 15], [8, 7, 7])])
+def test_logits_chunks_are_even_and_the_last_is_not_recomputed(model, monkeypatch, lengths, sizes):
+    """Logits over 8 positions at a time: T = 21 or 22 positions run as three chunks of sizes within one
+    (not 8, 8, 5 / 8, 8, 6); in backward only the first two build their logits again (the last's
+    backward runs right after the forward). Gradients equal the unchunked pass's."""
+    rows = len(lengths)
+    datums = sft_datums(lengths, seed=11)
+    calls: list[tuple[int, ...]] = []  # each call's chunk, by its row-0 targets
+    block = training.logprobs_block
+
+    def counted(model_, h, targets, lora):
+        calls.append(tuple(targets[0, :, 0].tolist()))
+        return block(model_, h, targets, lora)
+
+    grads = []
+    for chunk in (None, rows * model.config.vocab_size * 8):
+        tr = new_trainer(model, checkpoint_from_tokens=None, **({} if chunk is None else {"logits_chunk": chunk}))
+        aid = tr.create_adapter(types.LoraConfig(rank=4, seed=5))
+        tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        tr.optim_step(aid, ADAM)
+        if chunk is not None:
+            monkeypatch.setattr(training, "logprobs_block", counted)
+        tr.run([TrainRequest(aid, datums, "cross_entropy")])
+        grads.append(tr.residency.get(aid).grads)
+    forward, backward = calls[: len(sizes)], calls[len(sizes) :]  # the backward starts after the whole forward
+    assert [len(c) for c in forward] == sizes
+    assert sorted(backward) == sorted(forward[:-1])  # every chunk but the last, once
+    for t in grads[0]:
+        tol(model).check_rel(grads[1][t][0], grads[0][t][0], (t, "A"))
+        tol(model).check_rel(grads[1][t][1], grads[0][t][1], (t, "B"))
+
 
 def test_sft_learns_a_small_task(trainer):
     aid = trainer.create_adapter(types.LoraConfig(rank=8, seed=0))
