@@ -146,6 +146,7 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
     from tinker import types
 
     from mint_server.catalog.errors import NotFound
+    from mint_server.engine.values import Priority
     from mint_server.fsutil import atomic_write_json
 
     tok = engine.tokenizer
@@ -199,7 +200,9 @@ def run_sweep(engine: Any, catalog: Any, owner: str, prompts: list[str], prefix:
                 counts["skipped"] += 1  # resumed: swept before
                 continue
             source = revision_source(catalog, revision)
-            futures = [engine.submit(engine.prepare_sample(source, ids, 1, params, key="sweep")) for ids in encoded]
+            # a sweep is batch work: serving and rollouts on the same engine go first (as evals do)
+            futures = [engine.submit(engine.prepare_sample(source, ids, 1, params, key="sweep", priority=Priority.BATCH))
+                       for ids in encoded]
             inflight.append((policy, revision, futures))
             if len(inflight) >= window:
                 finish()

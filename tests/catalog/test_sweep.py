@@ -44,3 +44,28 @@ def test_seed_servable_then_sweep_and_resume(tmp_path: Path) -> None:
             assert ev.value == outputs[p.name]["score"]
     again = json.loads(mint(*args).stdout.strip().splitlines()[-1])
     assert again == {"swept": 0, "skipped": 12, "failed": 0}  # resumed: nothing done twice
+
+
+def test_a_sweep_is_batch_work(tmp_path: Path) -> None:
+    """The sweep's requests run in the batch class, behind serving and rollouts on the same engine."""
+    import torch
+
+    from mint_server.cli.sweep import run_sweep
+    from mint_server.engine.local import LocalEngine
+    from mint_server.engine.settings import EngineSettings
+    from mint_server.engine.values import Priority
+
+    model = make_tiny_checkpoint(tmp_path / "tiny", "llama", tie=True)
+    data = tmp_path / "data"
+    mint("catalog", "seed", "--servable", "--base-model", str(model), "--policies", "3", "--rank", "2",
+         "--prefix", "sv-", "--data-dir", str(data), "--owner", "bench")
+    engine = LocalEngine(model, "tiny", device="cpu", dtype=torch.float32,
+                         settings=EngineSettings(device_slots=2, max_rank=8, kv_budget_tokens=2048, max_context=128))
+    try:
+        with Catalog.open(data_dir=data) as catalog:
+            done = run_sweep(engine, catalog, "bench", ["hello world"], "sv-", "prod", 2, "m", tmp_path / "out", 2)
+        assert done["swept"] == 3
+        classes = {p for p, kind, _ in engine.sampler.drain_latencies() if kind == "ttft"}
+        assert classes == {Priority.BATCH}
+    finally:
+        engine.shutdown()
