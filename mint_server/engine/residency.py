@@ -121,7 +121,10 @@ class Residency:
                                         initializer=_start_loader_thread, initargs=(settings.loader_nice,))
         self._on_loaded = on_loaded or (lambda: None)
         self._fresh: set[str] = set()  # brought into a slot for the step about to run
-        self._loading: set[Adapter] = set()  # store → host reads in flight
+        self._loading: set[Adapter] = set()  # store → host reads queued or in flight
+        # reads not yet taken by a loader thread: adapter → (urgency rank, source, paged dir)
+        self._queued: dict[Adapter, tuple[int, AdapterSource | None, Path | None]] = {}
+        self._queued_lock = threading.Lock()
         self.failed: set[Adapter] = set()  # loads that failed, until the work waiting on them is told
         self.stats = ResidencyStats()
 
@@ -265,11 +268,14 @@ class Residency:
 
         Finished loads land in the host tier; host-tier adapters are copied into free slots, or into
         slots evicted from adapters not needed, then from needed ones further down the list; store
-        adapters start loading in that order (prefetch, bounded by the loads in flight and the host
+        adapters start loading in that order (prefetch, bounded by a window of wants and the host
         budget).
         """
         self._fresh = set()
         self._collect_loads()
+        with self._queued_lock:  # loads not started yet fall behind this call's wants (re-ranked below)
+            for a, (rank, source, paged) in self._queued.items():
+                self._queued[a] = (rank + 4 * len(self._slots), source, paged)
         # Only the most urgent few matter this step: promotions need slots, prefetch a bounded window.
         window = 4 * len(self._slots)
         wanted: list[Adapter] = []
@@ -287,11 +293,7 @@ class Residency:
             if a.slot is not None:
                 continue
             if a.host is None:
-                # Loads start most urgent first, a few at a time: the pool runs what it is given in
-                # order, so a long prefetch queue (a sweep's) would hold a quiet request's cold load
-                # behind it. Twice the threads keeps them busy between two of these calls.
-                if len(self._loading) < 2 * self.settings.loader_threads:
-                    self._start_load(a)
+                self._start_load(a, rank_of[a.id])
                 continue
             if copied and copied + _nbytes(a.host) > budget:
                 continue
@@ -420,14 +422,40 @@ class Residency:
             self._set_host(a, None)
         self.stats.evictions["host"] += 1
 
-    def _start_load(self, a: Adapter) -> None:
-        if a.loading is not None or a.load_error is not None:
+    def _start_load(self, a: Adapter, rank: int) -> None:
+        """Queue a's store read at urgency `rank` (lower first). The pool runs tasks in the order it
+        was handed them, so each task reads whichever queued load is most urgent when a loader thread
+        takes it: a quiet request's cold load does not wait behind a sweep's long prefetch."""
+        if a.load_error is not None:
+            return
+        if a.loading is not None:
+            with self._queued_lock:
+                if a in self._queued:  # not started yet: it moves to this call's rank
+                    self._queued[a] = (rank, *self._queued[a][1:])
             return
         if a.source is None and a.paged is None:
             raise RuntimeError(f"adapter {a.id!r} has no tier to load from")
-        a.loading = self._pool.submit(self._read, a.source, a.paged)
+        a.loading = Future()
+        with self._queued_lock:
+            self._queued[a] = (rank, a.source, a.paged)
         self._loading.add(a)
         a.loading.add_done_callback(lambda _f: self._on_loaded())
+        self._pool.submit(self._load_most_urgent)
+
+    def _load_most_urgent(self) -> None:
+        """On a loader thread: take the most urgent queued load and run it."""
+        with self._queued_lock:
+            if not self._queued:
+                return
+            a = min(self._queued, key=lambda q: self._queued[q][0])
+            _, source, paged = self._queued.pop(a)
+        future = a.loading
+        if future is None or not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(self._read(source, paged))
+        except BaseException as e:  # noqa: BLE001 - delivered to the requests waiting on it
+            future.set_exception(e)
 
     def _read(self, source: AdapterSource | None, paged: Path | None) -> tuple[object, float]:
         """On a loader thread: read and decode from the store (verified where the store verifies)."""
@@ -519,6 +547,11 @@ class Residency:
     def close(self) -> None:
         """Pages belong to this process's adapters: they go with it."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._queued_lock:  # reads no thread took: nobody waits on them any more
+            for a in self._queued:
+                if a.loading is not None:
+                    a.loading.cancel()
+            self._queued.clear()
         shutil.rmtree(self.page_root, ignore_errors=True)
 
 
