@@ -274,7 +274,7 @@ class ScaleOutContext:
     def engine(self) -> Any:
         """The hooks' one LocalEngine, with the default settings (but `--threads`) and named as the seeded policies' base
         model (what `mint serve` and `mint sweep` start), opened on first use: its start-up measures
-        the machine, minutes on a busy one. A hook starts cold by `forget_source("rev:")` (every
+        the machine, minutes on a busy one. A hook starts cold by `forget_source(REVISION_KEY_PREFIX)` (every
         catalog adapter out of every tier)."""
         if self._engine is None:
             from mint_server.cli.serve import base_model_name
@@ -368,6 +368,7 @@ def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
     smallest, payload bytes/s against the disk's read rate, and the fraction of wall time the engine's
     worker spent in turns that ran work."""
     from mint_server.cli.sweep import run_sweep
+    from mint_server.engine.values import REVISION_KEY_PREFIX
 
     sizes = [n for n in ctx.extra.get("sweep_sizes", (100, 1000)) if n <= ctx.servable_count]
     if not sizes:
@@ -376,7 +377,7 @@ def sweep_cost(ctx: ScaleOutContext) -> dict[str, Any] | None:
     runs: list[dict[str, Any]] = []
     engine = ctx.engine()
     for n in sizes:
-        engine.forget_source("rev:").result()
+        engine.forget_source(REVISION_KEY_PREFIX).result()
         figures = EngineFigures(engine)
         metric = f"bench-sweep-{uuid.uuid4().hex[:8]}"  # fresh: a rerun on a reused catalog skips nothing
         out = ctx.workdir / "sweeps" / metric
@@ -474,6 +475,7 @@ def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
     from tinker import types
 
     from mint_server.cli.sweep import revision_source, run_sweep
+    from mint_server.engine.values import REVISION_KEY_PREFIX
 
     n = ctx.servable_count
     requests = ctx.extra.get("ttft_requests", 40)
@@ -490,7 +492,7 @@ def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
     params = types.SamplingParams(max_tokens=1, temperature=0.0)
     catalog, owner = ctx.servable, ctx.owner
     engine = ctx.engine()
-    engine.forget_source("rev:").result()
+    engine.forget_source(REVISION_KEY_PREFIX).result()
     prompt = engine.tokenizer(PROMPT)["input_ids"]
 
     def first_token(name: str) -> float:

@@ -234,9 +234,8 @@ class Core:
             return self.source_of(*self.resolve(path, owner))
         revision, policy = self.policies.resolve(ref, owner)
         self.policies.check_servable(ref, policy)
-        # Keyed by content: revisions with equal bytes share one loaded adapter, which never goes stale.
         # Read from the blob store and verified on the engine's loader threads when first needed.
-        return AdapterSource(f"rev:{revision.sha256}", read=self.policies.reader(revision))
+        return AdapterSource.of_revision(revision.sha256, self.policies.reader(revision))
 
     def source_of(self, rec: CheckpointRecord, run: RunRecord) -> AdapterSource:
         data = self.runs.data_dir(rec.ref)

@@ -204,6 +204,6 @@ def resolve_targets(catalog: Any, owner: str, refs: Sequence[str], base_model: s
         if policy.base_model != base_model:
             raise InvalidInput(f"{ref!r}: policy {policy.name!r} is for base model {policy.base_model!r}; "
                                f"this engine serves {base_model!r}")
-        source = AdapterSource(f"rev:{revision.sha256}", read=lambda r=revision: catalog.read_payload(r))
+        source = AdapterSource.of_revision(revision.sha256, lambda r=revision: catalog.read_payload(r))
         targets.append(Target(revision.ref, revision.sha256, source))
     return targets

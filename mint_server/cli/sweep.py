@@ -77,11 +77,10 @@ def servable_payloads(model_dir: Path, rank: int) -> tuple[str, dict[str, Any], 
 
 
 def revision_source(catalog: Catalog, revision: Revision) -> AdapterSource:
-    """The engine's source for a catalog revision: keyed by content, so revisions with
-    equal bytes share one loaded adapter; read and verified from the blob store on a loader thread."""
+    """The engine's source for a catalog revision, read and verified from the blob store on a loader thread."""
     from mint_server.engine.values import AdapterSource
 
-    return AdapterSource(f"rev:{revision.sha256}", read=lambda: catalog.read_payload(revision))
+    return AdapterSource.of_revision(revision.sha256, lambda: catalog.read_payload(revision))
 
 
 def register(app: typer.Typer) -> None:

@@ -273,11 +273,11 @@ class Residency:
         """
         self._fresh = set()
         self._collect_loads()
-        with self._queued_lock:  # loads not started yet fall behind this call's wants (re-ranked below)
-            for a, (rank, source, paged) in self._queued.items():
-                self._queued[a] = (rank + 4 * len(self._slots), source, paged)
         # Only the most urgent few matter this step: promotions need slots, prefetch a bounded window.
         window = 4 * len(self._slots)
+        with self._queued_lock:  # loads not started yet fall behind this call's wants (re-ranked below)
+            for a, (rank, source, paged) in self._queued.items():
+                self._queued[a] = (rank + window, source, paged)
         wanted: list[Adapter] = []
         seen: set[str] = set()
         for a in needed:

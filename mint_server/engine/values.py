@@ -101,6 +101,15 @@ class AdapterSource:
     state_dir: Path | None = None
     read: Callable[[], dict[str, bytes]] | None = None
 
+    @classmethod
+    def of_revision(cls, sha256: str, read: Callable[[], dict[str, bytes]]) -> AdapterSource:
+        """A catalog revision, keyed by its content (REVISION_KEY_PREFIX + sha256): revisions with equal
+        bytes share one loaded adapter, which never goes stale; `read` returns its verified files."""
+        return cls(REVISION_KEY_PREFIX + sha256, read=read)
+
+
+REVISION_KEY_PREFIX = "rev:"  # AdapterSource keys of catalog revisions (engine.forget_source takes it)
+
 
 
 class EngineReport(TypedDict):
