@@ -9,7 +9,10 @@ random rank-`--rank` PEFT adapters on q/k/v/o (written once into a temp dir; Min
 policies, vLLM gets them as `--lora-modules`). The servers run one after the other, never at once,
 and the same client code measures each (streaming completions, greedy, `ignore_eos`):
 
-* single — one request on an adapter: time to first token and seconds per token after it (median of 3).
+* single — one request on an adapter: time to first token, as the whole time of a one-token request
+  (a streamed reply's first chunk with text can be the second token: SmolLM2's first greedy token
+  on this prompt is <|im_end|>, which decodes to no text), and seconds per token of a stream after
+  its first text (median of 3 each).
 * one adapter ×N, N adapters ×N, base ×N — N concurrent requests of `--tokens` tokens: tokens/s.
 * flood — one key keeps `--flood` requests in flight on the other adapters (closed loops, 32–64
   tokens), then another key's 8-token request on a quiet adapter, `--probes` times: p50 and p99
@@ -212,7 +215,7 @@ async def measure(server: Server, base: str, names: list[str], args: argparse.Na
         for name in names[:3]:  # warm-up: first-use paths, adapters into slots
             await a.complete(name, PROMPT, 4)
         singles = [await a.stream(names[0], PROMPT, args.tokens) for _ in range(3)]
-        out["single_ttft_s"] = statistics.median(s["ttft_s"] for s in singles)
+        out["single_ttft_s"] = statistics.median([await timed(a.complete(names[0], PROMPT, 1)) for _ in range(3)])
         out["single_s_per_token"] = statistics.median(s["s_per_token"] for s in singles)
         n = len(names)
         for label, models in (("one_adapter", [names[0]] * n), ("distinct_adapters", names), ("base", [base] * n)):

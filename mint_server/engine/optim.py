@@ -35,6 +35,7 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine.values import AdamState, EngineError, NotSupportedError
+from mint_server.model import kernels
 from mint_server.model.tp import split_dim as tp_split_dim
 
 FAMILIES = ("adamw", "dimuon")
@@ -99,8 +100,8 @@ def step_or_rollback(step: Callable[..., dict[str, float]], params: Pairs, grads
     moments = {t: tuple(m.clone() for m in ms) for t, ms in state.moments.items()}
     step_count = state.step
     metrics = step(params, grads, state, hp, **kw)
-    finite = all(bool(torch.isfinite(x).all()) for pair in params.values() for x in pair) and all(
-        bool(torch.isfinite(m).all()) for ms in state.moments.values() for m in ms)
+    finite = kernels.all_finite([*(x for pair in params.values() for x in pair),
+                                 *(m for ms in state.moments.values() for m in ms)])
     if agree(finite):
         return metrics
     with torch.no_grad():

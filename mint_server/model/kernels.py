@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -64,6 +64,20 @@ def use(value: str) -> Iterator[None]:
         yield
     finally:
         set_mode(old)
+
+
+# --- checks --------------------------------------------------------------------------------------
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether no tensor holds a NaN or inf, with one host sync. A sum with a NaN or inf in it is not
+    finite, so a finite sum per tensor settles it in one reduction pass (no bool tensor as large as
+    the weights: an adapter's or optimizer's bytes are checked on every load and step); only when a
+    sum is not finite, which large finite values can also cause, does each element get checked."""
+    ts = [t for t in tensors if t.numel()]
+    if not ts:
+        return True
+    if bool(torch.isfinite(torch.stack([t.sum().float().to(ts[0].device) for t in ts])).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in ts)
 
 
 # --- skinny products ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mint_server.fsutil import atomic_write_dir
+from mint_server.model import kernels
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import (
     ALL_TARGETS,
@@ -70,10 +71,9 @@ class LoraWeights:
     def non_finite_target(self) -> str | None:
         """The first target holding a NaN or inf (None: all finite). No adapter with one is ever
         written, published, installed or served."""
-        for t, pair in self.weights.items():
-            if not all(bool(torch.isfinite(x).all()) for x in pair):
-                return t
-        return None
+        if kernels.all_finite(x for pair in self.weights.values() for x in pair):
+            return None
+        return next(t for t, pair in self.weights.items() if not kernels.all_finite(pair))
 
 
 def peft_key(target: str, layer: int, which: str, expert: int | None = None, decoder: str = "model.",

@@ -92,3 +92,21 @@ def test_a_few_mixed_rows_gather_their_weights_once_and_equal_the_reference(rows
             assert list(batch.gathered) == (["q_proj"] if mode == "fast" else [])
     for layer in range(layers):
         Tolerance(n=fi).check(out["fast"][layer], out["reference"][layer], f"layer {layer}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_finite_finds_every_nan_and_inf_and_no_more(dtype):
+    """One sum per tensor decides the common case; a sum that overflows on finite values (3e38 × 4
+    in fp32) must not be taken for an inf, and a NaN or ±inf anywhere must be found."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(64, 32, generator=g).to(dtype), torch.randn(7, generator=g).to(dtype), torch.empty(0, dtype=dtype)]
+    assert kernels.all_finite(ts) and kernels.all_finite([])
+    assert kernels.all_finite([torch.full((4,), 3e38, dtype=dtype), *ts])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for i in range(2):
+            broken = [t.clone() for t in ts]
+            broken[i].view(-1)[5] = bad
+            assert not kernels.all_finite(broken)
+    both = [t.clone() for t in ts]
+    both[0].view(-1)[0], both[0].view(-1)[1] = float("inf"), -float("inf")  # their sum is NaN, not inf
+    assert not kernels.all_finite(both)
