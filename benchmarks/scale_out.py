@@ -21,7 +21,7 @@ Prints, in order:
   4. the engine-side hooks (`--hooks`, default all): sweep_cost (adapters/s, CPU per adapter and its
      ratio largest/smallest sweep, payload vs disk read rate, engine busy fraction), ttft_cold_hot
      (cold vs hot first token p50/p99, idle and under a sweep, and a cold load's stages);
-     fleet_wave_ratio is None (not measured here);
+     fleet_wave_ratio (2 Ray replicas vs 1 on a wave of --wave cold catalog policies, a core each);
 and last one JSON line with everything. The load average is printed with the figures: the machine
 is shared, so rates are floors of what the code does on an idle one.
 """
@@ -33,6 +33,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -569,9 +570,82 @@ def ttft_cold_hot(ctx: ScaleOutContext) -> dict[str, Any] | None:
 
 
 def fleet_wave_ratio(ctx: ScaleOutContext) -> dict[str, Any] | None:
-    """Engine side: tokens/s of 2 Ray replicas vs 1 on a wave of 1,000 distinct adapters, affinity hit
-    rate, adapters loaded on both replicas."""
-    return None
+    """`mint serve --ray` on one machine: a fleet of 2 replicas vs one of 1 (each replica a Ray actor
+    pinned to its own core, one torch thread), side by side, waves alternating, each wave
+    `--wave` distinct cold catalog policies (never loaded by that fleet: the router checks each
+    revision out into the shared dir, a replica loads it) with one short greedy request each, all
+    submitted at once. Sampled tokens/s on 2 vs 1 (medians; goal ≥ 1.7), each replica's CPU seconds
+    (`cpu_scaling`: one replica's CPU for a wave / the busier of two's, the scaling their own work
+    allows when each has a free core), then the last wave again on 2 replicas, now hot: the share
+    served by its home replica, and the requests sent elsewhere (each would load its adapter on a
+    second replica)."""
+    import ray
+
+    from benchmarks.cluster import process_cpu, wave
+    from mint_server.cli.serve import base_model_name
+    from mint_server.cli.sweep import revision_source
+    from mint_server.engine.fleet import FleetEngine
+    from mint_server.engine.settings import EngineSettings, FleetSettings
+
+    size, rounds = ctx.extra.get("wave", 1000), ctx.extra.get("wave_rounds", 2)
+    first = ctx.servable_count // 2  # clear of the sweeps' and ttft's first blocks
+    if ctx.servable_count - first < (2 * rounds + 1) * size:
+        return {"skipped": f"{ctx.servable_count} servable policies: too few for {2 * rounds} cold waves of {size}"}
+    catalog, owner = ctx.servable, ctx.owner
+
+    def sources(start: int, count: int) -> list[Any]:
+        return [revision_source(catalog, catalog.resolve(owner, f"{policy_name(i)}@prod"))
+                for i in range(start, start + count)]
+
+    # Three replicas at once on one machine: a KV pool and host cache sized for a wave of short
+    # requests, not the defaults' (3 GB of SmolLM2 KV each).
+    settings = EngineSettings(store_dir=ctx.workdir / "fleet" / "pages", device_slots=64, kv_budget_tokens=16384,
+                              host_cache_mb=512.0)
+    name = base_model_name(str(ctx.model_dir), ctx.model_dir)
+    ray.init(num_cpus=3, include_dashboard=False, object_store_memory=256 * MiB, log_to_driver=False)
+    fleets: dict[int, Any] = {}
+    out: dict[str, Any] = {"wave": size, "rounds": rounds, "load_average_start": load_average()}
+    try:
+        for n in (1, 2):
+            fleets[n] = FleetEngine(ctx.model_dir, name, settings=settings,
+                                    fleet=FleetSettings(replicas=n, pin_cores=True, cpus_per_replica=1))
+            wave(fleets[n], sources(first, 16), 4)  # first steps, checkouts of the warm-up policies
+        runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+        start = first + 16
+        for rnd in range(rounds):
+            for n in (1, 2):
+                fleet, batch = fleets[n], sources(start, size)
+                start += size
+                pids = fleet.replica_pids()
+                cpu0 = [process_cpu(p) for p in pids]
+                seconds, tokens = wave(fleet, batch, 4)
+                cpu = [process_cpu(p) - c for p, c in zip(pids, cpu0, strict=True)]
+                runs[n].append({"seconds": seconds, "tokens_per_s": tokens / seconds, "replica_cpu_s": cpu})
+                print(f"  round {rnd}, {n} replica(s): {size:,} cold catalog policies in {seconds:.1f} s, "
+                      f"{tokens / seconds:.1f} sampled tokens/s, replica CPU s {[round(c, 1) for c in cpu]}   "
+                      f"(load {load_average()})", flush=True)
+        for n in (1, 2):
+            out[f"tokens_per_s_{n}"] = statistics.median(r["tokens_per_s"] for r in runs[n])
+            out[f"replica_cpu_s_{n}"] = [statistics.median(r["replica_cpu_s"][i] for r in runs[n]) for i in range(n)]
+        out["wave_ratio"] = out["tokens_per_s_2"] / out["tokens_per_s_1"]
+        out["cpu_scaling"] = out["replica_cpu_s_1"][0] / max(out["replica_cpu_s_2"])
+        fleet = fleets[2]
+        before = dict(fleet.routed)
+        wave(fleet, sources(start - size, size), 4)  # the 2-replica fleet's last wave again: hot now
+        routed = {k: v - before.get(k, 0) for k, v in fleet.routed.items()}
+        total = sum(routed.values())
+        home = sum(v for (_, decision), v in routed.items() if decision == "home")
+        out.update(affinity_hit_rate=home / total, hot_requests_off_home=total - home,
+                   requests_per_replica=[sum(v for (r, _), v in routed.items() if r == i) for i in range(2)],
+                   load_average=load_average())
+        print(f"  2 vs 1 replica: {out['wave_ratio']:.2f}x sampled tokens/s (goal >= 1.7), {out['cpu_scaling']:.2f}x by "
+              f"replica CPU; hot wave: {home}/{total} on their home replica, {total - home} elsewhere   "
+              f"(load {out['load_average']})", flush=True)
+    finally:
+        for fleet in fleets.values():
+            fleet.shutdown()
+        ray.shutdown()
+    return out
 
 
 HOOKS: dict[str, Callable[[ScaleOutContext], dict[str, Any] | None]] = {
@@ -750,6 +824,8 @@ def main() -> None:
     parser.add_argument("--sweep-sizes", type=_sizes, default=[100, 1000],
                         help="sweep_cost: policies per sweep, powers of ten up to --servable (default 100,1000)")
     parser.add_argument("--ttft-requests", type=int, default=40, help="ttft_cold_hot: cold (and hot) requests per case")
+    parser.add_argument("--wave", type=int, default=1000, help="fleet_wave_ratio: distinct cold policies per wave")
+    parser.add_argument("--wave-rounds", type=int, default=2, help="fleet_wave_ratio: waves per fleet")
     parser.add_argument("--threads", type=int, default=None,
                         help="the hooks' engine: intra-op threads (`mint serve --threads`; default the cores it may use)")
     args = parser.parse_args()
@@ -793,7 +869,8 @@ def main() -> None:
 
             ctx = ScaleOutContext(model_dir, workdir, servable, records, servable_count, records_count,
                                   extra={"disk": disk, "sweep_sizes": args.sweep_sizes,
-                                         "ttft_requests": args.ttft_requests, "threads": args.threads})
+                                         "ttft_requests": args.ttft_requests, "threads": args.threads,
+                                         "wave": args.wave, "wave_rounds": args.wave_rounds})
             result["hooks"] = {}
             try:
                 for name in args.hooks:
