@@ -182,7 +182,7 @@ def run_mode(mode: str, model_dir: Path, args, work: Path, fused_tokens: int) ->
                              extra.split(",") if extra else [])
     try:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
-        base = client.create_rest_client().get_server_capabilities().result().supported_models[0].model_name
+        base = client.get_server_capabilities().supported_models[0].model_name
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         policies = [Policy(i, client.create_lora_training_client(base_model=base, rank=RANK, seed=i).result(),
                            tokenizer, args) for i in range(args.policies)]  # fmt: skip
