@@ -620,7 +620,8 @@ def fleet_wave_ratio(ctx: ScaleOutContext) -> dict[str, Any] | None:
                 cpu0 = [process_cpu(p) for p in pids]
                 seconds, tokens = wave(fleet, batch, 4)
                 cpu = [process_cpu(p) - c for p, c in zip(pids, cpu0, strict=True)]
-                runs[n].append({"seconds": seconds, "tokens_per_s": tokens / seconds, "replica_cpu_s": cpu})
+                runs[n].append({"seconds": seconds, "tokens_per_s": tokens / seconds, "replica_cpu_s": cpu,
+                                "sources": batch})
                 print(f"  round {rnd}, {n} replica(s): {size:,} cold catalog policies in {seconds:.1f} s, "
                       f"{tokens / seconds:.1f} sampled tokens/s, replica CPU s {[round(c, 1) for c in cpu]}   "
                       f"(load {load_average()})", flush=True)
@@ -631,7 +632,7 @@ def fleet_wave_ratio(ctx: ScaleOutContext) -> dict[str, Any] | None:
         out["cpu_scaling"] = out["replica_cpu_s_1"][0] / max(out["replica_cpu_s_2"])
         fleet = fleets[2]
         before = dict(fleet.routed)
-        wave(fleet, sources(start - size, size), 4)  # the 2-replica fleet's last wave again: hot now
+        wave(fleet, runs[2][-1]["sources"], 4)  # the 2-replica fleet's last wave again: hot now
         routed = {k: v - before.get(k, 0) for k, v in fleet.routed.items()}
         total = sum(routed.values())
         home = sum(v for (_, decision), v in routed.items() if decision == "home")

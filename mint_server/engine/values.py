@@ -111,7 +111,6 @@ class AdapterSource:
 REVISION_KEY_PREFIX = "rev:"  # AdapterSource keys of catalog revisions (engine.forget_source takes it)
 
 
-
 class EngineReport(TypedDict):
     """What an engine tells /metrics at each scrape (LocalEngine.report; a fleet sums its replicas').
     Lists are handed over once (drained); counts are cumulative since the engine started."""
