@@ -74,6 +74,7 @@ def engine_settings(
     linger_s: float | None = None,
     train_slice_tokens: int | None = None,
     sample_steps_per_slice: int | None = None,
+    max_chunk_tokens: int | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -88,7 +89,7 @@ def engine_settings(
              "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb,
              "batch_invariant": batch_invariant, "max_slowdown": max_slowdown, "linger_s": linger_s,
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
-             "sample_steps_per_slice": sample_steps_per_slice}
+             "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -175,9 +176,14 @@ def register(app: typer.Typer) -> None:
         ),
         max_step_tokens: int = typer.Option(
             None, "--max-step-tokens",
-            help="Tokens one engine step may run, decode rows and prefill chunks together [default: the fewest "
-            "that reach 90% of the measured best throughput]; a longer prompt is prefilled in chunks beside "
-            "running streams, and new work waits at most one step.",
+            help="Decode rows one engine step may run [default: the fewest that reach 90% of the measured best "
+            "throughput]; new work waits at most one step.",
+        ),
+        max_chunk_tokens: int = typer.Option(
+            None, "--max-chunk-tokens",
+            help="Tokens a step with prompt chunks in it may run, at least --max-step-tokens [default: measured, "
+            "the fewest that reach 90% of the best prompt throughput]; a longer prompt is prefilled in chunks "
+            "over several steps, beside running streams.",
         ),
         max_slowdown: float = typer.Option(
             None, "--max-slowdown",
@@ -274,7 +280,7 @@ def register(app: typer.Typer) -> None:
                                      max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb,
                                      batch_invariant, max_slowdown=max_slowdown, linger_s=linger_s,
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
-                                     sample_steps_per_slice=sample_steps_per_slice)
+                                     sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -304,6 +304,7 @@ class LocalEngine(JobParsing):
         cost = sc.cost
         assert cost is not None
         out = {"skinny_rows": float(kernels.skinny_rows()), "max_step_tokens": float(sc.max_step_tokens),
+               "max_chunk_tokens": float(sc.step_budget),
                "max_slowdown": float(sc.max_slowdown)}
         if cost.unit_s > 0:
             out.update(one_token_step_seconds=cost.at(1) * cost.unit_s,
@@ -390,10 +391,13 @@ class LocalEngine(JobParsing):
         if not self._invariant:
             kernels.calibrate_skinny_once([m.weight for m in self.model.modules()
                                            if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2])
+        sc = self.sampler.scheduler
         if s.step_overhead_tokens is None:
             cost = self.sampler.measure_costs()
-            self.sampler.scheduler.cost = cost
-            self.sampler.scheduler.max_step_tokens = s.step_tokens_for(cost)
+            sc.cost = cost
+            sc.max_step_tokens = s.step_tokens_for(cost)
+        sc.max_chunk_tokens = s.max_chunk_tokens or (
+            self.sampler.measure_chunk_tokens(sc.max_step_tokens) if s.step_overhead_tokens is None else 0)
         log.info("calibrated: %s", {k: round(v, 4) for k, v in self.calibration().items()})
 
     def _loop(self) -> None:

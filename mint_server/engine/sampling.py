@@ -498,6 +498,31 @@ class Sampler:
         return StepCost(sizes, tuple(costs), chunk=max(0.0, (chunked - one) / unit / max(1, chunks - 1)),
                         adapter_first=max(0.0, first / unit), adapter_each=max(0.0, each / unit), unit_s=unit)
 
+    def measure_chunk_tokens(self, start: int, limit: int = 8192, gain: float = 1.05, share: float = 0.9) -> int:
+        """The default of the tokens a step with prompt chunks may run: prompt throughput of one chunk
+        (a prompt's start, on the base) at start, 2 × start, … tokens while a doubling still gains
+        `gain` and the KV pool holds it (up to `limit`); the fewest that reach `share` of the best.
+        Each size is the faster of two runs (the first touches its memory for the first time)."""
+        bs, rates = self.block_size, {}
+        n = max(1, start)
+        while n <= limit and blocks_for(n, bs) <= self.pool.available:
+            blocks = self.pool.alloc(blocks_for(n, bs))
+            try:
+                batch = StepBatch([0] * n, list(range(n)), [n], [-1], [blocks], [0])
+                times = []
+                for _ in range(2):
+                    t0 = time.perf_counter()
+                    self.executor.step(batch)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                self.pool.release(blocks)
+            rates[n] = n / max(min(times), 1e-9)
+            if len(rates) > 1 and rates[n] < gain * rates[n // 2]:
+                break
+            n *= 2
+        best = max(rates.values(), default=0.0)
+        return next((k for k, r in rates.items() if r >= share * best), start)
+
     # --- the worker's step ----------------------------------------------------------------------
     def step(self) -> None:
         """One scheduled step: cancels, plan, preempt, admit, one forward, tokens."""

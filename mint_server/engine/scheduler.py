@@ -18,8 +18,11 @@ Policy, in order:
    prefilled, then waiting requests; among those the policy (adapter) served least, then arrival. A
    key that becomes active starts at the least count among the active keys (no credit hoarded while
    idle).
-3. **Budget.** A step runs at most `max_step_tokens`. A prompt longer than what is left is prefilled
-   in chunks over several steps (chunked prefill), beside everyone's decode rows.
+3. **Budget.** A step runs at most `max_step_tokens` decode rows and, in all, at most
+   `max_chunk_tokens` tokens (no fewer than `max_step_tokens`): prompt tokens reach their best
+   throughput in bigger chunks than decode rows do, since a chunk yields one row's logits and draw
+   where each decode row yields its own. A prompt longer than what is left is prefilled in chunks
+   over several steps (chunked prefill), beside everyone's decode rows.
 4. **Latency bound.** A step's cost follows the tokens it runs (`StepCost`, measured at start-up: a
    curve, since a few tokens cost more per token than many, plus a prefill chunk's and the adapters'
    own cost). While a light key (cheaper work than the heaviest) or a higher priority class has work
@@ -169,6 +172,7 @@ class StepCost:
 class Scheduler:
     max_step_tokens: int
     max_slowdown: float = 2.0
+    max_chunk_tokens: int = 0  # a step's tokens with prompt chunks in it (below max_step_tokens: that)
     overhead_tokens: int = 0  # the cost model when `cost` is not given: StepCost.linear(overhead_tokens)
     cost: StepCost | None = None
     served: dict[str, float] = field(default_factory=dict)  # key → tokens served (virtual counter)
@@ -205,7 +209,7 @@ class Scheduler:
         candidates = [w for w in work if w.running or w.ready]
         if not candidates:
             return plan
-        tokens_left = self.max_step_tokens
+        tokens_left = self.step_budget
         allowed = self._cap(candidates, now)  # the step's cost bound (StepCost units)
         rows = tokens = chunks = 0  # decode rows, prefill tokens and prefill chunks planned so far
         policies: set[str] = set()  # distinct adapters planned so far
@@ -229,7 +233,7 @@ class Scheduler:
                     del queues[key]
                 adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
                 room = max(self._room(rows, tokens, chunks, adapters, allowed, item.decoding), int(forced))
-                if id(item) in preempted or room < 1:
+                if id(item) in preempted or room < 1 or (item.decoding and rows >= self.max_step_tokens):
                     continue
                 if not item.running:
                     if not admitting:
@@ -267,6 +271,11 @@ class Scheduler:
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
         return plan
+
+    @property
+    def step_budget(self) -> int:
+        """The most tokens one step runs, prompt chunks included."""
+        return max(self.max_step_tokens, self.max_chunk_tokens)
 
     # --- helpers ------------------------------------------------------------------------------
     def _activate(self, work: Sequence[Work]) -> None:
@@ -308,7 +317,7 @@ class Scheduler:
         if decoding:
             return 1 if self.cost(rows + 1, tokens, chunks, adapters) <= allowed else 0
         if math.isinf(allowed):
-            return self.max_step_tokens
+            return self.step_budget
         budget = allowed - self.cost.lora(adapters) - self.cost.chunk * (chunks + 1)
         return max(0, self.cost.tokens_within(budget) - rows - tokens)
 
@@ -320,7 +329,7 @@ class Scheduler:
         adapters: dict[tuple[int, str], set[str]] = {}
         for w in items:
             r, t, c = demand.get((w.priority, w.key), (0, 0, 0))
-            demand[w.priority, w.key] = (r + 1, t, c) if w.decoding else (r, t + min(w.pending, self.max_step_tokens), c + 1)
+            demand[w.priority, w.key] = (r + 1, t, c) if w.decoding else (r, t + min(w.pending, self.step_budget), c + 1)
             if w.policy:
                 adapters.setdefault((w.priority, w.key), set()).add(w.policy)
         assert self.cost is not None

@@ -123,6 +123,41 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Causal attention of a prefill chunk that continues a prefix: q [1, H, n, D] at the last n
+    positions of k, v [1, Hkv, S, D] (S ≥ n; Hkv divides H).
+
+    fast, on CPU: the prefix (every query sees all of it) and the chunk itself (causal) run as two
+    flash-attention calls merged by their log-sum-exps. The prefix call needs no mask — SDPA turns a
+    boolean mask into a float one of n × S per call — and takes the query heads that share a key head
+    folded into its query length, so the keys are neither repeated nor read once per query head.
+    Measured on SmolLM2's shape (9 query / 3 key heads, D 64), 256 queries against 6,000 keys:
+    32 ms against 42 ms for one masked grouped call. reference (and other devices): the masked call.
+    """
+    n, S = q.shape[2], k.shape[2]
+    prefix = S - n
+    if _mode != "fast" or q.device.type != "cpu" or prefix <= 0 or torch.is_grad_enabled():
+        mask = (torch.arange(S, device=q.device)[None, :] <= torch.arange(prefix, S, device=q.device)[:, None])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    groups = H // Hkv
+    folded = q.reshape(B, Hkv, groups * n, D)  # query head h = key head h // groups
+    out_p, lse_p = flash(folded, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    out_p, lse_p = out_p.reshape(B, H, n, D), lse_p.reshape(B, H, n)
+    own_k, own_v = k[:, :, prefix:], v[:, :, prefix:]
+    if groups > 1:
+        own_k, own_v = own_k.repeat_interleave(groups, 1), own_v.repeat_interleave(groups, 1)
+    out_c, lse_c = flash(q, own_k, own_v, is_causal=True, scale=scale)[:2]
+    top = torch.maximum(lse_p, lse_c)
+    w_p, w_c = (lse_p - top).exp_(), (lse_c - top).exp_()
+    total = w_p + w_c
+    merged = out_p.float() * (w_p / total).unsqueeze(-1) + out_c.float() * (w_c / total).unsqueeze(-1)
+    return merged.to(q.dtype)
+
 def calibrate_skinny_once(weights: Sequence[Tensor], stream_bytes: int = 64 << 20) -> int:
     """calibrate_skinny on the first weights that add up to `stream_bytes` (more than a CPU cache
     holds, so they stream as a step's do), unless this process calibrated already."""

@@ -389,9 +389,8 @@ class RaggedView(CacheView):
                 y = attend(qr, kr, vr, mask[None, None], scale, gqa, sinks)
             elif first == 0:  # the whole prefix is this run: plain causal attention
                 y = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, enable_gqa=gqa)
-            else:
-                mask = torch.arange(kv_len, device=pos.device)[None, :] <= pos[:, None]
-                y = F.scaled_dot_product_attention(qr, kr, vr, attn_mask=mask[None, None], enable_gqa=gqa)
+            else:  # a chunk after earlier ones: its queries are the last n positions of kv_len
+                y = kernels.chunk_attention(qr, kr, vr, scale)
             out[start : start + n, :, 0] = y[0].transpose(0, 1)
         return out
 

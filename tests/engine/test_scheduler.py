@@ -84,6 +84,20 @@ def test_a_long_prompt_is_chunked_to_the_step_budget():
     assert id(prompt) in plan.admit
 
 
+def test_prompt_chunks_fill_max_chunk_tokens_and_decode_rows_stop_at_max_step_tokens():
+    s = Scheduler(max_step_tokens=20, max_chunk_tokens=64)
+    rows = [Item("a", decoding=True) for _ in range(30)]
+    prompt = Item("a", pending=100, running=False, blocks=7)
+    plan = s.plan([*rows, prompt], 100, 100)
+    ran = {id(w): n for w, n in plan.run}
+    assert sum(1 for w in rows if id(w) in ran) == 20  # decode rows: max_step_tokens
+    assert ran[id(prompt)] == 44 and plan.tokens == 64  # the chunk: the rest of max_chunk_tokens
+    assert s.plan(rows, 100, 100).tokens == 20
+    alone = Item("b", pending=100, running=False, blocks=7)
+    assert Scheduler(max_step_tokens=20, max_chunk_tokens=64).plan([alone], 100, 100).tokens == 64
+    assert Scheduler(max_step_tokens=20, max_chunk_tokens=8).plan([alone], 100, 100).tokens == 20  # never below
+
+
 def test_a_light_key_caps_the_step_at_max_slowdown_of_its_own_cost():
     # cost ∝ overhead + tokens: the quiet key's step alone costs 10 + 1; with slowdown 2 the step may
     # carry 2 · 11 − 10 = 12 tokens, so 11 of the flood's 100 rows run beside it.

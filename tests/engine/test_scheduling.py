@@ -215,3 +215,14 @@ def test_the_measured_cost_model_is_a_curve_and_leaves_the_pool_as_it_was(model,
     assert cost.unit_s > 0 and min(cost.chunk, cost.adapter_first, cost.adapter_each) >= 0
     assert all(r == 0 and t == () for r, t in zip(residency.bank.rank, residency.bank.targets, strict=True))
     assert 1 <= cost.saturation() <= 8 and cost.tokens_within(cost.at(4)) >= 4
+
+
+def test_measured_chunk_tokens_double_from_the_step_budget_within_the_pool(model, residency):
+    """The start-up probe of prompt chunks: a doubling of its start that the KV pool holds, within its
+    limit, and every block it took is back in the pool."""
+    sampler = make_sampler(model, residency, kv_slots=4)  # 4 × 96 positions, blocks of 8
+    free = sampler.pool.available
+    chosen = sampler.measure_chunk_tokens(12, limit=1000)
+    assert chosen in (12, 24, 48, 96, 192, 384, 768) and chosen <= free * 8
+    assert sampler.pool.available == free
+    assert sampler.measure_chunk_tokens(4096) == 4096  # nothing fits: the start stands
