@@ -475,14 +475,17 @@ class Sampler:
             row_blocks = alloc(2)
             times = [decode(k) for k in sizes]
             # LoRA, where it matters for a protected key: one row on an adapter against one on the base,
-            # and two rows on two adapters far apart in the bank against two on one (empty bank slots
-            # probed as adapters; on one rank only: under tensor parallelism each rank's bank is its own)
+            # and what each further adapter adds, as a busy step meets them: 2 rows on each of up to 8
+            # adapters spread over the bank (past a few rows the mixed products run per adapter) against
+            # the same rows on one (empty bank slots probed as adapters; on one rank only: under tensor
+            # parallelism each rank's bank is its own)
             bank, first, each = self.residency.bank, 0.0, 0.0
             if self.executor.runner is None and bank.num_slots:
                 with bank.probing(range(bank.num_slots), min(16, bank.max_rank)):
                     first = decode(1, [0]) - decode(1)
-                    if (far := bank.num_slots - 1) > 0:
-                        each = decode(2, [0, far]) - decode(2, [0, 0])
+                    if (k := min(8, bank.num_slots, self.max_batch_rows // 2)) > 1:
+                        spread = [round(i * (bank.num_slots - 1) / (k - 1)) for i in range(k)]
+                        each = (decode(2 * k, [s for s in spread for _ in range(2)]) - decode(2 * k, [0] * 2 * k)) / (k - 1)
             one = seconds(StepBatch([0] * probe, list(range(probe)), [probe], [-1], [alloc(blocks_for(probe, bs))], [0]))
             tables = [alloc(blocks_for(chunk_len, bs)) for _ in range(chunks)]
             chunked = seconds(StepBatch([0] * probe, [p for _ in range(chunks) for p in range(chunk_len)],
@@ -498,11 +501,12 @@ class Sampler:
         return StepCost(sizes, tuple(costs), chunk=max(0.0, (chunked - one) / unit / max(1, chunks - 1)),
                         adapter_first=max(0.0, first / unit), adapter_each=max(0.0, each / unit), unit_s=unit)
 
-    def measure_chunk_tokens(self, start: int, limit: int = 8192, gain: float = 1.05, share: float = 0.9) -> int:
+    def measure_chunk_tokens(self, start: int, limit: int = 8192, share: float = 0.9) -> int:
         """The default of the tokens a step with prompt chunks may run: prompt throughput of one chunk
         (a prompt's start, on the base) at start, 2 × start, … tokens while a doubling still gains
-        `gain` and the KV pool holds it (up to `limit`); the fewest that reach `share` of the best.
-        Each size is the faster of two runs (the first touches its memory for the first time)."""
+        1 / share (else the smaller size already reaches `share` of the larger) and the KV pool holds
+        it (up to `limit`); the fewest that reach `share` of the best. Each size is the faster of two
+        runs (the first touches its memory for the first time)."""
         bs, rates = self.block_size, {}
         n = max(1, start)
         while n <= limit and blocks_for(n, bs) <= self.pool.available:
@@ -517,7 +521,7 @@ class Sampler:
             finally:
                 self.pool.release(blocks)
             rates[n] = n / max(min(times), 1e-9)
-            if len(rates) > 1 and rates[n] < gain * rates[n // 2]:
+            if len(rates) > 1 and rates[n] * share < rates[n // 2]:
                 break
             n *= 2
         best = max(rates.values(), default=0.0)
