@@ -44,6 +44,7 @@ import itertools
 import json
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
@@ -645,6 +646,7 @@ def start_server(model_dir: Path, data: Path, args: argparse.Namespace) -> tuple
            "--device-slots", str(args.device_slots)]  # fmt: skip
     if args.threads:
         cmd += ["--threads", str(args.threads)]
+    cmd += shlex.split(args.serve_args)
     log_path = data.parent / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -686,6 +688,7 @@ def main() -> None:
     )
     ap.add_argument("--device-slots", type=int, default=16, help="the server's --device-slots")
     ap.add_argument("--threads", type=int, default=None, help="the server's --threads (default: its own)")
+    ap.add_argument("--serve-args", default="", help="more `mint serve` flags, e.g. \"--linger-s 1 --max-step-tokens 128\"")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream (train, single)")
     ap.add_argument("--train-steps", type=int, default=3, help="training steps timed per side (train)")
     ap.add_argument(
