@@ -2,6 +2,7 @@
 
     python -m benchmarks.serving [--tiny] [--cases flood,storm,train,long,single] [--tries N]
                                  [--probes 20] [--flood 200] [--storm N] [--device-slots 16]
+                                 [--serve-args "--linger-s 1 --max-step-tokens 128"]
 
 Starts one `mint serve` (a subprocess, as a user runs it: soak.py's pattern) on SmolLM2 (prepared
 on first use; a tiny random Llama with --tiny) with `--device-slots`, and two API keys: key A
