@@ -29,7 +29,9 @@ Policy, in order:
    in the step, the step is capped so it costs at most `max_slowdown` × what that work alone would
    cost: a quiet key's 8-token request is not stuck in 200-row steps of a flood; the flood gets the
    rest of the budget, and all of it when the quiet key is gone — `linger_s` after it is gone, since
-   a closed-loop client's next request is usually on its way.
+   a closed-loop client's next request is usually on its way. In such a capped step a key's next item
+   is, within its turn's stage, one on an adapter already in the step where it has one (a further
+   adapter costs the step its own products).
 5. **Admission and preemption.** Waiting work is admitted when its KV blocks and rows fit. When they
    do not and running items of more-served keys (or of a lower class) hold KV, the most-served of
    those are preempted until it fits. The first waiting item that cannot be admitted even so stops
@@ -210,7 +212,8 @@ class Scheduler:
         if not candidates:
             return plan
         tokens_left = self.step_budget
-        allowed = self._cap(candidates, now)  # the step's cost bound (StepCost units)
+        allowed, protected = self._cap(candidates, now)  # the step's cost bound (StepCost units)
+        capped = not math.isinf(allowed)
         rows = tokens = chunks = 0  # decode rows, prefill tokens and prefill chunks planned so far
         policies: set[str] = set()  # distinct adapters planned so far
         planned: dict[str, float] = {}
@@ -218,8 +221,11 @@ class Scheduler:
         admitting = True
         for cls in sorted({w.priority for w in candidates}):
             queues = self._queues(w for w in candidates if w.priority == cls)
-            # First one running item of every key (least served first): no active key skips a step.
-            first = deque(sorted((k for k, q in queues.items() if q[0].running), key=lambda k: (self.served.get(k, 0.0), k)))
+            # First one item of each protected key (the step is capped for its work: it must not be
+            # crowded out by the forced items below), then one running item of every other key (least
+            # served first): no active key skips a step.
+            first = deque(sorted((k for k, q in queues.items() if (cls, k) in protected or q[0].running),
+                                 key=lambda k: ((cls, k) not in protected, self.served.get(k, 0.0), k)))
             share = max(1, tokens_left // len(queues))  # a forced item's most: the others' turns must fit too
             while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
                                                    or self._room(rows, tokens, chunks, len(policies), allowed, False) >= 1):
@@ -228,7 +234,7 @@ class Scheduler:
                     key = first.popleft()
                 else:
                     key = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k))
-                item = queues[key].pop(0)
+                item = self._take(queues[key], policies) if capped else queues[key].pop(0)
                 if not queues[key]:
                     del queues[key]
                 adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
@@ -310,6 +316,20 @@ class Scheduler:
                                   w.arrival))
         return out
 
+    @staticmethod
+    def _take(queue: list[Work], policies: set[str]) -> Work:
+        """A key's next item in a capped step: among the items of its turn's stage (decode rows, prompts
+        being prefilled, waiting work), the first on the base or on an adapter already in the step, else
+        the first. Every further adapter costs the step its own products — on CPUs its launches, ~5 ms an
+        adapter on SmolLM2 — which the protected key's steps would pay."""
+        stage = (queue[0].running, queue[0].decoding)
+        for i, w in enumerate(queue):
+            if (w.running, w.decoding) != stage:
+                break
+            if not w.policy or w.policy in policies:
+                return queue.pop(i)
+        return queue.pop(0)
+
     def _room(self, rows: int, tokens: int, chunks: int, adapters: int, allowed: float, decoding: bool) -> int:
         """How many tokens one more item may run within `allowed` (with `adapters` distinct adapters
         in the step once it is in): a decode row its one or none, a prefill chunk the tokens that fit."""
@@ -321,9 +341,9 @@ class Scheduler:
         budget = allowed - self.cost.lora(adapters) - self.cost.chunk * (chunks + 1)
         return max(0, self.cost.tokens_within(budget) - rows - tokens)
 
-    def _cap(self, items: Sequence[Work], now: float | None = None) -> float:
+    def _cap(self, items: Sequence[Work], now: float | None = None) -> tuple[float, set[tuple[int, str]]]:
         """The latency bound (4. above): the most a step may cost given who is in it (and who just
-        left, within linger_s)."""
+        left, within linger_s); and the (class, key)s it protects."""
         # (class, key) → (decode rows, prefill tokens, prefill chunks)
         demand: dict[tuple[int, str], tuple[int, int, int]] = {}
         adapters: dict[tuple[int, str], set[str]] = {}
@@ -342,10 +362,10 @@ class Scheduler:
         bounds = [self.max_slowdown * costs[k] for k in protected]
         bounds += [self.max_slowdown * c for k, c in lingering.items() if k[0] <= top and c < heaviest]
         if not bounds:
-            return math.inf
+            return math.inf, set()
         shared = set().union(*(adapters.get(k, set()) for k in protected))
         together = self.cost(*(sum(demand[k][i] for k in protected) for i in range(3)), len(shared))
-        return max(min(bounds), together)
+        return max(min(bounds), together), set(protected)
 
     def _linger(self, now: float | None, demand: dict[tuple[int, str], tuple[int, int, int]],
                 protected: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:

@@ -187,6 +187,42 @@ def test_every_running_key_gets_an_item_past_the_cap_and_decode_rows_go_before_p
     assert [w for w, _ in plan.run if w.key == "flood"] == [rows[0]]
 
 
+def test_a_capped_step_takes_the_heavy_keys_rows_on_adapters_already_in_it():
+    """While a quiet key caps the step, the flood's rows beside it come from the adapter its one
+    forced row brought in (and the base), not one per flood policy: each further adapter costs the
+    quiet key's step its own products. Uncapped, the flood's policies take turns again."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost((1, 2), (10.0, 11.0), adapter_first=2.0,
+                                                                       adapter_each=3.0))
+    flood = [Item("flood", decoding=True, policy=f"p{i % 4}") for i in range(40)]
+    quiet = Item("quiet", decoding=True, policy="q")
+    plan = s.plan([*flood, quiet], 1000, 1000)
+    ran = [w for w, _ in plan.run if w.key == "flood"]
+    # quiet alone: 9 + 1 + 2 = 12, cap 24. With p0 (the forced row's adapter) in the step, n rows cost
+    # 9 + n + 2 + 3: 10 rows fit, 9 of them the flood's, all on p0. Taking the flood's policies in
+    # turn instead (p1, p2 next: 3 more each) would carry 3 rows on 3 adapters for the same cost.
+    assert len(ran) == 9 and {w.policy for w in ran} == {"p0"} and quiet in [w for w, _ in plan.run]
+    alone = s.plan(flood, 1000, 1000)
+    assert {w.policy for w, _ in alone.run} == {"p0", "p1", "p2", "p3"}
+
+
+def test_a_protected_keys_new_request_is_planned_before_the_forced_rows_of_others():
+    """A quiet key's new prompt (waiting, not yet running) is what caps the step: it is planned first,
+    whole, and the flood's one forced row comes after it; were the forced row first, its adapter would
+    take the slack the cap leaves and cut the quiet prompt to a partial chunk (or none)."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=1.25, cost=StepCost((1, 2), (10.0, 11.0), adapter_first=2.0,
+                                                                        adapter_each=3.0))
+    flood = [Item("flood", decoding=True, policy=f"p{i % 4}") for i in range(40)]
+    quiet = Item("quiet", pending=5, running=False, policy="q")
+    plan = s.plan([*flood, quiet], 1000, 1000)
+    # quiet alone: 9 + 5 + 2 = 16, cap 20; with a flood row first (its adapter +3) 4 tokens would be left
+    assert plan.run[0] == (quiet, 5) and id(quiet) in plan.admit
+    assert [w.key for w, _ in plan.run[1:]] == ["flood"]  # its forced row, past the cap
+
+
 def test_a_protected_key_lingers_after_its_work_ends():
     """A closed-loop client's next request is on its way: for linger_s after a protected key's last
     item the heavy key's steps stay capped, then they are whole again."""
