@@ -11,8 +11,10 @@ Policy, in order:
 1. **Priorities.** Lower `priority` first (interactive < rollout < batch): a class's work is planned
    before any of the next class's.
 2. **Fair shares** (virtual token counters, after "Fairness in Serving LLMs"): within a class every
-   key with running work first gets one item (a decode row or a prefill chunk; within the budget but
-   past the latency cap below), so no active key skips a step; then the key with the fewest tokens
+   key the latency cap below protects first gets one item (its new request too), then every other
+   key with running work one (a decode row or a prefill chunk; within the budget but past the cap),
+   so no active key skips a step and none of those forced items crowds out the work the step is
+   capped for; then the key with the fewest tokens
    served goes next, one item at a time, counting the tokens planned in this step, so a key with one
    request gets its turn whatever another key queues. Within a key: decode rows, then prompts being
    prefilled, then waiting requests; among those the policy (adapter) served least, then arrival. A
