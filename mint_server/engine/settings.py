@@ -30,9 +30,8 @@ class EngineSettings:
     kv_budget_mb: float | None = None
     # Longest sequence, for training and sampling alike; None: the model's own context.
     max_context: int | None = None
-    # Tokens one engine step may run: decode rows (one each) plus chunks of prefill (engine/scheduler.py).
-    # A longer prompt is prefilled in chunks over several steps, beside everyone's decode rows. It
-    # bounds how long new work waits for the step in flight; None: step_tokens_for(the measured cost) below.
+    # Decode rows one engine step may run, and its tokens when no prompt chunk is in it (engine/scheduler.py).
+    # It bounds how long new work waits for the step in flight; None: step_tokens_for(the measured cost) below.
     max_step_tokens: int | None = None
     # Tokens a step may run when prompt chunks are in it (at least max_step_tokens): one chunk yields one
     # row's logits and draw, so prompt tokens reach their best throughput in bigger steps than decode

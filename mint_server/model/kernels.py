@@ -123,7 +123,6 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     """Causal attention of a prefill chunk that continues a prefix: q [1, H, n, D] at the last n
     positions of k, v [1, Hkv, S, D] (S ≥ n; Hkv divides H).
@@ -138,7 +137,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     n, S = q.shape[2], k.shape[2]
     prefix = S - n
     if _mode != "fast" or q.device.type != "cpu" or prefix <= 0 or torch.is_grad_enabled():
-        mask = (torch.arange(S, device=q.device)[None, :] <= torch.arange(prefix, S, device=q.device)[:, None])
+        mask = torch.arange(S, device=q.device)[None, :] <= torch.arange(prefix, S, device=q.device)[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None, None], scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -157,6 +156,7 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
     total = w_p + w_c
     merged = out_p.float() * (w_p / total).unsqueeze(-1) + out_c.float() * (w_c / total).unsqueeze(-1)
     return merged.to(q.dtype)
+
 
 def calibrate_skinny_once(weights: Sequence[Tensor], stream_bytes: int = 64 << 20) -> int:
     """calibrate_skinny on the first weights that add up to `stream_bytes` (more than a CPU cache

@@ -110,4 +110,3 @@ def test_all_finite_finds_every_nan_and_inf_and_no_more(dtype):
     both = [t.clone() for t in ts]
     both[0].view(-1)[0], both[0].view(-1)[1] = float("inf"), -float("inf")  # their sum is NaN, not inf
     assert not kernels.all_finite(both)
-
