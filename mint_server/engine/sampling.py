@@ -28,12 +28,14 @@ meanwhile) and a pin from admission (its slot is not evicted while rows read it)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +63,7 @@ from mint_server.engine.sampler_ops import (
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
 from mint_server.engine.state_cache import StateSlots
 from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
+from mint_server.model import kernels
 from mint_server.model.images import PromptImages
 from mint_server.model.transformer import Transformer
 
@@ -430,14 +433,16 @@ class Sampler:
     def kv_blocks_in_use(self) -> int:
         return self.pool.used
 
-    def measure_costs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 3) -> StepCost:
+    def measure_costs(self, sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128), repeats: int = 4) -> StepCost:
         """The scheduler's cost model on this machine, from base-model steps on scratch blocks: decode
         batches of `sizes` rows, each with its rows' token draw (temperature 1, the costliest); one
         prefill step of 64 tokens as 8 chunks against one of 64 (a chunk's own cost); what a row's
         adapter, and a second adapter in the step, add (LoRA's own products and their launches). Each
-        figure is the least of a few runs (noise only adds). Measured at start-up: the weights' read
-        against the compute, and where BLAS changes method, are the machine's. The unit is the marginal
-        cost of a token at the largest size."""
+        figure is the least of `repeats` rounds with every probe taken in turn (`kernels.fastest`: a
+        spell of noise on a shared machine then slows one run of each probe, not every run of one,
+        which would bend the curve or the differences). Measured at start-up: the weights' read against
+        the compute, and where BLAS changes method, are the machine's. The unit is the marginal cost of
+        a token at the largest size."""
         sizes = tuple(k for k in sizes if k <= self.max_batch_rows) or (1,)
         bs = self.block_size
         # a 64-token prompt, and the same as 8 chunks of their own, where the pool holds them
@@ -454,44 +459,50 @@ class Sampler:
         position = min(2 * self.block_size - 1, 31)  # decode rows a little into their context
         vocab = self.vocab_size
 
-        def seconds(batch: StepBatch, draws: int = 0) -> float:
+        def step(batch: StepBatch, draws: int = 0) -> Callable[[], None]:
             logits = torch.randn(draws, vocab)
             params = (torch.ones(draws), torch.zeros(draws, dtype=torch.long), torch.ones(draws))
             gens = [torch.Generator().manual_seed(i) for i in range(draws)]
-            times = []
-            for _ in range(repeats + 1):  # the first one warms up
-                t0 = time.perf_counter()
+
+            def run() -> None:
                 self.executor.step(batch)
                 if draws:
                     choose_tokens(logits, *params, uniforms(gens))
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])  # the machine's cost; noise only adds
 
-        def decode(k: int, slots: list[int] | None = None) -> float:
-            return seconds(StepBatch([0] * k, [position] * k, [1] * k, slots or [-1] * k, [row_blocks] * k,
-                                     list(range(k))), k)
+            return run
+
+        def decode(k: int, slots: list[int] | None = None) -> Callable[[], None]:
+            return step(StepBatch([0] * k, [position] * k, [1] * k, slots or [-1] * k, [row_blocks] * k,
+                                  list(range(k))), k)
 
         try:
             row_blocks = alloc(2)
-            times = [decode(k) for k in sizes]
+            runs = {("rows", k): decode(k) for k in sizes}
+            runs["one"] = step(StepBatch([0] * probe, list(range(probe)), [probe], [-1], [alloc(blocks_for(probe, bs))], [0]))
+            tables = [alloc(blocks_for(chunk_len, bs)) for _ in range(chunks)]
+            runs["chunked"] = step(StepBatch([0] * probe, [p for _ in range(chunks) for p in range(chunk_len)],
+                                             [chunk_len] * chunks, [-1] * chunks, tables, [chunks - 1]))
             # LoRA, where it matters for a protected key: one row on an adapter against one on the base,
             # and what each further adapter adds, as a busy step meets them: 2 rows on each of up to 8
             # adapters spread over the bank (past a few rows the mixed products run per adapter) against
             # the same rows on one (empty bank slots probed as adapters; on one rank only: under tensor
             # parallelism each rank's bank is its own)
-            bank, first, each = self.residency.bank, 0.0, 0.0
-            if self.executor.runner is None and bank.num_slots:
-                with bank.probing(range(bank.num_slots), min(16, bank.max_rank)):
-                    first = decode(1, [0]) - decode(1)
-                    if (k := min(8, bank.num_slots, self.max_batch_rows // 2)) > 1:
-                        spread = [round(i * (bank.num_slots - 1) / (k - 1)) for i in range(k)]
-                        each = (decode(2 * k, [s for s in spread for _ in range(2)]) - decode(2 * k, [0] * 2 * k)) / (k - 1)
-            one = seconds(StepBatch([0] * probe, list(range(probe)), [probe], [-1], [alloc(blocks_for(probe, bs))], [0]))
-            tables = [alloc(blocks_for(chunk_len, bs)) for _ in range(chunks)]
-            chunked = seconds(StepBatch([0] * probe, [p for _ in range(chunks) for p in range(chunk_len)],
-                                        [chunk_len] * chunks, [-1] * chunks, tables, [chunks - 1]))
+            bank, spread = self.residency.bank, 0
+            lora = self.executor.runner is None and bank.num_slots > 0
+            if lora:
+                runs["base row"], runs["adapter row"] = decode(1), decode(1, [0])
+                if (spread := min(8, bank.num_slots, self.max_batch_rows // 2)) > 1:
+                    slots = [round(i * (bank.num_slots - 1) / (spread - 1)) for i in range(spread)]
+                    runs["spread"] = decode(2 * spread, [s for s in slots for _ in range(2)])
+                    runs["together"] = decode(2 * spread, [0] * 2 * spread)
+            with bank.probing(range(bank.num_slots), min(16, bank.max_rank)) if lora else contextlib.nullcontext():
+                measured = dict(zip(runs, kernels.fastest(list(runs.values()), repeats), strict=True))
         finally:
             self.pool.release(held)
+        times = [measured["rows", k] for k in sizes]
+        one, chunked = measured["one"], measured["chunked"]
+        first = measured["adapter row"] - measured["base row"] if lora else 0.0
+        each = (measured["spread"] - measured["together"]) / (spread - 1) if lora and spread > 1 else 0.0
         if len(sizes) < 2:
             return StepCost.linear(0.0)
         unit = max((times[-1] - times[-2]) / (sizes[-1] - sizes[-2]), 1e-9)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -174,38 +174,54 @@ def calibrate_skinny_once(weights: Sequence[Tensor], stream_bytes: int = 64 << 2
     return _skinny_rows
 
 
+def fastest(runs: Sequence[Callable[[], object]], rounds: int = 3) -> list[float]:
+    """Each run's least wall time over `rounds` rounds, the runs taken in turn within a round (after
+    one warm-up round). A machine's noise only adds time, and comes in spells: taken in turn, a spell
+    slows one run of each rather than every run of one, so the comparisons built on these times (a
+    curve, a difference, a choice between two forms) hold where back-to-back repeats would not."""
+    best = [float("inf")] * len(runs)
+    for r in range(rounds + 1):
+        for i, run in enumerate(runs):
+            t0 = time.perf_counter()
+            run()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
 def calibrate_skinny(weights: Sequence[Tensor], candidates: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                     repeats: int = 3, margin: float = 0.9) -> int:
+                     repeats: int = 16, margin: float = 0.9) -> int:
     """Time both forms of the product over `weights` (a decode step's worth, so they stream from
-    memory as they do in a step) for each row count; skinny_rows becomes the largest count up to
-    which the weight × xᵀ form is faster by `margin` at every count. Returns it. Run it on the
-    thread (and its thread team) that computes."""
+    memory as they do in a step) at every row count, all of them in turn for `repeats` rounds
+    (`fastest`: each run is a few ms, so only rounds spread over a longer span outlast a spell of
+    noise); skinny_rows becomes the largest count up to which the weight × xᵀ form is faster by
+    `margin` at every count. Returns it. Run it on the thread (and its thread team) that computes."""
     if not weights or weights[0].device.type != "cpu":
         set_skinny_rows(0)
         return 0
     dtype = weights[0].dtype
 
-    def seconds(rows: int, skinny: bool) -> float:
+    def product(rows: int, skinny: bool) -> Callable[[], None]:
         xs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=dtype) for w in weights}
-        set_skinny_rows(rows if skinny else 0)
-        best = float("inf")
-        with torch.no_grad():
-            for _ in range(repeats):
-                t0 = time.perf_counter()
+
+        def run() -> None:
+            set_skinny_rows(rows if skinny else 0)
+            with torch.no_grad():
                 for w in weights:
                     linear(xs[w.shape[1]], w)
-                best = min(best, time.perf_counter() - t0)
-        return best
+
+        return run
 
     old, chosen = _mode, 0
     set_mode("fast")
     try:
-        for rows in candidates:
-            if seconds(rows, True) > margin * seconds(rows, False):
-                break
-            chosen = rows
+        times = fastest([product(rows, skinny) for rows in candidates for skinny in (True, False)], repeats)
     finally:
         set_mode(old)
+    for rows, skinny, plain in zip(candidates, times[::2], times[1::2], strict=True):
+        if skinny > margin * plain:
+            break
+        chosen = rows
     set_skinny_rows(chosen)
     return chosen
 
