@@ -72,7 +72,7 @@ class _Work:
     op: Callable[[list[Adapter | None]], Any] | None = None  # anything else; gets the resolved refs
     on_device: bool = True  # its adapters must be in slots when it runs
     resolved: list[Adapter | None] | None = None
-    enqueued: float = field(default_factory=time.monotonic)
+    enqueued: float = field(default_factory=time.perf_counter)  # when it reached the engine
 
     @property
     def ids(self) -> set[str]:
@@ -417,6 +417,8 @@ class LocalEngine(JobParsing):
                     return
                 if not self._running and not self._queue and not self.sampler.has_work():
                     return
+                if not self._queue and (hold := self.sampler.hold()) > 0:  # a quiet key's next request
+                    self._cv.wait(timeout=hold)
                 queued = list(self._queue)
                 self._landed = False  # loads landing from here on are news to this turn's wait
             t0 = time.perf_counter()
@@ -452,7 +454,7 @@ class LocalEngine(JobParsing):
                 if w.future.cancelled():
                     self._done(w)
                 else:  # the request owns the adapter reference from here on
-                    self.sampler.submit(w.sample, (w.resolved or [None])[0], w.future)
+                    self.sampler.submit(w.sample, (w.resolved or [None])[0], w.future, w.enqueued)
                 continue
             blocked.update(w.ids)
         with self._cv:

@@ -355,6 +355,7 @@ class Sampler:
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
         self._lock = threading.Lock()  # guards _queue, _cancels: has_work/queued/cancel come from other threads
+        self._last_adapter: dict[str, Adapter | None] = {}  # key → its latest request's adapter
         self._cancels: set[Future] = set()
         self._rows: list[_Row] = []
         self._groups: list[_Group] = []
@@ -364,17 +365,31 @@ class Sampler:
         self._latencies: deque[tuple[int, str, float]] = deque(maxlen=100_000)  # nobody drains: keep the newest
 
     # --- submission and queries (any thread) ----------------------------------------------------
-    def submit(self, job: SampleJob, adapter: Adapter | None, future: Future | None = None) -> SampleFuture | Future:
+    def submit(self, job: SampleJob, adapter: Adapter | None, future: Future | None = None,
+               arrived: float | None = None) -> SampleFuture | Future:
         """Queue a parsed job on `adapter` (None: the base), whose reference the caller took and
         the request now owns. The future's result is a SampleResponse (or, for a score-only job,
-        the prompt's logprobs); a SampleFuture knows its sequence ids from the start."""
+        the prompt's logprobs); a SampleFuture knows its sequence ids from the start. `arrived`:
+        when the request reached the engine (time.perf_counter; default now)."""
         if future is None:
             future = SampleFuture(list(job.sequence_ids))
+        arrived = time.perf_counter() if arrived is None else arrived
         req = _Request(future=future, adapter=adapter, job=job, arrival=next(self._arrivals),
-                       submitted=time.perf_counter(), results=[None] * (0 if job.score_only else job.num_samples))
+                       submitted=arrived, results=[None] * (0 if job.score_only else job.num_samples))
         with self._lock:
             self._queue.append(req)
+            self._last_adapter[job.key] = adapter
+            self.scheduler.note_arrival(job.key, arrived)
         return future
+
+    def hold(self) -> float:
+        """Seconds the worker should wait for a protected key's next request before the next step
+        (Scheduler.hold)."""
+        with self._lock:
+            busy = {r.key for r in self._queue}
+        busy.update(r.key for r in self._rows)
+        busy.update(r.key for g in self._groups for r in g.requests)
+        return self.scheduler.hold(time.perf_counter(), busy)
 
     def cancel(self, future: Future) -> None:
         """Stop the request behind `future` (any thread): at the next step its queued samples are
@@ -394,12 +409,19 @@ class Sampler:
 
     def waiting_adapters(self, limit: int | None = None) -> list[Adapter]:
         """Adapters that queued requests need, most urgent first (the residency manager's wants): in
-        the order the scheduler will take them, so a quiet key's adapter is not loaded behind a storm."""
+        the order the scheduler will take them, so a quiet key's adapter is not loaded behind a storm.
+        First of all the last adapter of each key the scheduler lets linger: a closed-loop client's
+        next request is on its way, and between its requests its adapter, idle and unpinned, was the
+        one slot a storm of cold adapters (every other slot read by running work) took from it."""
         served = self.scheduler.served
+        lingering = self.scheduler.lingering(time.perf_counter())
         with self._lock:
             order = sorted(self._queue, key=lambda r: (r.priority, served.get(r.key, 0.0), r.arrival))
-        out = [r.adapter for r in order if r.adapter is not None]
-        return out if limit is None else list(dict.fromkeys(out))[:limit]
+            queued = {r.key for r in order}
+            self._last_adapter = {k: a for k, a in self._last_adapter.items() if k in lingering or k in queued}
+            recent = [a for k, a in self._last_adapter.items() if k in lingering]
+        out = [a for a in recent + [r.adapter for r in order] if a is not None]
+        return list(dict.fromkeys(out))[:limit]
 
     def fail_waiting(self, adapter: Adapter, exc: BaseException) -> None:
         """Its adapter could not be loaded: fail the queued requests that wait for it."""
@@ -985,6 +1007,7 @@ class Sampler:
         """Drop the request's adapter pin and reference (once)."""
         if not req.closed:
             req.closed = True
+            self.scheduler.note_end(req.key, time.perf_counter())
             if req.adapter is not None:
                 if req.pinned:
                     self.residency.unpin(req.adapter)

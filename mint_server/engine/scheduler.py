@@ -33,7 +33,8 @@ Policy, in order:
    rest of the budget, and all of it when the quiet key is gone — `linger_s` after it is gone, since
    a closed-loop client's next request is usually on its way. In such a capped step a key's next item
    is, within its turn's stage, one on an adapter already in the step where it has one (a further
-   adapter costs the step its own products).
+   adapter costs the step its own products). A protected key that usually comes back within a step
+   of its own is waited for, briefly, before a step without it starts (`hold`: anticipation).
 5. **Admission and preemption.** Waiting work is admitted when its KV blocks and rows fit. When they
    do not and running items of more-served keys (or of a lower class) hold KV, the most-served of
    those are preempted until it fits. The first waiting item that cannot be admitted even so stops
@@ -190,6 +191,8 @@ class Scheduler:
     _protected: dict[tuple[int, str], float] = field(default_factory=dict)  # (class, key) → its cost alone
     _lingering: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)  # → (until, cost)
     _active_policies: set[tuple[str, str]] = field(default_factory=set)
+    _ended: dict[str, float] = field(default_factory=dict)  # key → when its latest request ended
+    _returns: dict[str, deque[float]] = field(default_factory=dict)  # key → its latest think times
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -368,6 +371,47 @@ class Scheduler:
         shared = set().union(*(adapters.get(k, set()) for k in protected))
         together = self.cost(*(sum(demand[k][i] for k in protected) for i in range(3)), len(shared))
         return max(min(bounds), together), set(protected)
+
+    def note_end(self, key: str, now: float) -> None:
+        """A request of `key` ended (its response is on its way)."""
+        self._ended[key] = now
+        if len(self._ended) > 4096:  # keys that never came back
+            self._ended = dict(sorted(self._ended.items(), key=lambda kv: kv[1])[-1024:])
+
+    def note_arrival(self, key: str, now: float) -> None:
+        """A request of `key` arrived: the time since its previous one ended is its think time."""
+        ended = self._ended.pop(key, None)
+        if ended is not None:
+            self._returns.setdefault(key, deque(maxlen=8)).append(max(0.0, now - ended))
+            if len(self._returns) > 4096:
+                self._returns = {k: v for k, v in self._returns.items() if k in self._ended or k == key}
+
+    def hold(self, now: float, busy: set[str]) -> float:
+        """Seconds to wait before the next step for a protected key whose request just ended and
+        which usually comes back sooner than a step of its own takes (anticipation, as disk
+        schedulers wait for a process's next read): a step started just before its next request
+        arrives is one it waits out whole, where this wait costs the heavy keys at most that one
+        step's time. 0 when no such key is idle (keys in `busy` have work queued or running)."""
+        assert self.cost is not None
+        if self.cost.unit_s <= 0:
+            return 0.0
+        costs = {key: cost for (_, key), cost in self._protected.items()}
+        costs.update({key: cost for (_, key), (until, cost) in self._lingering.items() if until > now})
+        wait = 0.0
+        for key, cost in costs.items():
+            ended, returns = self._ended.get(key), self._returns.get(key)
+            if key in busy or ended is None or not returns:
+                continue
+            typical, own = sorted(returns)[len(returns) // 2], cost * self.cost.unit_s
+            if typical <= own:
+                wait = max(wait, ended + min(2 * typical, own) - now)
+        return wait
+
+    def lingering(self, now: float) -> set[str]:
+        """The keys the last step protected, and those it would still protect for a while though
+        their work is gone (linger_s): the ones whose work may have just ended, or soon comes back."""
+        return {key for _, key in self._protected} | {key for (_, key), (until, _) in self._lingering.items()
+                                                       if until > now}
 
     def _linger(self, now: float | None, demand: dict[tuple[int, str], tuple[int, int, int]],
                 protected: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import pytest
+
 from mint_server.engine.interface import Priority
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler
 
@@ -248,3 +250,29 @@ def test_the_cost_curve_inverts_and_saturates():
     assert c.tokens_within(30.0) == 24  # beyond the last point: the last segment's slope
     # tokens per unit: 0.1, 0.19, 0.36, 0.57, 0.73 → 90 % of the best first reached at 16
     assert c.saturation(0.9) == 16 and c.saturation(0.75) == 8
+
+
+def test_the_worker_waits_briefly_for_a_protected_key_that_comes_back_quickly():
+    """Anticipation: a protected key whose requests come back within a step of its own (2 ms here,
+    against its 10 ms step alone) is waited for, up to twice its typical think time, before a step
+    without it starts; not while it has work, not past that, not for a key slow to come back, and
+    never for the heavy key."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=1.25, cost=StepCost((1, 2), (10.0, 11.0), unit_s=0.001),
+                  linger_s=1.0)
+    flood = [Item("flood", decoding=True) for _ in range(100)]
+    quiet, slow = Item("quiet", decoding=True), Item("slow", decoding=True)
+    for t in (1.0, 2.0, 3.0):  # each key's requests: back 2, 50 and 1 ms after the last one ended
+        s.note_arrival("quiet", t)
+        s.note_arrival("slow", t + 0.048)
+        s.note_arrival("flood", t - 0.001)
+        s.plan([*flood, quiet, slow], 1000, 1000, now=t + 0.06)
+        for key in ("quiet", "slow", "flood"):
+            s.note_end(key, t + 0.998)
+    assert s.hold(3.998, busy=set()) == pytest.approx(0.004)
+    assert s.hold(4.001, busy=set()) == pytest.approx(0.001)
+    assert s.hold(4.003, busy=set()) == 0.0
+    assert s.hold(3.998, busy={"quiet"}) == 0.0
+    s.note_arrival("quiet", 3.999)
+    assert s.hold(3.999, busy=set()) == 0.0  # it is back

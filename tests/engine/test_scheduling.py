@@ -226,3 +226,32 @@ def test_measured_chunk_tokens_double_from_the_step_budget_within_the_pool(model
     assert chosen in (12, 24, 48, 96, 192, 384, 768) and chosen <= free * 8
     assert sampler.pool.available == free
     assert sampler.measure_chunk_tokens(4096) == 4096  # nothing fits: the start stands
+
+
+def test_a_lingering_keys_adapter_keeps_its_slot_through_a_storm_of_cold_adapters(model):
+    """Between a closed-loop client's requests its adapter is idle and unpinned; with every other
+    slot read by a storm's running work it was the one slot the storm's next cold adapter took, and
+    each next request waited for its reload. While the key lingers its adapter is wanted first."""
+    from tests.engine.helpers import make_residency
+
+    residency = make_residency(model.config, num_slots=3, max_rank=8)
+    quiet_id = install(residency, 4, seed=100)
+    storm_ids = [install(residency, 4, seed=i) for i in range(6)]
+    sampler = make_sampler(model, residency, kv_slots=16, max_seq_len=40, linger_s=600.0)
+
+    def turn() -> None:  # the engine worker's turn: residency first, then the step
+        residency.schedule(sampler.waiting_adapters(limit=12))
+        sampler.step()
+
+    storm = [sampler.submit(a, prompt_of(i, 4), 1, params(max_tokens=24), key="storm") for i, a in enumerate(storm_ids)]
+    quiet = sampler.submit(quiet_id, prompt_of(99, 4), 1, params(max_tokens=3), key="quiet")
+    while not quiet.done():
+        turn()
+    for _ in range(4):
+        turn()
+        assert residency.get(quiet_id).slot is not None
+    for _ in range(200):
+        if not sampler.has_work():
+            break
+        turn()
+    assert all(len(f.result().sequences[0].tokens) == 24 for f in storm)
