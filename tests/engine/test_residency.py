@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -208,6 +209,11 @@ def test_cold_loads_run_below_the_steps_priority(sampling_llama_dir, tmp_path):
         e.shutdown()
 
 
+def _load_queued(e, source_key: str) -> bool:
+    with e.residency._queued_lock:
+        return any(a.source is not None and a.source.key == source_key for a in e.residency._queued)
+
+
 def test_a_quiet_cold_load_is_not_queued_behind_a_sweeps_prefetch(sampling_llama_dir, tmp_path):
     """Loads start most urgent first and only a few at a time: an interactive request's cold adapter
     arriving while a batch sweep has 20 cold adapters waiting is read right after the loads already
@@ -223,6 +229,12 @@ def test_a_quiet_cold_load_is_not_queued_behind_a_sweeps_prefetch(sampling_llama
         assert started.wait(timeout=120)  # the first sweep load holds the one loader thread at the gate
         quiet = _sample(e, AdapterSource("quiet", read=_peft_read(dirs[20], reads, "quiet")), [5, 6],
                         key="quiet", priority=Priority.INTERACTIVE)
+        # the gate opens once the worker has queued the quiet load (else the loader thread may read
+        # the sweep's next ones before the worker's turn sees the new request: a race, not the rule)
+        deadline = time.monotonic() + 120
+        while not _load_queued(e, "quiet"):
+            assert time.monotonic() < deadline, "the quiet load was never queued"
+            time.sleep(0.005)
         gate.set()
         assert len(quiet.result(timeout=300).sequences[0].tokens) == 8
         assert all(len(f.result(timeout=300).sequences[0].tokens) == 2 for f in sweep)
