@@ -19,7 +19,9 @@ Policy, in order:
    request gets its turn whatever another key queues. Within a key: decode rows, then prompts being
    prefilled, then waiting requests; among those the policy (adapter) served least, then arrival. A
    key that becomes active starts at the least count among the active keys (no credit hoarded while
-   idle).
+   idle). A key whose ready work no step has taken for `starve_steps` steps in a row (the latency
+   cap below left no room for it) gets one item forced into the next: a light key's closed loop
+   never starves the others.
 3. **Budget.** A step runs at most `max_step_tokens` decode rows and, in all, at most
    `max_chunk_tokens` tokens (no fewer than `max_step_tokens`): prompt tokens reach their best
    throughput in bigger chunks than decode rows do, since a chunk yields one row's logits and draw
@@ -187,7 +189,11 @@ class Scheduler:
     # next request (a chat turn, an SDK loop) is on its way, and would otherwise arrive to find a full
     # step of the heavy key's in flight and wait it out.
     linger_s: float = 0.0
+    # Steps in a row a key's ready work may go untaken before one item of it is forced into a step
+    # (aging): a cap tight enough that no item of the heavy key fits must not starve it.
+    starve_steps: int = 8
     _active: set[str] = field(default_factory=set)
+    _untaken: dict[str, int] = field(default_factory=dict)  # key → steps in a row none of its ready work ran
     _protected: dict[tuple[int, str], float] = field(default_factory=dict)  # (class, key) → its cost alone
     _lingering: dict[tuple[int, str], tuple[float, float]] = field(default_factory=dict)  # → (until, cost)
     _active_policies: set[tuple[str, str]] = field(default_factory=set)
@@ -229,7 +235,8 @@ class Scheduler:
             # First one item of each protected key (the step is capped for its work: it must not be
             # crowded out by the forced items below), then one running item of every other key (least
             # served first): no active key skips a step.
-            first = deque(sorted((k for k, q in queues.items() if (cls, k) in protected or q[0].running),
+            first = deque(sorted((k for k, q in queues.items() if (cls, k) in protected or q[0].running
+                                  or self._untaken.get(k, 0) >= self.starve_steps),
                                  key=lambda k: ((cls, k) not in protected, self.served.get(k, 0.0), k)))
             share = max(1, tokens_left // len(queues))  # a forced item's most: the others' turns must fit too
             while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
@@ -281,6 +288,7 @@ class Scheduler:
                 rows, tokens, chunks = (rows + 1, tokens, chunks) if item.decoding else (rows, tokens + n, chunks + 1)
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
+        self._untaken = {k: 0 if k in planned else self._untaken.get(k, 0) + 1 for k in {w.key for w in candidates}}
         return plan
 
     @property

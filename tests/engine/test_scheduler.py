@@ -225,6 +225,22 @@ def test_a_protected_keys_new_request_is_planned_before_the_forced_rows_of_other
     assert [w.key for w, _ in plan.run[1:]] == ["flood"]  # its forced row, past the cap
 
 
+def test_a_key_the_cap_leaves_no_room_for_gets_an_item_every_starve_steps():
+    """A light key's closed loop caps every step; when even one item of the heavy key would break
+    that cap (each on an adapter of its own, as a cold storm's), the heavy key still gets one item
+    forced in after starve_steps steps without any, and the count starts again."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=1.1, cost=StepCost((1, 2), (10.0, 11.0), adapter_first=2.0,
+                                                                       adapter_each=3.0))
+    storm = [Item("storm", running=False, policy=f"c{i}") for i in range(20)]
+    hot = Item("hot", decoding=True, policy="h")
+    # hot alone: 9 + 1 + 2 = 12, cap 13.2; a storm prompt on its own adapter adds 1 + 3
+    plans = [keys_of(s.plan([*storm, hot], 1000, 1000)) for _ in range(2 * s.starve_steps + 2)]
+    starved = [["hot"]] * s.starve_steps
+    assert plans == [*starved, ["hot", "storm"], *starved, ["hot", "storm"]]
+
+
 def test_a_protected_key_lingers_after_its_work_ends():
     """A closed-loop client's next request is on its way: for linger_s after a protected key's last
     item the heavy key's steps stay capped, then they are whole again."""
