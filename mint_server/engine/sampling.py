@@ -386,11 +386,14 @@ class Sampler:
     def hold(self) -> float:
         """Seconds the worker should wait for a protected key's next request before the next step
         (Scheduler.hold)."""
+        now = time.perf_counter()
+        if not self.scheduler.lingering(now):  # nobody to wait for: skip gathering the busy keys
+            return 0.0
         with self._lock:
             busy = {r.key for r in self._queue}
         busy.update(r.key for r in self._rows)
         busy.update(r.key for g in self._groups for r in g.requests)
-        return self.scheduler.hold(time.perf_counter(), busy)
+        return self.scheduler.hold(now, busy)
 
     def cancel(self, future: Future) -> None:
         """Stop the request behind `future` (any thread): at the next step its queued samples are
