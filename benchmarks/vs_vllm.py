@@ -223,7 +223,8 @@ async def measure(server: Server, base: str, names: list[str], args: argparse.Na
             await asyncio.gather(*(a.complete(m, PROMPT, args.tokens) for m in models))
             out[f"{label}_tokens_per_s"] = n * args.tokens / (time.perf_counter() - t0)
             print(f"  {server.name} {label}: {out[f'{label}_tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-        out["greedy"] = {f"{m}|{p}": await a.complete(m, p, 16, ignore_eos=False)
+        # keyed by role: the servers name the base differently (MinT its model id, vLLM its --served-model-name)
+        out["greedy"] = {f"{'base' if m == base else m}|{p}": await a.complete(m, p, 16, ignore_eos=False)
                          for m in (base, names[0], names[min(5, n - 1)]) for p in GREEDY_PROMPTS}  # fmt: skip
         await b.complete("quiet", PROBE, 8)
         idle = [await timed(b.complete("quiet", PROBE, 8)) for _ in range(args.probes)]
