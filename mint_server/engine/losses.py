@@ -27,7 +27,7 @@ from tinker import types
 from torch import Tensor
 
 from mint_server.engine.values import EngineError, NotSupportedError
-from mint_server.model import invariant
+from mint_server.model import invariant, kernels
 from mint_server.model.images import PromptImages
 
 LossFn = Callable[[Tensor, dict[str, Tensor], Tensor, dict[str, float]], Tensor]
@@ -157,28 +157,25 @@ LOSSES: dict[str, LossSpec] = {
 class TargetLogprobs(torch.autograd.Function):
     """log_softmax(logits)[targets] in float32, with a lean backward over the [rows, T, vocab] logits.
 
-    Autograd's gather − logsumexp makes several full passes (and temporaries) over the logits in
-    backward; here it is one exp pass plus a scatter, written into the saved logits buffer, which
-    nothing else needs by then (an op that did need it would fail loudly on the version check).
+    The log-softmax is written over the logits' own buffer (fp32 logits; nothing else reads them:
+    the lm_head's backward needs its input, not its output), and backward's softmax is one exp pass
+    over it, in place again, plus a scatter: no full-vocabulary temporary either way. Autograd's
+    gather − logsumexp would make several passes and temporaries. (An op that did keep the logits
+    would fail loudly on autograd's version check.)
     """
 
     @staticmethod
     def forward(ctx: Any, logits: Tensor, targets: Tensor) -> Tensor:
-        x = logits.float()
         ctx.in_dtype = logits.dtype
-        if invariant.enabled():  # the sampler's function (row-wise log-softmax): equal logprobs bitwise
-            logp = invariant.log_softmax(x)
-            ctx.save_for_backward(logp, targets, None)  # backward's softmax is exp(logp): no second pass
-            return logp.gather(-1, targets)
-        lse = torch.logsumexp(x, -1, keepdim=True)
-        ctx.save_for_backward(x, targets, lse)
-        return x.gather(-1, targets) - lse
+        logp = kernels.log_softmax_(logits.float())
+        ctx.save_for_backward(logp, targets)
+        return logp.gather(-1, targets)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        x, targets, lse = ctx.saved_tensors  # invariant mode: x is already log_softmax(logits), lse None
-        # d/dx of Σ_k g_k·(x[t_k] − lse) = scatter(g) − softmax(x)·Σ_k g_k
-        p = invariant.softmax_from_log(x) if lse is None else x.sub_(lse).exp_()
+        logp, targets = ctx.saved_tensors
+        # d/dx of Σ_k g_k·logp[t_k] = scatter(g) − softmax(x)·Σ_k g_k
+        p = invariant.softmax_from_log(logp) if invariant.enabled() else logp.exp_()
         p = p.mul_(-grad.sum(-1, keepdim=True))
         p.scatter_add_(-1, targets, grad)
         return p.to(ctx.in_dtype), None
