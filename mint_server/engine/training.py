@@ -429,6 +429,7 @@ def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targe
         return logprobs_block(model, h, targets, lora)
     parts = []
     for i, (hs, ts) in enumerate(zip(h.tensor_split(chunks, dim=1), targets.tensor_split(chunks, dim=1), strict=True)):
+        hs = hs.contiguous()  # a strided chunk would take matmul's batched path (the weight expanded per row)
         if torch.is_grad_enabled() and i + 1 < chunks:
             parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lora, use_reentrant=False))
         else:
