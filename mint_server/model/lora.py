@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -276,10 +277,42 @@ def add_lora(
     if batch.uniform is not None:
         u = batch.uniform
         xa = (x.reshape(rows * tokens, -1) @ A[u].transpose(0, 1)) * batch.scale[u].to(x.dtype)
-        return torch.addmm(y.reshape(rows * tokens, out), xa, B[u].transpose(0, 1)).view(rows, tokens, out)
+        return add_product(y, xa, B[u].transpose(0, 1))
     if batch.plan is not None and batch.plan.kind != "gather":  # ("gather": LoraBatch.apply's own path)
         return _add_mixed_lora(y, x, A, B, batch.scale, batch.plan)
     return add_rows_lora(y, x, A[batch.row_index], B[batch.row_index], batch.row_scale)
+
+
+def add_product(y: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """y + a @ b, y viewed as a's leading dims × b's last (a [n, r] or [k, n, r]; b [r, out] or
+    [k, r, out]). Into y's own memory when it is contiguous, autograd on or off: y is the fresh
+    output of the base projection, which no op saved for backward, and an out-of-place addmm would
+    first copy it whole (a training pass's 49k-wide lm_head: hundreds of MB, fresh pages each time)."""
+    if y.is_contiguous():
+        return _AddProductInPlace.apply(y, a, b)
+    product = torch.baddbmm if a.dim() == 3 else torch.addmm
+    return product(y.reshape(*a.shape[:-1], b.shape[-1]), a, b).view(y.shape)
+
+
+class _AddProductInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(a, b)
+        flat = y.view(*a.shape[:-1], b.shape[-1])
+        if a.dim() == 3:
+            flat.baddbmm_(a, b)
+        else:
+            flat.addmm_(a, b)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        g = grad.reshape(*a.shape[:-1], b.shape[-1])
+        grad_a = g @ b.transpose(-1, -2) if ctx.needs_input_grad[1] else None
+        grad_b = a.transpose(-1, -2) @ g if ctx.needs_input_grad[2] else None
+        return grad, grad_a, grad_b
 
 
 def add_rows_lora(y: Tensor, x: Tensor, a: Tensor, b: Tensor, row_scale: Tensor) -> Tensor:
@@ -420,8 +453,7 @@ def _add_mixed_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, scale: Tensor, p
         Aw, Bw = A[lo:hi].transpose(1, 2), B[lo:hi].transpose(1, 2)  # [S, in, r], [S, r, out]: views
         s = scale[lo:hi].to(x.dtype)[:, None, None]
         if plan.identity:
-            xa = torch.bmm(x.reshape(width, per * T, fi), Aw) * s
-            return torch.baddbmm(y.reshape(width, per * T, out), xa, Bw).view(rows, T, out)
+            return add_product(y, torch.bmm(x.reshape(width, per * T, fi), Aw) * s, Bw)
         xs = x.index_select(0, plan.src)
         if plan.dest is not None:  # zero rows where an adapter has fewer than `per` rows
             xs = x.new_zeros(width * per, T, fi).index_copy(0, plan.dest, xs)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from mint_server.model import kernels
-from mint_server.model.lora import LoraBatch, add_lora
+from mint_server.model.lora import LoraBatch, add_lora, add_product
 from tests.tolerance import Tolerance
 
 LAYOUTS = {
@@ -110,3 +110,39 @@ def test_all_finite_finds_every_nan_and_inf_and_no_more(dtype):
     both = [t.clone() for t in ts]
     both[0].view(-1)[0], both[0].view(-1)[1] = float("inf"), -float("inf")  # their sum is NaN, not inf
     assert not kernels.all_finite(both)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_lora_delta_goes_into_the_base_output_itself_with_the_gradients_of_the_out_of_place_sum(batched):
+    """add_product writes y + a @ b over y (no copy of a 49k-wide output) and autograd still gives
+    every input, y's own producer included, the gradient of the plain sum."""
+    g = torch.Generator().manual_seed(0)
+    k, n, r, fi, fo = 3, 10, 4, 12, 20
+    lead = (k, n) if batched else (k * n,)
+    x, w = torch.randn(k, n, fi, generator=g), torch.randn(fo, fi, generator=g)
+    a, b = torch.randn(*lead, r, generator=g), torch.randn(*lead[:-1], r, fo, generator=g)
+    dy = torch.randn(k, n, fo, generator=g)
+    grads = {}
+    for how in ("in place", "reference"):
+        xg, wg, ag, bg = (t.clone().requires_grad_(True) for t in (x, w, a, b))
+        y = torch.nn.functional.linear(xg, wg)
+        if how == "in place":
+            out = add_product(y, ag, bg)
+            assert out.data_ptr() == y.data_ptr()
+        else:
+            out = y + (ag @ bg).view(k, n, fo)
+        (out * dy).sum().backward()
+        grads[how] = (out.detach(), xg.grad, wg.grad, ag.grad, bg.grad)
+    tol = Tolerance(n=max(fi, r, k * n))
+    for name, ours, ref in zip(("out", "x", "w", "a", "b"), grads["in place"], grads["reference"], strict=True):
+        tol.check(ours, ref, name)
+
+
+def test_log_softmax_in_place_equals_torch_over_every_block_of_rows():
+    vocab = 1000
+    rows = 2 * ((2 << 20) // (vocab * 4)) + 7  # two whole blocks and a partial one
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    expected = torch.log_softmax(x, -1)
+    out = kernels.log_softmax_(x.view(rows, 1, vocab))
+    assert out.data_ptr() == x.data_ptr()
+    Tolerance(n=vocab).check(x, expected, "log_softmax_")
