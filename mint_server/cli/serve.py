@@ -75,6 +75,7 @@ def engine_settings(
     train_slice_tokens: int | None = None,
     sample_steps_per_slice: int | None = None,
     max_chunk_tokens: int | None = None,
+    keep_freed_memory: bool | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -89,7 +90,8 @@ def engine_settings(
              "checkpoint_from_tokens": checkpoint_from_tokens, "logits_chunk_mb": logits_chunk_mb,
              "batch_invariant": batch_invariant, "max_slowdown": max_slowdown, "linger_s": linger_s,
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
-             "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens}
+             "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens,
+             "keep_freed_memory": keep_freed_memory}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -250,6 +252,12 @@ def register(app: typer.Typer) -> None:
             "logprobs, tokens and gradients never depend on its batch, and sampled logprobs equal the training "
             "forward's (true on-policy RL). Dense families, one rank; slower. See docs/numerics.md.",
         ),
+        keep_freed_memory: bool = typer.Option(
+            None, "--keep-freed-memory/--no-keep-freed-memory",
+            help=f"CPU: keep freed host memory for the next step instead of returning it to the kernel "
+            f"[default: {_default('keep_freed_memory')}]: no page faults on every training step's big blocks "
+            "(~5% of an 8 x 256 SmolLM2 step), while the RSS stays at its peak. See docs/training-speed.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -280,7 +288,8 @@ def register(app: typer.Typer) -> None:
                                      max_fused_tokens, tp, checkpoint_from_tokens, logits_chunk_mb,
                                      batch_invariant, max_slowdown=max_slowdown, linger_s=linger_s,
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
-                                     sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens)
+                                     sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens,
+                                     keep_freed_memory=keep_freed_memory)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -33,6 +33,8 @@ def test_max_fused_tokens_flag_sets_the_fused_pass_budget_and_bad_values_name_th
 def test_training_memory_flags_reach_the_settings_and_bad_values_name_the_flag(tmp_path):
     s = engine_settings(None, None, None, None, None, None, None, tmp_path, checkpoint_from_tokens=0, logits_chunk_mb=2)
     assert s.checkpoint_from_tokens == 0 and s.logits_chunk_elements() == 2 * 2**20 // 4
+    assert not s.keep_freed_memory
+    assert engine_settings(None, None, None, None, None, None, None, tmp_path, keep_freed_memory=True).keep_freed_memory
     for flag, value in (("checkpoint_from_tokens", -1), ("logits_chunk_mb", 0)):
         with pytest.raises(typer.BadParameter) as err:
             engine_settings(None, None, None, None, None, None, None, tmp_path, **{flag: value})
