@@ -310,7 +310,7 @@ def spawn(variant: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", variant, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--rows", str(args.rows), "--seq", str(args.seq), "--rank", str(args.rank),
            "--adapters", str(args.adapters), "--device", args.device, "--dtype", args.dtype,
-           "--threads", str(args.threads), "--serve-args", args.serve_args,
+           "--threads", str(args.threads), f"--serve-args={args.serve_args}",  # "=": the value may start with --
            "--checkpoint-from-tokens", str(args.checkpoint_from_tokens), "--logits-chunk-mb", str(args.logits_chunk_mb)]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
