@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import faulthandler
 import ipaddress
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -324,4 +326,7 @@ def register(app: typer.Typer) -> None:
             app, ConnectionLimits(), host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=settings.drain_timeout_s,
         )
+        # `kill -USR1 <pid>` prints every thread's stack to the log: what a server that does not
+        # stop (or does not answer) is doing, without a debugger on the box.
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         Server(config, app.state.service.begin_shutdown).run()

@@ -99,4 +99,13 @@ class ServeProcess:
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # say what it was doing: SIGUSR1 dumps its threads' stacks
+            self.proc.send_signal(signal.SIGUSR1)
+            deadline = time.monotonic() + 10
+            while "most recent call first" not in self.output() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"mint serve did not exit within 60 s of signal {sig}:\n{self.output()[-20000:]}") from None
