@@ -256,7 +256,7 @@ def register(app: typer.Typer) -> None:
         ),
         keep_freed_memory: bool = typer.Option(
             None, "--keep-freed-memory/--no-keep-freed-memory",
-            help=f"CPU: keep freed host memory for the next step instead of returning it to the kernel "
+            help="CPU: keep freed host memory for the next step instead of returning it to the kernel "
             f"[default: {_default('keep_freed_memory')}]: no page faults on every training step's big blocks "
             "(~5% of an 8 x 256 SmolLM2 step), while the RSS stays at its peak. See docs/training-speed.md.",
         ),

@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mint_server.model import kernels
+
 TILE = 16  # tokens per product tile
 # Rows per tile of the backward's products: only the trainer runs them (alone or fused, the same
 # code), so they need not match the sampler's and can be larger, reading each weight fewer times.
@@ -188,11 +190,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, q_positions: Tensor, scale: float
     return torch.stack(outs, 2).view(B, H, nq * TILE, dv)[:, :, :T]
 
 
-def log_softmax(x: Tensor) -> Tensor:
-    """Row-wise log-softmax over the last dim (one thread per row, the same code for every row)."""
-    return torch.log_softmax(x, dim=-1)
-
-
 def softmax_from_log(logp: Tensor) -> Tensor:
     """exp(logp) for [..., vocab] log-probabilities, one [TILE, vocab] tile at a time."""
     return per_tile(torch.exp, logp)
@@ -233,9 +230,10 @@ def verify(shapes: list[tuple[int, int]], widths: list[int], vocab: int, head_di
         same(per_tile(F.silu, x[:5]), silu[:5], f"SiLU over {w} columns, by tile count")
         same(row_sum(x[perm]), sums[perm], f"a row sum over {w} columns")
         same(row_sum(x[:5]), sums[:5], f"a row sum over {w} columns, by tile count")
+    # training's log-softmax (in place, blocks of rows) on one row against the sampler's on a batch
     x = rand(4, vocab)
-    same(log_softmax(x[1:2]), log_softmax(x)[1:2], f"log-softmax over {vocab}")
-    lp = log_softmax(rand(3 * TILE, vocab))
+    same(kernels.log_softmax_(x[1:2].clone()), torch.log_softmax(x, -1)[1:2], f"log-softmax over {vocab}")
+    lp = torch.log_softmax(rand(3 * TILE, vocab), -1)
     same(softmax_from_log(lp[perm]), softmax_from_log(lp)[perm], f"exp over {vocab} columns")
     same(softmax_from_log(lp[:5]), softmax_from_log(lp)[:5], f"exp over {vocab} columns, by tile count")
     for fi, fo in shapes:  # the backward's products (the trainer's only)
