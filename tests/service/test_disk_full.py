@@ -51,7 +51,7 @@ def test_full_disk_fails_saves_cleanly_and_they_work_once_there_is_room(tiny_dir
         assert httpx.get(f"{server.url}/api/v1/mint/catalog/policies", headers=headers).json()["items"] == []
         assert files_under(data) == before  # no staging dir, temp file or blob left behind
         sampler = client.create_sampling_client(base_model=base).result()  # still serving
-        params = types.SamplingParams(max_tokens=2, temperature=0.0)
+        params = types.SamplingParams(max_tokens=2, temperature=0.0, stop=[])  # never EOS-stopped: 2 tokens
         assert len(sampler.sample(types.ModelInput.from_ints([5, 6]), 1, params).result().sequences[0].tokens) == 2
 
         assert server.proc is not None
