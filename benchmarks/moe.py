@@ -17,11 +17,14 @@
    through torch._grouped_mm ("grouped") vs one matmul per segment ("loop"), the same tokens on one
    adapter vs spread over 8 fused adapters; on a tiny-but-wide layer (the throughput model's: hidden
    512, 64 experts of 256, top-8, 512 tokens) and a Qwen3-30B-A3B-shaped one (hidden 2048, 128
-   experts of 768, top-8, --tokens tokens). Imports only mint_server.model (runs where the server's
+   experts of 768, top-8, --tokens tokens). Where the grouped kernel runs and the adapters are few
+   (lora.EXPERT_WIDE_FLOPS: the Qwen3-30B-A3B layer at rank 16), the 8 adapters' A/B of an expert go
+   side by side in one group instead of 8 segments. Imports only mint_server.model (runs where the server's
    dependencies are not installed).
 
     python -m benchmarks.moe [--layers 8] [--repeats 5] [--device cpu]
     python -m benchmarks.moe --only grouped --device cuda --dtype bfloat16 [--tokens 4096] [--repeats 20] [--shape tiny]
+    python -m benchmarks.moe --only grouped --keep-freed-memory   # CPU, as a server with that flag runs
 """
 
 from __future__ import annotations
@@ -323,8 +326,15 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096, help="tokens through the Qwen3-30B-A3B-shaped layer (grouped)")
     ap.add_argument("--rank", type=int, default=16, help="expert LoRA rank (grouped)")
     ap.add_argument("--shape", action="append", choices=tuple(GROUPED_SHAPES), help="the grouped layers (default: all)")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="CPU: keep freed host memory for reuse, as `mint serve --keep-freed-memory` does "
+                         "(without it a fused pass's bigger blocks page-fault anew every step)")
     args = ap.parse_args()
     summary: dict = {"device": args.device}
+    if args.keep_freed_memory:
+        from mint_server.engine.host_memory import keep_freed_memory  # stdlib only, like mint_server.model
+
+        summary["keep_freed_memory"] = keep_freed_memory()
     if args.only is None:
         summary["bytes_per_adapter"] = bytes_table()
         summary["load"] = bench_load(args.layers, args.repeats, args.device)

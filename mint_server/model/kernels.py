@@ -316,9 +316,14 @@ def _aligned(t: Tensor) -> bool:
     return major > 0 and major % step == 0 and t.data_ptr() % 16 == 0
 
 
-def _grouped_kernel_takes(x: Tensor, w: Tensor) -> bool:
+def grouped_kernel_on(x: Tensor) -> bool:
+    """Whether grouped_mm runs torch's grouped kernel for x's device and dtype (not a loop of matmuls)."""
     kind = x.device.type
-    if kind not in _grouped_devices or x.dtype not in _GROUPED_DTYPES.get(kind, ()) or w.dtype != x.dtype:
+    return kind in _grouped_devices and x.dtype in _GROUPED_DTYPES.get(kind, ())
+
+
+def _grouped_kernel_takes(x: Tensor, w: Tensor) -> bool:
+    if not grouped_kernel_on(x) or w.dtype != x.dtype:
         return False
     # x row-major: the CUDA kernel's dw (segments along the contracted dim) takes empty segments and
     # unaligned bounds only with dyᵀ column-major and x row-major (a device assert otherwise).

@@ -161,6 +161,14 @@ def select_targets(train_attn: bool = True, train_mlp: bool = True, train_unembe
 # pair's own A/B and runs one batched matmul (decode: few pairs, many groups); above it, one grouped
 # product over the (expert, adapter) segments for A and one for B (kernels.grouped_mm; training, prefill).
 EXPERT_GATHER_LIMIT = 1 << 24
+# Above that, where the grouped kernel runs the products (kernels.grouped_kernel_on) and the batch's
+# n adapters side by side (n·r columns of A, of B) cost at most this fraction of the base
+# projection's FLOPs more than one adapter (n·r·(1/in + 1/out)), every adapter's A of an expert is
+# one wide product and every adapter's B another, each pair's other adapters' columns zeroed: E
+# groups per call instead of n·E tiny (expert, adapter) ones (8 adapters on 128 experts are 1,024
+# segments of ~32 pairs at 4K tokens, past CUDA's 1,023 groups a call: two calls over every row).
+# A loop of plain matmuls (the CPU default) pays nothing per empty column, so it keeps the segments.
+EXPERT_WIDE_FLOPS = 0.25
 
 
 @dataclass
@@ -481,7 +489,17 @@ def _add_expert_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatc
         # Few pairs: gather each pair's (adapter, expert) A/B; base pairs get scale 0.
         xa = torch.bmm(A[a, groups.expert], x[:, :, None]) * s[:, None, None]  # [P, r, 1]
         return torch.baddbmm(y[:, :, None], B[a, groups.expert], xa).squeeze(-1)
-    # Many pairs: one grouped product over the (expert, adapter) segments for A, one for B; the
+    if kernels.grouped_kernel_on(x) and n * r * (1 / fan_in + 1 / fan_out) <= EXPERT_WIDE_FLOPS:
+        # Few adapters: one grouped product over the experts' segments for all adapters' A (column
+        # a·r + j is adapter a's j-th), the pair's own adapter's columns kept and scaled (none on
+        # base pairs), then one for all adapters' B over the same columns.
+        Aw = A.transpose(0, 1).reshape(E, n * r, fan_in)
+        Bw = B.permute(1, 2, 0, 3).reshape(E, fan_out, n * r)
+        column_adapter = torch.arange(n * r, device=x.device) // r
+        keep = torch.where(column_adapter[None, :] == groups.adapter[:, None], s[:, None], torch.zeros_like(s[:1, None]))
+        xa = kernels.grouped_mm(x, Aw, groups.expert_offsets) * keep
+        return y + kernels.grouped_mm(xa, Bw, groups.expert_offsets)
+    # Many adapters: one grouped product over the (expert, adapter) segments for A, one for B; the
     # per-pair scale (0 on base pairs) is applied to the rank-r intermediate.
     Ag = A.transpose(0, 1).reshape(E * n, r, fan_in)
     Bg = B.transpose(0, 1).reshape(E * n, fan_out, r)

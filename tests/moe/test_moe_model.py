@@ -16,14 +16,17 @@ from tests.moe.helpers import load_hf, merged_logits
 from tests.tolerance import for_model
 
 
-@pytest.fixture(params=["gathered", "per_group", "grouped_mm"])
+@pytest.fixture(params=["gathered", "per_group", "grouped_mm", "grouped_wide"])
 def expert_path(request, monkeypatch):
-    """Run expert LoRA through add_lora's expert paths: one gathered bmm, or the (expert, adapter)
+    """Run expert LoRA through add_lora's expert paths: one gathered bmm, the (expert, adapter)
     segments as one matmul per group or as one torch._grouped_mm (forced on CPU; the base expert
-    products follow the same switch)."""
+    products follow the same switch), or every adapter's A/B of an expert side by side in one
+    grouped product ("grouped_wide")."""
     if request.param != "gathered":
         monkeypatch.setattr(lora_mod, "EXPERT_GATHER_LIMIT", 0)
-    devices = {"gathered": kernels.grouped_devices(), "per_group": (), "grouped_mm": ("cpu",)}[request.param]
+    monkeypatch.setattr(lora_mod, "EXPERT_WIDE_FLOPS", float("inf") if request.param == "grouped_wide" else 0.0)
+    devices = {"gathered": kernels.grouped_devices(), "per_group": (), "grouped_mm": ("cpu",),
+               "grouped_wide": ("cpu",)}[request.param]
     with kernels.use_grouped_devices(devices):
         yield request.param
 
