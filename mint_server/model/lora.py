@@ -167,7 +167,8 @@ EXPERT_GATHER_LIMIT = 1 << 24
 # one wide product and every adapter's B another, each pair's other adapters' columns zeroed: E
 # groups per call instead of n·E tiny (expert, adapter) ones (8 adapters on 128 experts are 1,024
 # segments of ~32 pairs at 4K tokens, past CUDA's 1,023 groups a call: two calls over every row).
-# A loop of plain matmuls (the CPU default) pays nothing per empty column, so it keeps the segments.
+# A loop of plain matmuls (the CPU default) would pay for the zeroed columns and pays little per
+# segment, so it keeps the segments (measured: docs/moe.md).
 EXPERT_WIDE_FLOPS = 0.25
 
 
