@@ -253,7 +253,7 @@ _grouped_devices = _grouped_devices_from_env()
 # torch._grouped_mm's fast kernel on CUDA (sm90) is bf16 only; its other dtypes fall back to a loop there.
 _GROUPED_DTYPES = {"cuda": (torch.bfloat16,), "cpu": (torch.bfloat16, torch.float32)}
 # The CUDA kernel takes fewer than 1024 groups per call (aten GroupMM.cu); (expert, adapter)
-# segments can be more (128 experts × 8 adapters), so they are split into calls (_grouped_in_calls).
+# segments can be more (128 experts × 16 bank slots), so they are split into calls (_grouped_in_calls).
 GROUPED_MAX_GROUPS = 1023
 
 
@@ -286,20 +286,20 @@ def grouped_mm(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
 
 
 def _grouped_in_calls(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """One _GroupedMM per GROUPED_MAX_GROUPS groups. A call over groups [g0, g1) gets a zero-weight
-    group before and one after them, covering the other calls' rows (which come out 0), so the
-    calls' outputs add up without reading the bounds on the host."""
+    """One _GroupedMM per GROUPED_MAX_GROUPS groups, each over its own groups' rows only. Their
+    bounds are read on the host once (one sync): a call padded to every row instead would redo the
+    whole product, on zero weights, once per extra call."""
     G = w.shape[0]
     if G <= GROUPED_MAX_GROUPS:
         return _GroupedMM.apply(x, w, offsets)
-    step, zero, start = GROUPED_MAX_GROUPS - 2, w.new_zeros(1, *w.shape[1:]), offsets.new_zeros(1)
-    y = None
-    for g0 in range(0, G, step):
-        g1 = min(g0 + step, G)
-        bounds = torch.cat((offsets[g0 - 1 : g0] if g0 else start, offsets[g0:g1], offsets[-1:]))
-        part = _GroupedMM.apply(x, torch.cat((zero, w[g0:g1], zero)), bounds)
-        y = part if y is None else y + part
-    return y
+    ends = offsets.tolist()
+    parts = []
+    for g0 in range(0, G, GROUPED_MAX_GROUPS):
+        g1 = min(g0 + GROUPED_MAX_GROUPS, G)
+        r0, r1 = ends[g0 - 1] if g0 else 0, ends[g1 - 1]
+        if r1 > r0:  # a call with no rows has nothing to give (its groups' dw stays zero)
+            parts.append(_GroupedMM.apply(x[r0:r1], w[g0:g1], offsets[g0:g1] - r0))
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-2])
 
 
 def _segment_sizes(offsets: Tensor) -> list[int]:
