@@ -497,7 +497,7 @@ def _add_expert_lora(y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatc
         Aw = A.transpose(0, 1).reshape(E, n * r, fan_in)
         Bw = B.permute(1, 2, 0, 3).reshape(E, fan_out, n * r)
         column_adapter = torch.arange(n * r, device=x.device) // r
-        keep = torch.where(column_adapter[None, :] == groups.adapter[:, None], s[:, None], torch.zeros_like(s[:1, None]))
+        keep = (column_adapter[None, :] == groups.adapter[:, None]).to(x.dtype) * s[:, None]
         xa = kernels.grouped_mm(x, Aw, groups.expert_offsets) * keep
         return y + kernels.grouped_mm(xa, Bw, groups.expert_offsets)
     # Many adapters: one grouped product over the (expert, adapter) segments for A, one for B; the
