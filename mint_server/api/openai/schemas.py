@@ -106,6 +106,8 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt: str | list[str] | list[int] | list[list[int]]
+    # 0 with `echo` (and `logprobs`): score the prompt only, as evaluation harnesses ask
+    max_tokens: int | None = Field(None, ge=0)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)  # alternatives per token: at most the engine's max_top_logprobs
     suffix: str | None = None

@@ -101,6 +101,10 @@ class Reply:
     choices: list[Choice]
     created: int = field(default_factory=lambda: int(time.time()))
     cancel: threading.Event = field(default_factory=threading.Event)
+    # `max_tokens: 0` (scoring the prompt): the engine draws one token (its least), which is dropped
+    score_only: bool = False
+    # each prompt's engine result, kept when the request asked for prompt logprobs (echo + logprobs)
+    responses: dict[int, types.SampleResponse] = field(default_factory=dict)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -228,13 +232,16 @@ class OpenAIService:
     # --- the engine -------------------------------------------------------------------------------
     def prepare(self, owner: str, target: ServedModel, prompt: list[int] | Prompt, n: int,
                 params: types.SamplingParams, req: _Sampling, top_logprobs: int, response_format: dict[str, Any] | None,
-                format_from: str = "response_format") -> SampleJob:  # fmt: skip
+                format_from: str = "response_format", prompt_logprobs: int | None = None) -> SampleJob:  # fmt: skip
         """Parse one prompt's engine job now, so bad input is a 400 before any stream starts.
         `format_from`: the request field the response_format came from (a forced tool call's is
-        built from `tools`)."""
+        built from `tools`). `prompt_logprobs`: score the prompt too, with that many alternatives
+        per position: the engine request the Tinker face makes for `prompt_logprobs` and
+        `topk_prompt_logprobs` (one prefill scores the prompt and starts the samples)."""
         try:
             return self.engine.prepare_sample(
-                target.source, prompt, n, params, key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
+                target.source, prompt, n, params, prompt_logprobs is not None, prompt_logprobs or 0,
+                key=owner, stop_at_eos=not req.ignore_eos, top_logprobs=top_logprobs,
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0, logit_bias=req.logit_bias, response_format=response_format,
@@ -295,15 +302,18 @@ class OpenAIService:
 
     def _admit(self, owner: str, target: ServedModel, prompts: list[list[int]], n: int, params: types.SamplingParams,
                req: _Sampling, tools: bool, top_logprobs: int = 0, forced_call: dict[str, Any] | None = None,
-               parsed: Prompt | None = None) -> Reply:  # fmt: skip
+               parsed: Prompt | None = None, prompt_logprobs: int | None = None, score_only: bool = False) -> Reply:  # fmt: skip
         """`forced_call`: the response_format of a tool call that `tool_choice` forces; `parsed`: the one
-        prompt already parsed by the engine (a chat with images)."""
+        prompt already parsed by the engine (a chat with images); `prompt_logprobs`: alternatives per
+        prompt position when the prompt is scored too (None: not scored); `score_only`: nothing is
+        generated (`max_tokens: 0`)."""
         fmt, source = (req.response_format, "response_format") if forced_call is None else (forced_call, "tools")
-        jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs, fmt, source) for p in prompts]
+        jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs, fmt, source, prompt_logprobs)
+                for p in prompts]  # fmt: skip
         self.core.admission.check_samples(len(prompts))
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
                    for i in range(len(prompts) * n)]  # fmt: skip
-        return Reply(target, prompts, n, jobs, choices)
+        return Reply(target, prompts, n, jobs, choices, score_only=score_only)
 
     # --- running ----------------------------------------------------------------------------------
     async def run(self, reply: Reply, stream: bool) -> AsyncIterator[Update]:
@@ -319,7 +329,8 @@ class OpenAIService:
             def on_token(i: int, token: int, logprob: float, top: TopLogprobs | None, base: int = base) -> None:
                 mailbox.post(events, ("token", base + i, token, (logprob, top)))
 
-            running = asyncio.ensure_future(self._one(reply, engine_job, on_token if stream else None))
+            streamed = stream and not reply.score_only  # a scored prompt's one drawn token is never shown
+            running = asyncio.ensure_future(self._one(reply, engine_job, on_token if streamed else None))
             # Through the mailbox too, so the result never overtakes the request's last tokens.
             running.add_done_callback(lambda t, k=k: mailbox.post(events, ("done", k, t, None)))
             tasks.append(running)
@@ -339,8 +350,17 @@ class OpenAIService:
                     raise SampleCancelled()
                 if (error := done.exception()) is not None:
                     raise error
-                for i, seq in enumerate(done.result().sequences):
-                    for update in self._finish(reply.choices[index * reply.n + i], seq):
+                result = done.result()
+                if result.prompt_logprobs_np is not None:
+                    reply.responses[index] = result
+                for i, seq in enumerate(result.sequences):
+                    choice = reply.choices[index * reply.n + i]
+                    if reply.score_only:  # max_tokens 0: the choice is the prompt alone
+                        choice.text.finish()
+                        choice.finish_reason = "length"
+                        yield Update(choice, finished=True)
+                        continue
+                    for update in self._finish(choice, seq):
                         yield update
         finally:
             self.core.metrics.streams.dec()
@@ -532,8 +552,10 @@ class OpenAIService:
         for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, req.n))):
             if bad:
                 raise OpenAIError(400, f"{name} is not supported by this server", name)
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported by this server", "echo")
+        score_only = req.max_tokens == 0
+        if score_only and not req.echo:
+            raise OpenAIError(400, "max_tokens: 0 generates nothing; it is for scoring the prompt, with echo "
+                                   "(and logprobs)", "max_tokens")
         top_logprobs = self._top_logprobs(req.logprobs, "logprobs")
         prompt = req.prompt
         if isinstance(prompt, str):
@@ -546,8 +568,12 @@ class OpenAIService:
             raise OpenAIError(400, "prompt is empty", "prompt")
         ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        params = self._params(req, ids, max_tokens)
-        return self._admit(owner, target, ids, req.n, params, req, tools=False, top_logprobs=top_logprobs)
+        # max_tokens 0: the engine draws its least, one token, which the reply drops
+        params = self._params(req, ids, max(max_tokens, 1))
+        # echo + logprobs: the prompt's logprobs (and top_logprobs) too, the Tinker face's prompt_logprobs
+        prompt_logprobs = top_logprobs if req.echo and req.logprobs is not None else None
+        return self._admit(owner, target, ids, req.n, params, req, tools=False, top_logprobs=top_logprobs,
+                           prompt_logprobs=prompt_logprobs, score_only=score_only)
 
     def _echo(self, reply: Reply, c: Choice) -> str:
         return self.decode(reply.prompts[c.index // reply.n])
@@ -561,6 +587,8 @@ class OpenAIService:
             echo = self._echo(reply, c) if req.echo else ""
             logprobs = self._completion_logprobs(c.text.tokens, c.logprobs, c.tops, req, len(echo)) \
                 if req.logprobs is not None else None
+            if logprobs is not None and req.echo:
+                logprobs = self._with_prompt_logprobs(reply, c, req, logprobs)
             choices.append({"index": c.index, "text": echo + c.text.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})  # fmt: skip
         return reply.body(f"cmpl-{uuid.uuid4().hex}", "text_completion", choices, usage=reply.usage)
@@ -573,6 +601,14 @@ class OpenAIService:
         def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:  # usage only in the last chunk, when asked
             return reply.body(chunk_id, "text_completion", choices, **({"usage": None} if usage else {}))
 
+        if req.echo and req.logprobs is not None:
+            # The prompt's scores come with the engine's result: each choice whole, in one chunk, at its end.
+            whole = await self.complete(reply, req)
+            for choice in whole["choices"]:
+                yield chunk([choice])
+            if usage:
+                yield {**chunk([]), "usage": reply.usage}
+            return
         if req.echo:
             for c in reply.choices:
                 echo = self._echo(reply, c)
@@ -593,6 +629,39 @@ class OpenAIService:
                                   "finish_reason": c.finish_reason if u.finished else None}])  # fmt: skip
         if usage:
             yield {**chunk([]), "usage": reply.usage}
+
+    def _with_prompt_logprobs(self, reply: Reply, c: Choice, req: CompletionRequest,
+                              completion: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+        """The prompt's entries (its first token: no logprob, no alternatives, as OpenAI's) before the
+        completion's, from the engine's prompt scores: the numbers the Tinker face returns."""
+        k = c.index // reply.n
+        result = reply.responses[k]
+        prompt = reply.prompts[k]
+        lps = result.prompt_logprobs or [None] * len(prompt)
+        tops = result.topk_prompt_logprobs
+        as_ids = req.return_tokens_as_token_ids
+        offsets, at = [], 0
+        for t in prompt:  # offsets into the echoed text, which leaves special tokens out
+            offsets.append(at)
+            at += len(self.decode([t]))
+        top = None
+        if req.logprobs:
+            top = []
+            for i in range(len(prompt)):
+                alternatives = tops[i] if tops is not None and i < len(tops) else None
+                if i == 0 or alternatives is None:
+                    top.append(None)
+                    continue
+                entry: dict[str, float] = {}
+                for a, alp in alternatives:
+                    entry.setdefault(self._token_text(a, as_ids), alp)
+                top.append(entry)
+        return {
+            "tokens": [self._token_text(t, as_ids) for t in prompt] + completion["tokens"],
+            "token_logprobs": [None, *lps[1:]] + completion["token_logprobs"],
+            "top_logprobs": None if top is None else top + completion["top_logprobs"],
+            "text_offset": offsets + completion["text_offset"],
+        }
 
     def _completion_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopLogprobs],
                              req: CompletionRequest, offset: int) -> dict[str, Any]:  # fmt: skip
