@@ -141,7 +141,7 @@ def make_router(prefix: str) -> APIRouter:
     async def chat(request: Request, p: Principal = principal()) -> Any:
         req: ChatRequest = await _parse(request, ChatRequest)
         face = openai(request)
-        reply = face.admit_chat(p.owner, req)
+        reply = await face.admit_chat(p.owner, req)
         if req.stream:
             return EventStream(face.chat_stream(reply, req))
         return await unless_disconnected(request, face.chat(reply, req))
@@ -150,7 +150,7 @@ def make_router(prefix: str) -> APIRouter:
     async def completions(request: Request, p: Principal = principal()) -> Any:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         face = openai(request)
-        reply = face.admit_completion(p.owner, req)
+        reply = await face.admit_completion(p.owner, req)
         if req.stream:
             return EventStream(face.complete_stream(reply, req))
         return await unless_disconnected(request, face.complete(reply, req))

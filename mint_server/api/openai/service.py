@@ -146,6 +146,7 @@ class OpenAIService:
         self.engine = core.engine
         self._mailbox: Mailbox | None = None
         self._token_texts: dict[int, str] = {}  # each token's own text, for logprobs entries
+        self.tokenized = 0  # texts tokenized for prompts (tests check that a refused giant never was)
 
     def mailbox(self) -> Mailbox:
         loop = asyncio.get_running_loop()
@@ -158,6 +159,29 @@ class OpenAIService:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self.engine.model_dir)
+
+    @cached_property
+    def max_prompt_bytes(self) -> int:
+        """A prompt text of more UTF-8 bytes than this cannot fit the context, whatever it says, so it is
+        refused before it is tokenized: no token covers more bytes of text than the vocabulary's longest
+        entry spells (byte-level and byte-fallback spellings only overstate it), and the 4× margin
+        covers normalizers that shrink a character (a 3-byte full-width letter to one ASCII byte)."""
+        longest = max((len(t.encode()) for t in self.tokenizer.get_vocab()), default=1)
+        return self.engine.limits.max_context * max(longest, 1) * 4
+
+    async def _bound(self, size: int, param: str) -> None:
+        """Refuse a text of `size` bytes at once when it cannot fit (the bound is computed off the loop once)."""
+        if "max_prompt_bytes" not in self.__dict__:
+            await asyncio.to_thread(lambda: self.max_prompt_bytes)
+        if size > self.max_prompt_bytes:
+            raise OpenAIError(400, f"{param} is {size} bytes of text: more than the model's context "
+                                   f"({self.engine.limits.max_context} tokens) can hold, at most "
+                                   f"{self.max_prompt_bytes} bytes; nothing was tokenized", param)  # fmt: skip
+
+    def _tokenize(self, text: str) -> list[int]:
+        """A prompt's tokens (run off the event loop: a long text takes seconds)."""
+        self.tokenized += 1
+        return list(self.tokenizer(text)["input_ids"])
 
     @cached_property
     def template(self) -> ChatTemplate:
@@ -417,7 +441,9 @@ class OpenAIService:
         return out
 
     # --- chat completions -------------------------------------------------------------------------
-    def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
+    async def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
+        """Checks, renders (off the event loop, after a byte bound) and parses a chat into its engine
+        jobs. The one chat admission: the Anthropic face admits its requests here too, as ChatRequests."""
         self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
         if req.top_logprobs and not req.logprobs:
@@ -427,10 +453,11 @@ class OpenAIService:
         if choice is not None and not req.tools:
             raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+        await self._bound(_message_bytes(req), "messages")
         forced = None
         try:
-            prompt, images = self.template.render_with_images([m.model_dump(exclude_none=True) for m in req.messages],
-                                                              tools)
+            prompt, images = await asyncio.to_thread(
+                self.template.render_with_images, [m.model_dump(exclude_none=True) for m in req.messages], tools)
             if choice == "required" or isinstance(choice, NamedTool):  # the reply is a call, by grammar
                 name = choice.function.get("name") if isinstance(choice, NamedTool) else None
                 if isinstance(choice, NamedTool) and not isinstance(name, str):
@@ -441,7 +468,7 @@ class OpenAIService:
         if forced is not None and req.response_format is not None and req.response_format.get("type") != "text":
             raise OpenAIError(400, "tool_choice forces a tool call: response_format cannot shape the reply too",
                               "response_format")
-        parsed = self._with_images(prompt, images) if images else None
+        parsed = await asyncio.to_thread(self._with_images, prompt, images) if images else None
         if parsed is not None:
             prompt = list(parsed.tokens)  # each image as its run of image tokens: what the context holds
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -546,7 +573,7 @@ class OpenAIService:
         return {"content": entries, "refusal": None}
 
     # --- completions ------------------------------------------------------------------------------
-    def admit_completion(self, owner: str, req: CompletionRequest) -> Reply:
+    async def admit_completion(self, owner: str, req: CompletionRequest) -> Reply:
         self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)
         for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, req.n))):
@@ -566,7 +593,11 @@ class OpenAIService:
             prompts = list(prompt)  # type: ignore[arg-type]
         if not prompts:
             raise OpenAIError(400, "prompt is empty", "prompt")
-        ids = [list(self.tokenizer(p)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p for p in prompts if isinstance(p, str)]
+        for text in texts:  # before tokenizing: a text that cannot fit is refused at once
+            await self._bound(len(text.encode()), "prompt")
+        tokenized = iter(await asyncio.to_thread(lambda: [self._tokenize(t) for t in texts]) if texts else [])
+        ids = [next(tokenized) if isinstance(p, str) else list(p) for p in prompts]
         max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         # max_tokens 0: the engine draws its least, one token, which the reply drops
         params = self._params(req, ids, max(max_tokens, 1))
@@ -685,6 +716,20 @@ _ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repe
                   "prompt", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
                   "logit_bias", "response_format", "stop_token_ids", "tools")
 _OPENAI_NAME = {"num_samples": "n"}
+
+
+def _message_bytes(req: ChatRequest) -> int:
+    """UTF-8 bytes of the messages' text (content, text parts, tool-call arguments): a lower bound on
+    what the template renders. Images are not text and are bounded by the engine's own rules."""
+    size = 0
+    for m in req.messages:
+        if isinstance(m.content, str):
+            size += len(m.content.encode())
+        elif m.content:
+            size += sum(len(t.encode()) for part in m.content if isinstance(t := part.get("text"), str))
+        for call in m.tool_calls or ():
+            size += len(call.function.arguments.encode())
+    return size
 
 
 def _tool_call(t: ToolCall) -> dict[str, Any]:
