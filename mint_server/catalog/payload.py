@@ -95,7 +95,24 @@ def _read_adapter_config(path: Path, field: str) -> dict[str, Any]:
         raise InvalidArgument(
             f"{field}: {path.name} needs a positive integer 'r' (LoRA rank), got {rank!r}", field=field
         )
+    for flag, why in _UNSUPPORTED_VARIANTS.items():
+        if config.get(flag):
+            raise InvalidArgument(f"{field}: {path.name} has {flag}=true: {why}", field=field)
     return config
+
+
+# LoRA variants PEFT can write that the engine does not compute: refused at import, with the reason,
+# rather than stored and then served or trained as a plain LoRA (which would compute something else).
+_UNSUPPORTED_VARIANTS = {
+    "use_rslora": "rank-stabilized LoRA (scale alpha/sqrt(r)) is not supported; MinT scales by alpha/r as "
+                  "plain LoRA does (re-save the adapter with use_rslora=false and lora_alpha = alpha*sqrt(r) "
+                  "for the same weights)",
+    "use_dora": "DoRA (weight-decomposed LoRA, a learned magnitude vector per layer) is not supported; only "
+                "plain LoRA adapters can be served and trained",
+    "fan_in_fan_out": "transposed (Conv1D-style) LoRA weights are not supported",
+    "rank_pattern": "per-module ranks are not supported (one rank for every target)",
+    "alpha_pattern": "per-module alphas are not supported (one lora_alpha for every target)",
+}
 
 
 def _check_safetensors(path: Path, field: str) -> None:

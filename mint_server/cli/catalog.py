@@ -654,7 +654,8 @@ def _merge_base_dir(target: CatalogLocation, base_model: str, given: Path | None
 def import_(
     target: CatalogLocation,
     peft_dir: Annotated[
-        Path, typer.Argument(help="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors).")
+        Path, typer.Argument(help="PEFT LoRA directory (adapter_config.json + adapter_model.safetensors), "
+                             "or a tar / zip archive of one.")
     ],
     policy: Annotated[
         str, typer.Option("--policy", help="Policy to add the revision to (created if missing).")
@@ -667,17 +668,26 @@ def import_(
     step: Annotated[int | None, typer.Option("--step", min=0)] = None,
     note: Annotated[str | None, typer.Option("--note")] = None,
 ) -> None:
-    """Publish a PEFT LoRA directory as a new revision (expert LoRA is stored packed)."""
+    """Publish a PEFT LoRA directory as a new revision (expert LoRA is stored packed); prints its
+    tinker:// path, which sampling clients and create_training_client_from_state take."""
     import tempfile
 
     from mint_server.model.moe_layout import moe_layout_of
 
     with tempfile.TemporaryDirectory(prefix="mint-import-") as tmp:
+        if peft_dir.is_file():  # an archive (tar or zip: what `tinker checkpoint download` fetches)
+            from mint_server.catalog.archive import unpack
+
+            peft_dir = unpack(peft_dir, Path(tmp) / "unpacked")
         if (peft_dir / "adapter_model.safetensors").is_file() and moe_layout_of(peft_dir) == "per-expert":
             _relayout(peft_dir, Path(tmp) / "peft", "packed")
             peft_dir = Path(tmp) / "peft"
         r = _import(target, peft_dir, policy, base_model, parent, training_run, step, note)
-    _emit(target, to_dict(r), lambda: out.print(f"{r.ref} ({r.sha256[:12]}, {_size(r.size)})", markup=False))
+    # The revision's path: sample it, or continue training it (create_training_client_from_state;
+    # weights only, the optimizer starts fresh). A number, not an alias: it never moves.
+    path = f"tinker://{r.ref}"
+    _emit(target, {**to_dict(r), "path": path},
+          lambda: out.print(f"{r.ref} ({r.sha256[:12]}, {_size(r.size)})\n{path}", markup=False))
 
 
 def _relayout(src: Path, dest: Path, layout: str) -> None:

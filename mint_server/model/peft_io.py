@@ -240,6 +240,10 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
                                                          _compressor_prefix(cfg, int(m.group(1) or 0))
                                                          if m.group(2) == "compressor." else EXPERT_PREFIX)
         target = None if m is None else prefix + m.group(4)
+        if m is None and key.endswith(".base_layer.weight"):
+            raise ModelError(f"{weights_name} holds a full base weight, {key!r} (PEFT's save_embedding_layers, "
+                             "on by default when lm_head or embed_tokens is a target); LoRA adapters that change "
+                             "base weights are not supported: re-save with save_embedding_layers=False")
         if m is None or target not in ALL_TARGETS:
             raise ModelError(f"unsupported tensor {key!r} in {weights_name}")
         layer, expert = int(m.group(1) or 0), (int(m.group(3)) if m.group(3) is not None else None)
