@@ -83,6 +83,9 @@ class SamplingExtensions(BaseModel):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}
     response_format: dict[str, Any] | None = None  # json_object / json_schema / regex / lark (engine/grammar.py)
+    # "raw_logprobs" (the default: the model's own, what training computes) or "processed_logprobs"
+    # (after temperature, top-k, top-p, min-p, penalties, logit_bias and a grammar: what the draw used)
+    logprobs_mode: str | None = None
 
     def given(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in SamplingExtensions.model_fields

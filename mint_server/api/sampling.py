@@ -14,8 +14,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from pydantic import ValidationError
 from tinker import types
+from tinker.proto import tinker_public_pb2 as pb
 
 from mint_server.api.auth import Principal
 from mint_server.api.codec import describe_validation_error
@@ -31,13 +33,6 @@ from mint_server.api.runs import NotFound
 from mint_server.api.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource
 
-# SampleRequest fields this server cannot honour; refusing beats silently dropping them.
-_UNSUPPORTED = {
-    "target_prompt_logprobs": lambda r: r.target_prompt_logprobs is not None,
-    "prompt_alt_tokens_k": lambda r: r.prompt_alt_tokens_k > 0,
-    "prompt_logprobs_last_n": lambda r: r.prompt_logprobs_last_n is not None,
-}
-
 
 def _controls(params: MintSamplingParams, header: str | None) -> dict[str, Any]:
     """The sampling controls beyond tinker's own, from the body and the header (a field in both is refused)."""
@@ -51,6 +46,42 @@ def _controls(params: MintSamplingParams, header: str | None) -> dict[str, Any]:
     if both := sorted(extra.keys() & given.keys()):
         raise InvalidInput(f"sampling_params.{both[0]}: given both in the body and in the {EXTENSIONS_HEADER} header")
     return given | extra
+
+
+def _prompt_fields(req: MintSampleRequest) -> dict[str, Any]:
+    """tinker 0.38's prompt fields beyond prompt logprobs, for the engine's parser (which checks them)."""
+    out: dict[str, Any] = {}
+    if req.target_prompt_logprobs is not None:
+        out["target_prompt_logprobs"] = req.target_prompt_logprobs
+    if req.prompt_alt_tokens_k:
+        out["prompt_alt_tokens_k"] = req.prompt_alt_tokens_k
+    if req.prompt_logprobs_last_n is not None:
+        out["prompt_logprobs_last_n"] = req.prompt_logprobs_last_n
+    return out
+
+
+def encode_prompt_extras(resp: types.SampleResponse, msg: Any) -> None:
+    """Write a SampleResponse's target_prompt_logprobs and prompt_alt_tokens into its proto message
+    (tinker_public_pb2.SampleResponse, fields 5 and 6; tinker.proto.response_conv reads them back,
+    keeping a CSR tensor sparse). For api/codec.encode_sample_response."""
+    if resp.target_prompt_logprobs is not None:
+        _tensor_proto(resp.target_prompt_logprobs, msg.target_prompt_logprobs)
+    if resp.prompt_alt_tokens is not None:
+        _tensor_proto(resp.prompt_alt_tokens.tokens, msg.prompt_alt_tokens.tokens)
+        _tensor_proto(resp.prompt_alt_tokens.logprobs, msg.prompt_alt_tokens.logprobs)
+
+
+def _tensor_proto(t: types.TensorData, out: Any) -> None:
+    dtype = np.float32 if t.dtype == "float32" else np.int64
+    out.dtype = pb.DTYPE_FLOAT32 if t.dtype == "float32" else pb.DTYPE_INT64
+    out.shape.extend(t.shape or [])
+    values = np.ascontiguousarray(t.to_numpy() if t.sparse_crow_indices is None else np.asarray(t.data), dtype=dtype)
+    if t.sparse_crow_indices is None:
+        out.dense = values.tobytes()
+    else:
+        out.sparse_csr.values = values.tobytes()
+        out.sparse_csr.crow_indices = np.asarray(t.sparse_crow_indices, dtype=np.int64).tobytes()
+        out.sparse_csr.col_indices = np.asarray(t.sparse_col_indices, dtype=np.int64).tobytes()
 
 
 CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's samples from clone_id * 1e9
@@ -128,12 +159,9 @@ class SamplingService:
         if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
             return hit
         self.core.admission.admit(p.owner)
-        for name, used in _UNSUPPORTED.items():
-            if used(req):
-                raise InvalidInput(f"{name} is not supported by this server")
         if not 0 <= req.topk_sample_logprobs <= (most := self.engine.limits.max_top_logprobs):
             raise InvalidInput(f"topk_sample_logprobs: must be in 0..{most}, got {req.topk_sample_logprobs}")
-        controls = _controls(req.sampling_params, extensions)
+        controls = _controls(req.sampling_params, extensions) | _prompt_fields(req)
         # An inflight session samples on the training model's own adapter (no copy): its newest weights.
         source = sampler.live.adapter() if sampler.live is not None else sampler.source
         job = self.core.sample_job(

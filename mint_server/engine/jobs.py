@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
@@ -35,7 +36,7 @@ from mint_server.engine.losses import (
     resolve_config,
 )
 from mint_server.engine.optim import check_adam_params, check_dimuon_params, check_family
-from mint_server.engine.sampler_ops import StopCondition
+from mint_server.engine.sampler_ops import PromptTargets, StopCondition
 from mint_server.engine.settings import EngineLimits
 from mint_server.engine.values import AdapterSource, EngineError, NotSupportedError, Priority, TokenCallback
 from mint_server.model.config import ModelConfig
@@ -113,6 +114,10 @@ class SampleParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # Structured output: the sample's text stays inside this grammar (engine/grammar.py).
     grammar: Grammar | None = None
+    # Reported logprobs (sampled tokens and their top alternatives): the raw model's (False, the
+    # default: what training computes) or, opted in, those of the distribution the draw used after
+    # every control above (vLLM's logprobs_mode="processed_logprobs"; sampler_ops.processed_logprobs).
+    processed_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,22 @@ class SampleJob:
     on_token: TokenCallback | None = dataclasses.field(default=None, compare=False)
     cancel: threading.Event | None = dataclasses.field(default=None, compare=False)
     images: PromptImages | None = None  # the prompt's images (vision-language bases)
+    # tinker 0.38: logprobs of chosen ids at prompt positions, draws at every prompt position, and
+    # prompt (top-k) logprobs of only the last n prompt tokens.
+    target_prompt_logprobs: PromptTargets | None = dataclasses.field(default=None, compare=False)
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+
+    @property
+    def prompt_extras(self) -> bool:
+        """Whether it wants prompt work a shared prefill does not do for everyone (targets, draws)."""
+        return self.target_prompt_logprobs is not None or self.prompt_alt_tokens_k > 0
+
+    @property
+    def score_from(self) -> int:
+        """The first prompt position whose next-token logprob it wants (0 unless prompt_logprobs_last_n)."""
+        n = self.prompt_logprobs_last_n
+        return 0 if n is None else len(self.prompt) - 1 - n
 
     def on(self, adapter: AdapterRef) -> SampleJob:
         return dataclasses.replace(self, adapter=adapter)
@@ -263,9 +284,13 @@ class Preparer:
         stop_at_eos: bool = False, top_logprobs: int = 0, frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0, priority: Priority = Priority.ROLLOUT, repetition_penalty: float = 1.0,
         min_p: float = 0.0, logit_bias: Any = None, response_format: Any = None, stop_token_ids: Any = None,
+        target_prompt_logprobs: Any = None, prompt_alt_tokens_k: int = 0, prompt_logprobs_last_n: int | None = None,
+        logprobs_mode: str | None = None,
     ) -> SampleJob:
-        """The extension fields (penalties, min_p, logit_bias, response_format, stop_token_ids) are
-        named `sampling_params.X` in errors, where the Tinker face carries them."""
+        """The extension fields (penalties, min_p, logit_bias, response_format, stop_token_ids,
+        logprobs_mode) are named `sampling_params.X` in errors, where the Tinker face carries them.
+        target_prompt_logprobs (a TensorData, dense or CSR), prompt_alt_tokens_k and
+        prompt_logprobs_last_n are tinker 0.38's SampleRequest fields of those names."""
         prompt, images = self._prompt(prompt_tokens, room=1)
         lim = self.limits
         if isinstance(num_samples, bool) or not isinstance(num_samples, int) or not (
@@ -299,12 +324,84 @@ class Preparer:
         if stop_ids:
             parsed = dataclasses.replace(parsed, stop=dataclasses.replace(
                 parsed.stop, token_ids=parsed.stop.token_ids | stop_ids))
+        if logprobs_mode not in (None, "raw_logprobs", "processed_logprobs"):
+            raise EngineError(f"{EXT}logprobs_mode: must be 'raw_logprobs' (the default) or 'processed_logprobs', "
+                              f"got {logprobs_mode!r}")
+        if logprobs_mode == "processed_logprobs":
+            parsed = dataclasses.replace(parsed, processed_logprobs=True)
+        # Its cost, (len(prompt) - 1) × k draws, is bounded as topk_prompt_logprobs' is: at most a
+        # whole context's worth of vocabulary-wide rows.
+        most_alt = lim.max_context * lim.vocab_size // max(1, len(prompt) - 1)
+        if isinstance(prompt_alt_tokens_k, bool) or not isinstance(prompt_alt_tokens_k, int) or not (
+                0 <= prompt_alt_tokens_k <= most_alt):
+            raise EngineError(f"prompt_alt_tokens_k: must be an integer in 0..{most_alt} for this prompt "
+                              f"((len(prompt) - 1) × k at most context × vocabulary), got {prompt_alt_tokens_k!r}")
+        if prompt_alt_tokens_k and len(prompt) < 2:
+            raise EngineError("prompt_alt_tokens_k: the prompt needs at least 2 tokens (position 0 has no context)")
+        last_n = prompt_logprobs_last_n
+        if last_n is not None:
+            if isinstance(last_n, bool) or not isinstance(last_n, int) or not 1 <= last_n <= len(prompt) - 1:
+                raise EngineError(f"prompt_logprobs_last_n: must be an integer in 1..len(prompt) - 1 = "
+                                  f"{len(prompt) - 1}, got {last_n!r}")
+            if not prompt_logprobs:
+                raise EngineError("prompt_logprobs_last_n: requires prompt_logprobs")
+        targets = None if target_prompt_logprobs is None else self._targets(target_prompt_logprobs, len(prompt))
         return SampleJob(
             adapter=adapter, prompt=prompt, num_samples=num_samples, params=parsed,
             sequence_ids=tuple(f"seq-{run}-{i}" for i in range(num_samples)),
             prompt_logprobs=bool(prompt_logprobs), topk_prompt_logprobs=topk_prompt_logprobs,
             top_logprobs=top_logprobs, record=bool(record), key=key, priority=Priority(priority), images=images,
+            target_prompt_logprobs=targets, prompt_alt_tokens_k=prompt_alt_tokens_k, prompt_logprobs_last_n=last_n,
         )
+
+    def _targets(self, t: Any, prompt_len: int) -> PromptTargets:
+        """target_prompt_logprobs: an int64 [len(prompt) - 1, K] tensor of token ids (-1: nothing),
+        dense or sparse CSR, with at least one id; K at most the vocabulary (its cost, len(prompt) × K,
+        is bounded as topk_prompt_logprobs' is)."""
+        where = "target_prompt_logprobs"
+        lim = self.limits
+        if getattr(t, "dtype", None) != "int64":
+            raise EngineError(f"{where}: must be an int64 tensor of token ids, got dtype {getattr(t, 'dtype', None)!r}")
+        shape = getattr(t, "shape", None)
+        if shape is None or len(shape) != 2:
+            raise EngineError(f"{where}: must be 2-D, [len(prompt) - 1, K], got shape {shape}")
+        rows, width = int(shape[0]), int(shape[1])
+        if rows != prompt_len - 1:
+            raise EngineError(f"{where}: must have len(prompt) - 1 = {prompt_len - 1} rows, got {rows}")
+        if not 1 <= width <= lim.vocab_size:
+            raise EngineError(f"{where}: K (its second dimension) must be in 1..{lim.vocab_size}, got {width}")
+        try:
+            ids = np.asarray(list(t.data), dtype=np.int64)
+            crow = None if t.sparse_crow_indices is None else np.asarray(t.sparse_crow_indices, dtype=np.int64)
+            col = None if t.sparse_col_indices is None else np.asarray(t.sparse_col_indices, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise EngineError(f"{where}: must hold integer token ids") from None
+        if ids.ndim != 1 or (crow is not None and crow.ndim != 1) or (col is not None and col.ndim != 1):
+            raise EngineError(f"{where}: data and CSR indices must be flat lists")
+        if (crow is None) != (col is None):
+            raise EngineError(f"{where}: sparse_crow_indices and sparse_col_indices go together")
+        if crow is None:
+            if len(ids) != rows * width:
+                raise EngineError(f"{where}: shape {list(shape)} holds {rows * width} ids, data has {len(ids)}")
+        else:
+            assert col is not None
+            if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(ids) or len(col) != len(ids) or bool(
+                    (np.diff(crow) < 0).any()):
+                raise EngineError(f"{where}: sparse_crow_indices must be {rows + 1} non-decreasing row pointers "
+                                  f"from 0 to len(data) = {len(ids)} = len(sparse_col_indices)")
+            if len(col) and (col.min() < 0 or col.max() >= width):
+                raise EngineError(f"{where}: sparse_col_indices must be in [0, {width})")
+            row_start = np.zeros(len(col), dtype=bool)
+            row_start[crow[:-1][crow[:-1] < len(col)]] = True
+            if bool(((col[1:] <= col[:-1]) & ~row_start[1:]).any()):
+                raise EngineError(f"{where}: sparse_col_indices must increase within each row")
+        bad = ids[(ids < -1) | (ids >= lim.vocab_size)]
+        if bad.size:
+            raise EngineError(f"{where}: token id {int(bad[0])} is outside the vocabulary [0, {lim.vocab_size}) "
+                              "(-1 requests nothing)")
+        if not (ids >= 0).any():
+            raise EngineError(f"{where}: names no token id (every cell is -1)")
+        return PromptTargets((rows, width), ids, crow, col)
 
     def _logit_bias(self, value: Any) -> tuple[tuple[int, float], ...]:
         """{token id (an int, or its decimal string as JSON keys are): bias in [-100, 100]}."""
@@ -556,13 +653,16 @@ class JobParsing:
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                        repetition_penalty: float = 1.0, min_p: float = 0.0, logit_bias: Any = None,
                        response_format: Any = None, stop_token_ids: Any = None,
-                       priority: Priority = Priority.ROLLOUT) -> SampleJob:
+                       priority: Priority = Priority.ROLLOUT, **prompt_and_logprobs: Any) -> SampleJob:
+        """`prompt_and_logprobs`: Preparer.sample's target_prompt_logprobs, prompt_alt_tokens_k,
+        prompt_logprobs_last_n and logprobs_mode."""
         return self.prepare.sample(adapter, prompt_tokens, num_samples, params, prompt_logprobs,
                                    topk_prompt_logprobs, record=record, key=key, stop_at_eos=stop_at_eos,
                                    top_logprobs=top_logprobs, frequency_penalty=frequency_penalty,
                                    presence_penalty=presence_penalty, priority=priority,
                                    repetition_penalty=repetition_penalty, min_p=min_p, logit_bias=logit_bias,
-                                   response_format=response_format, stop_token_ids=stop_token_ids)
+                                   response_format=response_format, stop_token_ids=stop_token_ids,
+                                   **prompt_and_logprobs)
 
     def prepare_score(self, adapter: AdapterRef, tokens: Sequence[int] | types.ModelInput | Prompt, *, key: str = "",
                       priority: Priority = Priority.ROLLOUT) -> SampleJob:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 import torch
+from tinker.types.tensor_data import TensorData
 from tinker.types.topk_logprobs import MASK_LOGPROB, TopkLogprobs
 from torch import Tensor
 
@@ -39,7 +40,7 @@ def choose_tokens(
     logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, uniform: Tensor,
     penalty: Tensor | None = None, top_n: int = 0, repetition: tuple[Tensor, Tensor] | None = None,
     min_p: Tensor | None = None, allowed: tuple[Tensor, Tensor] | None = None,
-    bias: tuple[Tensor, Tensor, Tensor] | None = None,
+    bias: tuple[Tensor, Tensor, Tensor] | None = None, processed: Tensor | None = None,
 ) -> Chosen:
     """Pick one token per row; return them with their raw logprobs (and the top_n alternatives).
 
@@ -50,7 +51,9 @@ def choose_tokens(
     `logit_biases`); repetition (seen [B, V] bool, factor [B]) or None: seen tokens' logits divided
     by the factor when positive, multiplied when negative; penalty [B, V] or None: then subtracted
     (see `penalties`); min_p [B] or None (see `draw`). All of them shape the logits the draw sees,
-    never the reported logprobs.
+    never the reported logprobs — except in the rows where `processed` [B] bool is set (vLLM's
+    logprobs_mode="processed_logprobs"): those rows report the logprobs of the distribution the
+    draw used (`processed_logprobs`), their top_n alternatives too.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
@@ -82,10 +85,40 @@ def choose_tokens(
             scaled = scaled / t[:, None].float()
         pick = (lambda v: v) if every else (lambda v: v[drawn])
         tokens[drawn] = draw(scaled, pick(top_k), pick(top_p), pick(uniform), None if min_p is None else pick(min_p))
+    if processed is not None and bool(processed.any()):
+        rows_p = processed.nonzero().flatten()
+        logp = logp.clone()
+        logp[rows_p] = processed_logprobs(shaped[rows_p], temperature[rows_p], top_k[rows_p], top_p[rows_p],
+                                          None if min_p is None else min_p[rows_p])
     top_ids = top_logprobs = None
     if top_n > 0:
         top_logprobs, top_ids = logp.topk(min(top_n, logp.shape[-1]), dim=-1)
     return Chosen(tokens, logp.gather(1, tokens[:, None]).squeeze(1), top_ids, top_logprobs)
+
+
+def processed_logprobs(shaped: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor,
+                       min_p: Tensor | None = None) -> Tensor:
+    """The log of the distribution `draw` samples from, [B, V]: log_softmax of the shaped logits
+    (grammar mask, logit_bias and penalties already applied) divided by the temperature (greedy
+    rows, temperature 0, by 1, as vLLM does), restricted to the top-k, the top-p nucleus and the
+    min-p floor and renormalised; tokens outside them are -inf."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).float()
+    scaled = shaped.float() / t[:, None]
+    if min_p is None:
+        min_p = torch.zeros(scaled.shape[0], device=scaled.device)
+    vocab = scaled.shape[-1]
+    ranked, order = scaled.sort(dim=-1, descending=True, stable=True)
+    probs = torch.softmax(ranked, dim=-1)
+    k = torch.where(top_k > 0, top_k, vocab)
+    rank = torch.arange(vocab, device=scaled.device)
+    keep = rank[None, :] < k[:, None]
+    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p[:, None].float()  # the nucleus, as `draw` cuts it
+    keep &= probs >= min_p[:, None].float() * probs[:, :1]
+    kept = ranked.masked_fill(~keep, float("-inf"))
+    out = torch.log_softmax(kept, dim=-1)
+    return torch.empty_like(out).scatter_(1, order, out)
 
 
 def unpack_bitmask(bits: Tensor, vocab: int) -> Tensor:
@@ -242,7 +275,7 @@ class PromptScores:
 
     def fill(self, start: int, piece: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
         """Scores of the prompt positions start.. (score_targets of them, each scoring the next token)."""
-        lps, ids, tops = piece
+        lps, ids, tops = piece[:3]
         n = min(len(lps), len(self.logprobs) - start - 1)
         k = self.topk_ids.shape[1]
         self.logprobs[start + 1 : start + 1 + n] = lps[:n]
@@ -252,28 +285,167 @@ class PromptScores:
     def topk(self, k: int) -> TopkLogprobs:
         return TopkLogprobs(token_ids=self.topk_ids[:, :k].copy(), logprobs=self.topk_logprobs[:, :k].copy())
 
+    def last(self, n: int | None) -> PromptScores:
+        """Only the last n prompt tokens' scores (prompt_logprobs_last_n); earlier ones as if not computed."""
+        if n is None or n >= len(self.logprobs) - 1:
+            return self
+        out = PromptScores(self.logprobs.copy(), self.topk_ids.copy(), self.topk_logprobs.copy())
+        cut = len(self.logprobs) - n
+        out.logprobs[:cut] = np.nan
+        out.topk_ids[:cut] = 0
+        out.topk_logprobs[:cut] = MASK_LOGPROB
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class PromptTargets:
+    """SampleRequest.target_prompt_logprobs, parsed (jobs.Preparer): `ids` are the listed cells' token
+    ids in row-major order — every cell of a dense [P - 1, K] tensor, or the CSR tensor's listed
+    ones — and `crow`/`col` the CSR layout (None: dense). Row i scores prompt position i + 1, that is
+    the logits at position i. A cell of -1 requests nothing."""
+
+    shape: tuple[int, int]
+    ids: np.ndarray  # int64 [cells]
+    crow: np.ndarray | None = None  # int64 [P]: the request's row pointers
+    col: np.ndarray | None = None  # int64 [cells]
+
+    @property
+    def rows(self) -> np.ndarray:
+        """Each listed cell's row."""
+        if self.crow is None:
+            return np.repeat(np.arange(self.shape[0], dtype=np.int64), self.shape[1])
+        return np.repeat(np.arange(self.shape[0], dtype=np.int64), np.diff(self.crow))
+
+    def wanted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(cell index, row, token id) of the cells that request something, by row."""
+        rows = self.rows
+        keep = np.flatnonzero(self.ids >= 0)
+        return keep, rows[keep], self.ids[keep]
+
+    def response(self, values: np.ndarray) -> TensorData:
+        """The logprobs of every listed cell (0.0 where it held -1) in the request's own layout."""
+        data = np.asarray(values, dtype=np.float32)
+        if self.crow is None:
+            return TensorData(data=data.reshape(self.shape), dtype="float32", shape=list(self.shape))
+        assert self.col is not None
+        return TensorData(data=data, dtype="float32", shape=list(self.shape),
+                          sparse_crow_indices=self.crow.tolist(), sparse_col_indices=self.col.tolist())
+
+
+@dataclass(frozen=True, eq=False)
+class PromptAsk:
+    """One request's prompt work beyond prompt logprobs in one prefill chunk (see ScoreSpec):
+    target cells at chunk-relative positions `cell_rows` with token ids `cell_ids`, and `alt_k`
+    draws at each of the chunk's first `alt_rows` positions at `temperature` (0: the argmax),
+    position p's from a generator seeded alt_seed(seed, first + p)."""
+
+    cell_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    cell_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    alt_k: int = 0
+    alt_rows: int = 0
+    temperature: float = 1.0
+    seed: int = 0
+    first: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class ScoreSpec:
+    """A prefill chunk's scoring when some request wants more than prompt logprobs: it rides in
+    StepBatch.scoring where a plain target list does (`score_targets` takes either)."""
+
+    targets: list[int]
+    asks: tuple[PromptAsk, ...] = ()
+
+
+class ScorePiece(NamedTuple):
+    """score_targets' answer for a ScoreSpec: the plain answer's three arrays, then per ask its target
+    cells' logprobs [m] and its draws ([alt_rows, k] token ids, [alt_rows, k] raw logprobs; None when
+    it asked for none)."""
+
+    logprobs: np.ndarray
+    topk_ids: np.ndarray
+    topk_logprobs: np.ndarray
+    cells: tuple[np.ndarray, ...]
+    alts: tuple[tuple[np.ndarray, np.ndarray] | None, ...]
+
+
+def alt_seed(seed: int, position: int) -> int:
+    """The generator seed of a request's prompt_alt_tokens draws at one prompt position: hashed from
+    (seed, position), so the draws do not depend on how the prompt was cut into chunks."""
+    digest = hashlib.blake2b(f"{seed}:alt:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def draw_alternatives(logits: Tensor, k: int, temperature: float, seeds: Sequence[int]) -> Tensor:
+    """k independent draws (with replacement) per row of logits [m, V] from softmax(logits / T),
+    row i's uniforms from a generator seeded seeds[i]; temperature 0: the argmax k times."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True).expand(-1, k).clone()
+    u = torch.stack([torch.rand(k, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds])
+    probs = torch.softmax(logits.float() / temperature, dim=-1).to(torch.float64)
+    cdf = probs.cumsum(dim=-1)
+    u = u.to(cdf.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).clamp(max=logits.shape[-1] - 1)
+
 
 def score_targets(
-    logits_of: Callable[[Tensor], Tensor], hidden: Tensor, targets: Sequence[int], k: int, chunk: int = 512
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    logits_of: Callable[[Tensor], Tensor], hidden: Tensor, targets: Sequence[int] | ScoreSpec, k: int, chunk: int = 512
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | ScorePiece:
     """Logprob of targets[i] (and the top-k) from hidden states [n, hidden] of n consecutive positions;
     NaN (and no top-k) where targets[i] < 0. `logits_of` maps [1, m, hidden] to [1, m, V]; chunked so
-    a long prompt never holds an [n, V] float32 logits matrix at once."""
+    a long prompt never holds an [n, V] float32 logits matrix at once. Only the positions something
+    needs are run through the head (prompt_logprobs_last_n scores a suffix: the rows before it cost
+    nothing). With a ScoreSpec, its asks (target cells, alternative draws) are answered from the
+    same logits, and the answer is a ScorePiece."""
+    spec = targets if isinstance(targets, ScoreSpec) else None
+    if spec is not None:
+        targets = spec.targets
+    asks = spec.asks if spec is not None else ()
     n = len(targets)
     lps = np.full(n, np.nan, dtype=np.float32)
     ids = np.zeros((n, k), dtype=np.int32)
     tops = np.full((n, k), MASK_LOGPROB, dtype=np.float32)
+    cells = [np.zeros(len(a.cell_ids), dtype=np.float32) for a in asks]
+    alts = [(np.zeros((a.alt_rows, a.alt_k), dtype=np.int64), np.zeros((a.alt_rows, a.alt_k), dtype=np.float32))
+            if a.alt_k and a.alt_rows else None for a in asks]
     scored = [i for i, t in enumerate(targets) if t >= 0]
-    if not scored:
+    need = [scored[0], scored[-1] + 1] if scored else []
+    for a in asks:
+        if len(a.cell_rows):
+            need += [int(a.cell_rows.min()), int(a.cell_rows.max()) + 1]
+        if a.alt_k and a.alt_rows:
+            need += [0, a.alt_rows]
+    if need:
+        lo, hi = min(need), max(need)
+        want = torch.tensor([max(t, 0) for t in targets], device=hidden.device)
+        for start in range(lo, hi, chunk):
+            stop = min(start + chunk, hi)
+            raw = logits_of(hidden[None, start:stop])[0].float()
+            logp = torch.log_softmax(raw, dim=-1)
+            if scored:
+                a_, b_ = max(start, scored[0]), min(stop, scored[-1] + 1)
+                if a_ < b_:
+                    sl = slice(a_ - start, b_ - start)
+                    lps[a_:b_] = logp[sl].gather(1, want[a_:b_, None]).squeeze(1).cpu().numpy()
+                    if k:
+                        v, i = logp[sl].topk(min(k, logp.shape[-1]), dim=-1)
+                        tops[a_:b_, : v.shape[1]] = v.cpu().numpy()
+                        ids[a_:b_, : i.shape[1]] = i.cpu().numpy()
+            for j, a in enumerate(asks):
+                inside = np.flatnonzero((a.cell_rows >= start) & (a.cell_rows < stop))
+                if inside.size:
+                    r = torch.as_tensor(a.cell_rows[inside] - start, device=logp.device)
+                    t = torch.as_tensor(a.cell_ids[inside], device=logp.device)
+                    cells[j][inside] = logp[r, t].cpu().numpy()
+                out = alts[j]
+                if out is not None and start < a.alt_rows:
+                    b_ = min(stop, a.alt_rows)
+                    for s0 in range(start, b_, 64):  # the draw's float64 CDF, 64 rows at a time
+                        s1 = min(s0 + 64, b_)
+                        drawn = draw_alternatives(raw[s0 - start : s1 - start], a.alt_k, a.temperature,
+                                                  [alt_seed(a.seed, a.first + p) for p in range(s0, s1)])
+                        out[0][s0:s1] = drawn.cpu().numpy()
+                        out[1][s0:s1] = logp[s0 - start : s1 - start].gather(1, drawn).cpu().numpy()
+    if spec is None:
         return lps, ids, tops
-    stop_at = scored[-1] + 1  # targets are set on a prefix of the positions (all but the prompt's last)
-    want = torch.tensor([max(t, 0) for t in targets[:stop_at]], device=hidden.device)
-    for start in range(0, stop_at, chunk):
-        stop = min(start + chunk, stop_at)
-        logp = torch.log_softmax(logits_of(hidden[None, start:stop])[0].float(), dim=-1)
-        lps[start:stop] = logp.gather(1, want[start:stop, None]).squeeze(1).cpu().numpy()
-        if k:
-            v, i = logp.topk(min(k, logp.shape[-1]), dim=-1)
-            tops[start:stop, : v.shape[1]] = v.cpu().numpy()
-            ids[start:stop, : i.shape[1]] = i.cpu().numpy()
-    return lps, ids, tops
+    return ScorePiece(lps, ids, tops, tuple(cells), tuple(alts))

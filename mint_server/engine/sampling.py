@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,10 @@ from mint_server.engine.kv import BlockPool, blocks_for
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import (
+    PromptAsk,
     PromptScores,
+    ScorePiece,
+    ScoreSpec,
     choose_tokens,
     logit_biases,
     penalties,
@@ -113,6 +117,41 @@ class _Request:
     cache_hit: bool = False  # its prefill was another request's
     scores: PromptScores | None = None
     results: list[types.SampledSequence | None] = field(default_factory=list)
+    # target_prompt_logprobs / prompt_alt_tokens_k (set up when admitted, filled chunk by chunk):
+    # its wanted cells (index among the listed cells, row, token id), their logprobs, and the draws
+    cells: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    cell_values: np.ndarray | None = None
+    alt_tokens: np.ndarray | None = None
+    alt_logprobs: np.ndarray | None = None
+
+    def start_extras(self) -> None:
+        job, rows = self.job, len(self.job.prompt) - 1
+        if job.target_prompt_logprobs is not None and self.cells is None:
+            self.cells = job.target_prompt_logprobs.wanted()
+            self.cell_values = np.zeros(len(job.target_prompt_logprobs.ids), dtype=np.float32)
+        if job.prompt_alt_tokens_k and self.alt_tokens is None:
+            self.alt_tokens = np.zeros((rows, job.prompt_alt_tokens_k), dtype=np.int64)
+            self.alt_logprobs = np.zeros((rows, job.prompt_alt_tokens_k), dtype=np.float32)
+
+    def ask(self, a: int, n: int) -> tuple[PromptAsk, int, int]:
+        """Its extra prompt work in the chunk of positions a .. a + n (and the slice of its cells in it)."""
+        lo = hi = 0
+        rows = ids = np.zeros(0, dtype=np.int64)
+        if self.cells is not None:
+            _, cell_rows, cell_ids = self.cells
+            lo, hi = np.searchsorted(cell_rows, a), np.searchsorted(cell_rows, a + n)
+            rows, ids = cell_rows[lo:hi] - a, cell_ids[lo:hi]
+        alt_rows = max(0, min(a + n, len(self.prompt) - 1) - a)
+        p = self.params
+        return PromptAsk(rows, ids, self.job.prompt_alt_tokens_k, alt_rows, p.temperature, p.seed, a), int(lo), int(hi)
+
+    def took(self, a: int, lo: int, hi: int, cells: np.ndarray, alts: tuple[np.ndarray, np.ndarray] | None) -> None:
+        """The answer to `ask(a, …)`."""
+        if self.cells is not None and self.cell_values is not None:
+            self.cell_values[self.cells[0][lo:hi]] = cells
+        if alts is not None and self.alt_tokens is not None and self.alt_logprobs is not None:
+            self.alt_tokens[a : a + len(alts[0])] = alts[0]
+            self.alt_logprobs[a : a + len(alts[1])] = alts[1]
 
     @property
     def slot(self) -> int:
@@ -230,6 +269,8 @@ class _Group:
     requests: list[_Request] = field(default_factory=list)
     computed: int = 0  # prompt positions already in the cache
     score_k: int = -1  # top-k of the prompt scores its chunks compute (-1: none wanted)
+    score_from: int = 1 << 62  # the first position whose next-token logprob they compute (last_n: later)
+    asks: list[_Request] = field(default_factory=list)  # requests with target cells or draws (PromptAsk)
     scores: PromptScores | None = None
     swapped: int | None = None  # preempted: the host copy of its computed KV; blocks given back
     prompt_blocks: int = 0  # blocks its prompt takes (taken back when resumed)
@@ -326,8 +367,11 @@ class Sampler:
         dedupe_prompts: bool = True,
         linger_s: float = 0.0,
         grammars: Grammars | None = None,
+        compile: str = "off",
+        compile_cache_dir: Path | None = None,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
+        compile, compile_cache_dir: the executor's compiled decode step (EngineSettings.compile).
 
         max_batch_rows caps the sequences holding KV; max_step_tokens, max_slowdown,
         step_overhead_tokens and linger_s are the scheduler's (see scheduler.py). dedupe_prompts shares one
@@ -349,7 +393,8 @@ class Sampler:
                              "a prompt and its first sample each hold a recurrent state")
         self.executor = Executor(model, residency.bank, self.device, blocks_for(kv_budget_tokens, block_size) + 1,
                                  block_size, runner=residency.runner,
-                                 state_slots=0 if self.states is None else self.states.num_slots)
+                                 state_slots=0 if self.states is None else self.states.num_slots,
+                                 compile=compile, compile_cache_dir=compile_cache_dir)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
         self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens, linger_s=linger_s)
@@ -657,6 +702,7 @@ class Sampler:
                 self.pool.release(m.own_blocks)
             g.members = [m for m in g.members if id(m.request) not in gone]
             g.requests = [r for r in g.requests if id(r) not in gone]
+            g.asks = [r for r in g.asks if id(r) not in gone]
             if not g.requests:
                 self.pool.release(g.blocks)
                 self._release_state(g)
@@ -675,7 +721,8 @@ class Sampler:
             return None
         for g in self._groups:
             if g.swapped is None and g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and (
-                    not req.wants_scores or g.computed == 0 or g.score_k >= req.topk_prompt_logprobs):
+                    g.computed == 0 or (not req.job.prompt_extras and (not req.wants_scores or (
+                        g.score_k >= req.topk_prompt_logprobs and g.score_from <= req.job.score_from)))):
                 return g
         return None
 
@@ -721,6 +768,10 @@ class Sampler:
             group.requests.append(req)
         if req.wants_scores:  # the group has computed nothing yet, or already scores this top-k (_joinable)
             group.score_k = max(group.score_k, req.topk_prompt_logprobs)
+            group.score_from = min(group.score_from, req.job.score_from)
+        if req.job.prompt_extras and req not in group.asks:  # the group has computed nothing yet (_joinable)
+            req.start_extras()
+            group.asks.append(req)
         if req.adapter is not None and not req.pinned:
             self.residency.pin(req.adapter)
             req.pinned = True
@@ -788,7 +839,8 @@ class Sampler:
         batch = StepBatch([], [], [], [], [], [])
         decoding: list[_Row] = []
         finishing: list[_Group] = []  # prompts whose last chunk runs now
-        scored: list[tuple[_Group, int]] = []  # (group, first position) per scoring entry
+        # (group, first position, its asks' requests with their cells' slices) per scoring entry
+        scored: list[tuple[_Group, int, list[tuple[_Request, int, int]]]] = []
         decode_tokens = prefill_tokens = 0
         for item, n in runs:
             seg = len(batch.lengths)
@@ -814,10 +866,15 @@ class Sampler:
                 if item.images is not None:
                     batch.images[seg] = item.images
                 batch.states.append(item.state)
-                if item.score_k >= 0:
-                    targets = [item.prompt[p + 1] if p + 1 < plen else -1 for p in range(a, a + n)]
-                    batch.scoring.append((seg, targets, item.score_k))
-                    scored.append((item, a))
+                if item.score_k >= 0 or item.asks:
+                    targets = [item.prompt[p + 1] if p + 1 < plen and p >= item.score_from and item.score_k >= 0
+                               else -1 for p in range(a, a + n)]
+                    asked = [(r, *r.ask(a, n)) for r in item.asks]
+                    spec: list[int] | ScoreSpec = targets
+                    if asked:
+                        spec = ScoreSpec(targets, tuple(ask for _, ask, _, _ in asked))
+                    batch.scoring.append((seg, spec, max(item.score_k, 0)))
+                    scored.append((item, a, [(r, lo, hi) for r, _, lo, hi in asked]))
                 if a + n == plen:
                     finishing.append(item)
                     if item.has_sampler:
@@ -825,10 +882,15 @@ class Sampler:
                 prefill_tokens += n
             self.scheduler.charge(item.key, item.policy, n)
         result = self.executor.step(batch)
-        for (g, a), piece in zip(scored, result.scores, strict=True):
-            if g.scores is None or g.scores.topk_ids.shape[1] != g.score_k:  # first chunk (a == 0)
-                g.scores = PromptScores.empty(len(g.prompt), g.score_k)
-            g.scores.fill(a, piece)
+        for (g, a, asked), piece in zip(scored, result.scores, strict=True):
+            if g.score_k >= 0:
+                if g.scores is None or g.scores.topk_ids.shape[1] != g.score_k:  # first chunk (a == 0)
+                    g.scores = PromptScores.empty(len(g.prompt), g.score_k)
+                g.scores.fill(a, piece)
+            if asked:
+                assert isinstance(piece, ScorePiece)
+                for (r, lo, hi), cells, alts in zip(asked, piece.cells, piece.alts, strict=True):
+                    r.took(a, lo, hi, cells, alts)
         for item, n in runs:
             if isinstance(item, _Group):
                 item.computed += n
@@ -916,6 +978,9 @@ class Sampler:
                           torch.tensor([p.repetition_penalty for p in params], device=dev))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], device=dev)
+        processed = None
+        if any(p.processed_logprobs for p in params):
+            processed = torch.tensor([p.processed_logprobs for p in params], device=dev)
         constrained = [j for j, p in enumerate(params) if p.grammar is not None]
         allowed = None
         if constrained:
@@ -938,6 +1003,7 @@ class Sampler:
             min_p=min_p,
             allowed=allowed,
             bias=logit_biases([p.logit_bias for p in params], dev),
+            processed=processed,
         )
         top_ids = top_lps = None
         if chosen.top_ids is not None and chosen.top_logprobs is not None:
@@ -998,12 +1064,20 @@ class Sampler:
             assert req.scores is not None
             result: Any = [None if math.isnan(x) else x for x in req.scores.logprobs.tolist()]
         else:
-            s = req.scores
+            s = None if req.scores is None else req.scores.last(req.job.prompt_logprobs_last_n)
+            job = req.job
+            alt = None
+            if req.alt_tokens is not None and req.alt_logprobs is not None:
+                alt = types.PromptAltTokens(tokens=types.TensorData.from_numpy(req.alt_tokens),
+                                            logprobs=types.TensorData.from_numpy(req.alt_logprobs))
             result = types.SampleResponse(
                 sequences=list(req.results),  # type: ignore[arg-type]  # all filled by now
-                prompt_logprobs_np=s.logprobs if s is not None and req.job.prompt_logprobs else None,
+                prompt_logprobs_np=s.logprobs if s is not None and job.prompt_logprobs else None,
                 topk_prompt_logprobs_np=s.topk(req.topk_prompt_logprobs) if s is not None and req.topk_prompt_logprobs else None,
                 prompt_cache_hit_tokens=len(req.prompt) if req.cache_hit else 0,
+                target_prompt_logprobs=None if job.target_prompt_logprobs is None or req.cell_values is None
+                else job.target_prompt_logprobs.response(req.cell_values),
+                prompt_alt_tokens=alt,
             )
         self._close(req)
         req.future.set_result(result)
