@@ -48,7 +48,122 @@ class FwdBwdCall:
     forward_only: bool
 
 
+# --- tensor checks -------------------------------------------------------------------------------
+# Every tensor of a request passes `check_tensor` where it is decoded, before torch or numpy
+# reshapes, densifies or casts it: a bad one is a 400 naming the field and the rule it breaks,
+# never a RuntimeError from torch. The bounds are far above any loss input the engine takes
+# ([n] or [n, K] with n within the model's context).
+MAX_TENSOR_RANK = 4
+MAX_TENSOR_ELEMENTS = 1 << 25  # dense size, so a sparse tensor cannot ask to be densified into gigabytes
+_INT64_MAX = 2**63
+
+
+def _invalid(where: str, rule: str) -> DecodeError:
+    return DecodeError(f"invalid field {where!r}: {rule}")
+
+
+def _int_array(values: Any, where: str) -> np.ndarray:
+    try:
+        arr = np.asarray(values if values is not None else [], dtype=np.int64)
+    except (ValueError, OverflowError, TypeError):
+        raise _invalid(where, "must be a list of integers within int64") from None
+    if arr.ndim != 1:
+        raise _invalid(where, "must be a flat list of integers")
+    return arr
+
+
+def _check_values(data: Any, dtype: str, where: str) -> int:
+    """The number of values; int64 tensors must hold integers (33.5 is refused, not truncated)."""
+    try:
+        arr = np.asarray(data)
+    except (ValueError, OverflowError, TypeError):
+        raise _invalid(where + ".data", "must be a flat list of numbers") from None
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf":
+        if arr.size == 0:
+            return 0
+        raise _invalid(where + ".data", "must be a flat list of numbers")
+    if dtype == "int64" and arr.dtype.kind == "f":
+        if not np.all(np.isfinite(arr)) or not np.all(arr == np.floor(arr)):
+            bad = arr[~(np.isfinite(arr) & (arr == np.floor(np.where(np.isfinite(arr), arr, 0))))][0]
+            raise _invalid(where + ".data", f"dtype int64 holds integers only, got {float(bad)!r}")
+        if arr.size and np.max(np.abs(arr)) >= _INT64_MAX:
+            raise _invalid(where + ".data", "a value is outside the int64 range")
+    elif dtype == "float32" and arr.dtype.kind == "f" and not np.all(np.isfinite(arr)):
+        raise _invalid(where + ".data", "contains NaN or inf")
+    return int(arr.size)
+
+
+def check_tensor(t: Any, where: str) -> None:
+    """A tensor's shape, dtype, values and (when sparse) CSR layout, before anything uses it.
+
+    Dense: shape (when given) has at most MAX_TENSOR_RANK dims, none negative, and holds exactly
+    len(data) values. Sparse CSR (`sparse_crow_indices` + `sparse_col_indices`): a 2-D shape
+    [rows, cols]; rows + 1 row pointers starting at 0, never decreasing, ending at len(data) ==
+    len(col_indices); column indices in [0, cols) and strictly increasing within each row.
+    Either way the dense size is at most MAX_TENSOR_ELEMENTS, and int64 values are integers.
+    """
+    dtype = getattr(t, "dtype", None)
+    if dtype not in _NP_OF_DTYPE:
+        raise _invalid(where + ".dtype", f"must be 'float32' or 'int64', got {dtype!r}")
+    n = _check_values(t.data, dtype, where)
+    shape = t.shape
+    size = n
+    if shape is not None:
+        if len(shape) > MAX_TENSOR_RANK:
+            raise _invalid(where + ".shape", f"at most {MAX_TENSOR_RANK} dimensions, got {len(shape)}")
+        if any(not isinstance(d, int | np.integer) or d < 0 for d in shape):
+            raise _invalid(where + ".shape", f"dimensions must be integers >= 0, got {list(shape)}")
+        size = math.prod(int(d) for d in shape)
+    if size > MAX_TENSOR_ELEMENTS:
+        raise _invalid(where + ".shape", f"{size} elements exceed the limit of {MAX_TENSOR_ELEMENTS}")
+    crow_given, col_given = t.sparse_crow_indices is not None, t.sparse_col_indices is not None
+    if not (crow_given or col_given):
+        if shape is not None and size != n:
+            raise _invalid(where + ".shape", f"{list(shape)} holds {size} values but data has {n}")
+        return
+    if not (crow_given and col_given):
+        raise _invalid(where, "sparse_crow_indices and sparse_col_indices must be given together (sparse CSR)")
+    if shape is None or len(shape) != 2:
+        raise _invalid(where + ".shape", f"a sparse CSR tensor needs a 2-D shape [rows, cols], got {shape!r}")
+    rows, cols = int(shape[0]), int(shape[1])
+    crow = _int_array(t.sparse_crow_indices, where + ".sparse_crow_indices")
+    col = _int_array(t.sparse_col_indices, where + ".sparse_col_indices")
+    if crow.size != rows + 1:
+        raise _invalid(where + ".sparse_crow_indices", f"must hold rows + 1 = {rows + 1} row pointers, got {crow.size}")
+    if crow[0] != 0:
+        raise _invalid(where + ".sparse_crow_indices", f"must start at 0, got {int(crow[0])}")
+    if rows and (drops := np.flatnonzero(np.diff(crow) < 0)).size:
+        i = int(drops[0])
+        raise _invalid(where + ".sparse_crow_indices", f"row pointers must not decrease ({int(crow[i])} then "
+                                                        f"{int(crow[i + 1])} at index {i + 1})")
+    if col.size != n:
+        raise _invalid(where + ".sparse_col_indices", f"must hold one column per value ({n}), got {col.size}")
+    if crow[-1] != n:
+        raise _invalid(where + ".sparse_crow_indices", f"the last row pointer must equal the number of values "
+                                                        f"({n}), got {int(crow[-1])}")
+    if n and ((col < 0) | (col >= cols)).any():
+        bad = int(col[(col < 0) | (col >= cols)][0])
+        raise _invalid(where + ".sparse_col_indices", f"column {bad} is outside the row width [0, {cols})")
+    if n > 1:
+        increasing = np.diff(col) > 0
+        starts = crow[1:-1]
+        increasing[starts[(starts > 0) & (starts < n)] - 1] = True  # a new row may start at any column
+        if not increasing.all():
+            raise _invalid(where + ".sparse_col_indices", "columns must be strictly increasing within each row")
+
+
 # --- requests ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _RawTensor:
+    """A tensor's fields as they came, for `check_tensor` before any type reshapes or casts them."""
+
+    data: Any
+    dtype: str
+    shape: list[int] | None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
 def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
     dtype = _DTYPE_OF_PROTO.get(msg.dtype)
     if dtype is None:
@@ -58,15 +173,18 @@ def _tensor_from_proto(msg: pb.Tensor, where: str) -> types.TensorData:
     try:
         if msg.HasField("sparse_csr"):
             csr = msg.sparse_csr
-            return types.TensorData(
-                data=np.frombuffer(csr.values, dtype=np_dtype).copy(),
-                dtype=dtype,
-                shape=shape,
-                sparse_crow_indices=np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
-                sparse_col_indices=np.frombuffer(csr.col_indices, dtype=np.int64).tolist(),
-            )
-        return types.TensorData(data=np.frombuffer(msg.dense, dtype=np_dtype).copy(), dtype=dtype, shape=shape)
-    except (ValueError, OverflowError, TypeError) as e:  # byte count not a multiple of the itemsize, shape mismatch
+            raw = _RawTensor(np.frombuffer(csr.values, dtype=np_dtype).copy(), dtype, shape,
+                             np.frombuffer(csr.crow_indices, dtype=np.int64).tolist(),
+                             np.frombuffer(csr.col_indices, dtype=np.int64).tolist())
+        else:
+            raw = _RawTensor(np.frombuffer(msg.dense, dtype=np_dtype).copy(), dtype, shape)
+    except (ValueError, OverflowError, TypeError) as e:  # byte count not a multiple of the itemsize
+        raise DecodeError(f"{where}: {e}") from None
+    check_tensor(raw, where)
+    try:
+        return types.TensorData(data=raw.data, dtype=dtype, shape=shape, sparse_crow_indices=raw.sparse_crow_indices,
+                                sparse_col_indices=raw.sparse_col_indices)
+    except (ValueError, OverflowError, TypeError) as e:
         raise DecodeError(f"{where}: {e}") from None
 
 
@@ -84,7 +202,7 @@ def _datum_from_proto(msg: pb.Datum, i: int) -> types.Datum:
         if len(tokens) % 4:
             raise DecodeError(f"data[{i}].model_input: token bytes are not int32")
         chunks.append(types.EncodedTextChunk(tokens=np.frombuffer(tokens, dtype=np.int32).tolist()))
-    inputs = {k: _tensor_from_proto(v, f"data[{i}].loss_fn_inputs[{k!r}]") for k, v in msg.loss_fn_inputs.items()}
+    inputs = {k: _tensor_from_proto(v, f"data[{i}].loss_fn_inputs.{k}") for k, v in msg.loss_fn_inputs.items()}
     return types.Datum(
         model_input=types.ModelInput(chunks=chunks), loss_fn_inputs=inputs,
         model_input_spans=_spans_from_proto(msg.model_input_spans, f"data[{i}].model_input_spans"),
@@ -152,6 +270,7 @@ def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
 
 
 def public_tensor(t: WireTensorData, where: str = "tensor") -> types.TensorData:
+    check_tensor(t, where)
     try:
         return types.TensorData(
             data=t.data,
@@ -200,6 +319,13 @@ def _check_plain_lists(obj: dict[str, Any], field: str) -> None:
                 raise DecodeError(
                     f"invalid field '{field}.data[{i}].loss_fn_inputs.{k}': a plain list is only accepted for "
                     f"{sorted(PLAIN_LIST_DTYPES)}; send {{\"data\": [...], \"dtype\": \"float32\"|\"int64\"}}")
+            if isinstance(v, list) and PLAIN_LIST_DTYPES.get(k) == "int64":
+                # The SDK casts a plain list to its dtype (33.5 would become 33): check the values first.
+                try:
+                    flat = np.asarray(v, dtype=np.float64).ravel()
+                except (ValueError, TypeError, OverflowError):
+                    continue  # ragged or not numeric: the SDK's own conversion refuses it
+                _check_values(flat, "int64", f"{field}.data[{i}].loss_fn_inputs.{k}")
 
 
 def describe_validation_error(e: ValidationError, prefix: str = "") -> str:

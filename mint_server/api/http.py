@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -20,75 +21,20 @@ from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, SecurityScopes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_server.api import jsonsafe
-from mint_server.api.admission import Busy, ShuttingDown
-from mint_server.api.auth import AuthError, Principal, ScopeError
+from mint_server.api.auth import Principal
 from mint_server.api.codec import DecodeError, describe_validation_error
 from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
 from mint_server.api.openai.errors import OpenAIError, is_openai_path, openai_error_response
-from mint_server.api.ordering import SeqError
-from mint_server.api.paths import PathError
-from mint_server.api.runs import NotFound
 from mint_server.api.service import Service
-from mint_server.api.sessions import SessionGone
-from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
-from mint_server.catalog.errors import NotFound as CatalogNotFound
-from mint_server.engine.interface import EngineError, EngineFailed
-from mint_server.fsutil import DiskFull
+from mint_server.api.statuses import STATUS_OF, BodyTooLarge, RequestTimeout, status_for
+from mint_server.catalog.errors import IntegrityError
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 API_KEY_HEADER = "x-api-key"
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-class HeadersTooLarge(Exception):
-    pass
-
-
-class RequestTimeout(Exception):
-    pass
-
-
-# The one mapping from exception type to HTTP status, for every route (Tinker, MinT extensions,
-# catalog). The first match wins, so subclasses come before their bases.
-STATUS_OF: list[tuple[type[BaseException], int]] = [
-    (AuthError, 401),
-    (ScopeError, 403),
-    (NotFound, 404),
-    (CatalogNotFound, 404),
-    (RequestTimeout, 408),
-    (AlreadyExists, 409),
-    (SessionGone, 410),
-    (ClientDisconnect, 499),  # the client left mid-body: nobody reads the answer, and it is no server fault
-    (BodyTooLarge, 413),
-    (HeadersTooLarge, 431),
-    (Busy, 429),
-    (ShuttingDown, 503),
-    (EngineFailed, 503),
-    (EngineError, 400),
-    (PathError, 400),
-    (DecodeError, 400),
-    (JSONInputError, 400),
-    (SeqError, 400),
-    (InvalidArgument, 400),
-    (RequestValidationError, 400),
-    (DiskFull, 507),  # out of room: the server's condition, not the request's; nothing partial was kept
-    (IntegrityError, 500),  # stored data is corrupt: the server is at fault, and says which blob
-]
-
-
-def status_for(error: BaseException) -> int:
-    for exc_type, status in STATUS_OF:
-        if isinstance(error, exc_type):
-            return status
-    return 500
 
 
 def error_response(
@@ -113,13 +59,24 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "invalid request"
 
 
+def unhandled(exc: BaseException) -> tuple[str, str]:
+    """The last resort for an exception no rule names: logged with a fresh error id, answered as a
+    503 (the server's fault, maybe passing: the client may retry) carrying that id — never a bare
+    500. Returns (message, error id)."""
+    error_id = uuid.uuid4().hex[:16]
+    log.error("unhandled error (error id %s)", error_id, exc_info=exc)
+    return f"internal error: {type(exc).__name__} (error id {error_id}; the server log has the details)", error_id
+
+
 def exception_response(exc: BaseException) -> JSONResponse:
     status = status_for(exc)
     if status == 499:
         log.debug("client disconnected before its request was read")
     if status == 500 and not isinstance(exc, IntegrityError):
-        log.exception("unhandled error", exc_info=exc)
-        return error_response(500, f"internal error: {type(exc).__name__}")
+        detail, error_id = unhandled(exc)
+        response = error_response(503, detail, error="InternalError")
+        response.headers["X-Error-Id"] = error_id
+        return response
     detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
     return error_response(
         status, detail, error=type(exc).__name__, field=getattr(exc, "field", None),
@@ -135,8 +92,10 @@ def openai_exception_response(exc: BaseException) -> JSONResponse:
         return openai_error_response(exc.status_code, str(exc.detail))
     status = status_for(exc)
     if status == 500 and not isinstance(exc, IntegrityError):
-        log.exception("unhandled error", exc_info=exc)
-        return openai_error_response(500, f"internal error: {type(exc).__name__}")
+        detail, error_id = unhandled(exc)
+        response = openai_error_response(503, detail)
+        response.headers["X-Error-Id"] = error_id
+        return response
     detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
     return openai_error_response(status, detail, getattr(exc, "field", None))
 

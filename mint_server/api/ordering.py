@@ -10,13 +10,16 @@ adapter exactly sequential; different models still run concurrently in the engin
 from __future__ import annotations
 
 import asyncio
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 Thunk = Callable[[], Awaitable[Any]]
 # A client may run ahead of a missing request by a bounded amount; more is a bug or an attack.
 MAX_SEQ_AHEAD = 100_000
+# Refusals remembered per model, so that a resubmission of a refused request (the SDK retries
+# some statuses with the same seq_id) is answered with the same error, not "already used".
+MAX_REFUSALS_KEPT = 256
 
 
 class SeqError(ValueError):
@@ -29,6 +32,7 @@ class Sequencer:
         self._by_seq: dict[int, tuple[Thunk, asyncio.Future[Any]]] = {}
         self._unordered: deque[tuple[Thunk, asyncio.Future[Any]]] = deque()
         self._skipped: set[int] = set()
+        self._refused: OrderedDict[int, BaseException] = OrderedDict()
         self._worker: asyncio.Task[None] | None = None
         self._closed: str | None = None
 
@@ -59,6 +63,19 @@ class Sequencer:
         if seq_id >= self.next_seq and seq_id not in self._by_seq:
             self._skipped.add(seq_id)
             self._kick()
+
+    def refuse(self, seq_id: int, error: BaseException) -> None:
+        """The request with this seq_id was refused with `error` before it was queued: later ones
+        must not wait for it (`skip`), and a resubmission of it gets `error` again (`refusal`)."""
+        self.skip(seq_id)
+        self._refused[seq_id] = error
+        self._refused.move_to_end(seq_id)
+        while len(self._refused) > MAX_REFUSALS_KEPT:
+            self._refused.popitem(last=False)
+
+    def refusal(self, seq_id: int) -> BaseException | None:
+        """The error a request with this seq_id was refused with, if it was (and still remembered)."""
+        return self._refused.get(seq_id)
 
     def drop_unreachable(self, reason: str) -> None:
         """Shutdown: fail ops waiting behind a seq_id that never arrived; ready ones still run."""

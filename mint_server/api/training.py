@@ -8,9 +8,12 @@ for it forever.
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
+import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,12 +29,14 @@ from mint_server.api.paths import CheckpointRef, Kind, check_name
 from mint_server.api.policies import policy_name
 from mint_server.api.runs import CheckpointRecord, RunRecord
 from mint_server.api.sessions import Session
+from mint_server.api.statuses import status_for
 from mint_server.api.usage import CHECKPOINT, TRAINING
 from mint_server.api.validate import InvalidInput, check_lora
-from mint_server.engine.interface import AdapterLost, compile_loss
+from mint_server.engine.interface import AdapterLost, EngineError, compile_loss
 from mint_server.fsutil import full_disk_named
 from mint_server.model.peft_archive import write_archive_dir
 
+log = logging.getLogger(__name__)
 MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 MAX_CUSTOM_LOSSES = 64  # per session
 Op = Callable[[], Awaitable[Any]]
@@ -98,6 +103,21 @@ def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
     d = lora.model_dump() if isinstance(lora, types.LoraConfig) else dict(lora)
     d.pop("seed", None)
     return d
+
+
+def _known(e: BaseException) -> bool:
+    """Whether the HTTP layer maps `e` to a status of its own (else it would be an internal error)."""
+    return isinstance(e, EngineError) or status_for(e) != 500
+
+
+def _unprepared(op: str, e: BaseException) -> InvalidInput:
+    """The last resort for an exception no rule names, raised while a request was checked and
+    prepared (its input parsed for the engine, before it was queued): a 400 that says what failed
+    and carries an id that finds the traceback in the server log, never a bare 500."""
+    error_id = uuid.uuid4().hex[:16]
+    log.error("%s: preparing the request failed (error id %s)", op, error_id, exc_info=e)
+    return InvalidInput(f"{op}: the request could not be prepared for the engine ({type(e).__name__}: {e}); "
+                        f"error id {error_id}")
 
 
 class TrainingService:
@@ -224,10 +244,11 @@ class TrainingService:
         )
 
     # --- ordered operations -------------------------------------------------------------------------
-    def give_up_seq(self, p: Principal, model_id: str, seq_id: int) -> None:
+    def give_up_seq(self, p: Principal, model_id: str, seq_id: int, error: BaseException | None = None) -> None:
         """A request for `model_id` with this seq_id was refused before it could be queued (its body
-        could not be decoded): later requests must not wait for it. Unknown models, other owners'
-        models and seq_ids that could never run are ignored: the refusal already answers them."""
+        could not be decoded): later requests must not wait for it, and a resubmission of it gets
+        the same error (`error`, else the one being handled). Unknown models, other owners' models
+        and seq_ids that could never run are ignored: the refusal already answers them."""
         model = self.core.models.get(model_id)
         if model is None or model.owner != p.owner:
             return
@@ -235,7 +256,11 @@ class TrainingService:
             model.sequencer.check(seq_id)
         except SeqError:
             return
-        model.sequencer.skip(seq_id)
+        error = error if error is not None else sys.exc_info()[1]
+        if error is None:
+            model.sequencer.skip(seq_id)
+        else:
+            model.sequencer.refuse(seq_id, error)
 
     def sequenced(
         self, p: Principal, model_id: str, seq_id: int | None, op: str, check: Callable[[TrainingModel], Op]
@@ -245,6 +270,8 @@ class TrainingService:
         model = self.core.model(model_id, p.owner)
         if (hit := self.core.seen(model_id, seq_id)) is not None:
             return hit
+        if seq_id is not None and (earlier := model.sequencer.refusal(seq_id)) is not None:
+            raise earlier.with_traceback(None)  # a resubmitted refused request: the real error again
         self.core.admission.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
         if seq_id is not None:
             try:
@@ -253,10 +280,13 @@ class TrainingService:
                 raise InvalidInput(str(e)) from None
         try:
             run = check(model)
-        except Exception:
+        except Exception as e:
+            refused = e if _known(e) else _unprepared(op, e)
             if seq_id is not None:
-                model.sequencer.skip(seq_id)
-            raise
+                model.sequencer.refuse(seq_id, refused)
+            if refused is e:
+                raise
+            raise refused from None
 
         engine_wait: list[Any] = [None]
 
