@@ -23,6 +23,7 @@ from mint_server.api.paths import (
     parse_kind,
     parse_policy_ref,
 )
+from mint_server.api.revision_state import lora_of
 from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, check_project
 from mint_server.api.training import check_ttl
 from mint_server.api.validate import InvalidInput
@@ -160,8 +161,9 @@ class CheckpointService:
     def weights_info(self, p: Principal, tinker_path: str) -> types.WeightsInfoResponse:
         if (policy_ref := parse_policy_ref(tinker_path)) is not None:
             revision, policy = self.core.policies.resolve(policy_ref, p.owner)
-            # The rank is the revision's own; the switches are the policy's (revisions do not record them).
-            base_model, lora = policy.base_model, {**policy.lora_config, "rank": revision.rank}
+            # The rank is the revision's own; the switches are the policy's (revisions do not record
+            # them), or those its target modules imply (an imported adapter's policy).
+            base_model, lora = policy.base_model, lora_of(revision.rank, policy.lora_config).model_dump()
         else:
             _rec, run = self.core.resolve(tinker_path, p.owner)
             base_model, lora = run.base_model, run.lora

@@ -113,3 +113,47 @@ def test_imported_peft_adapter_continues_training_like_peft(base: Path, tmp_path
                 prefix = f"base_model.model.model.layers.{layer}.{block}.{target}"
             tol.check_rel(g_a[layer], params[f"{prefix}.lora_A.default.weight"].grad, (target, layer, "A"))
             tol.check_rel(g_b[layer], params[f"{prefix}.lora_B.default.weight"].grad, (target, layer, "B"))
+
+
+def test_a_revision_becomes_a_training_start_on_a_live_server(base: Path, tmp_path: Path) -> None:
+    """The server side of create_training_client_from_state on tinker://NAME@N: weights_info gives the
+    LoRA config the SDK creates the model with, and the revision turns into a weights-only training
+    state holding exactly the imported weights (the engine's load_state starts the model from it)."""
+    import asyncio
+
+    import tinker
+
+    from mint_server.api import revision_state
+    from mint_server.api.auth import owner_id
+    from mint_server.api.validate import InvalidInput
+    from mint_server.engine import state_io
+    from mint_server.model.peft_io import load_peft
+    from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
+
+    adapter_dir = peft_library_adapter(base, tmp_path / "from-peft")
+    with LiveServer(tiny_engine(base), tmp_path / "data") as server:
+        core = server.service.core
+        owner = owner_id(KEY_A)
+        core.policies.catalog.import_peft(owner, adapter_dir, "elsewhere", base_model=BASE)
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        try:
+            info = client.create_rest_client().get_weights_info_by_tinker_path("tinker://elsewhere@1").result()
+        finally:
+            client.close("success")
+        assert (info.base_model, info.lora_rank) == (BASE, 4)
+        assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, True, True)
+
+        assert revision_state.resolve(core, "tinker://0123456789abcdef0123456789abcdef:train:0/weights/x",
+                                      owner) is None  # checkpoint paths resolve as before
+        with pytest.raises(InvalidInput, match="no optimizer state"):
+            revision_state.resolve(core, "tinker://elsewhere@1", owner, with_optimizer=True)
+        state = revision_state.resolve(core, "tinker://elsewhere@1", owner)
+        assert state is not None and state.path == "tinker://elsewhere@1" and state.lora.rank == 4
+        state_dir = asyncio.run(revision_state.ensure_state(core, state))
+        loaded = state_io.load_state(state_dir, include_optimizer=False)
+    assert loaded.optim is None and loaded.base_model == BASE
+    expected = load_peft(adapter_dir, load_model(base, device="cpu").config)
+    assert loaded.weights.rank == 4 and abs(loaded.weights.alpha - 12.0) < 1e-12
+    assert sorted(loaded.weights.weights) == sorted(expected.weights)
+    for t, (a, b) in expected.weights.items():
+        assert torch.equal(loaded.weights.weights[t][0], a) and torch.equal(loaded.weights.weights[t][1], b), t

@@ -1,0 +1,91 @@
+"""A catalog revision as the start of a training run: `create_training_client_from_state` (and
+`load_state`) on a policy reference, `tinker://NAME@N` — what `mint import DIR --policy NAME` prints
+for an adapter trained elsewhere (PEFT, Unsloth, TRL).
+
+A revision is weights only (a PEFT dir), so training continues from its weights with a fresh
+optimizer: AdamW (or Dimuon) moments start at zero and the step count at 0, as after `load_state`
+without the optimizer. `..._with_optimizer` on a revision is refused by name.
+
+The revision is read the way sampling reads it (the engine's loader checks every shape against the
+base and refuses what it cannot compute exactly), and turned once into a weights-only training-state
+dir under the ephemeral root, keyed by its content (sha256): the engine's own `load_state` then
+starts the new model from it, and a model whose replica dies resumes from it like from any state.
+
+Wiring (api/training.py, where a `weights` path is resolved today): `resolve(core, path, owner)`
+returns None for a checkpoint path, else the revision's LoRA config and state dir; `await
+ensure_state(core, state)` before the engine's `load_state(None, state.state_dir, False, family)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tinker import types
+
+from mint_server.api.paths import parse_policy_ref
+from mint_server.api.validate import InvalidInput
+from mint_server.catalog.records import Revision
+from mint_server.engine.interface import AdapterSource
+
+if TYPE_CHECKING:
+    from mint_server.api.core import Core
+
+# PEFT module names by the LoraConfig switch that trains them (strings only: no model code here).
+_UNEMBED = frozenset({"lm_head", "unembed_tokens"})
+_MLP = frozenset({"gate_proj", "up_proj", "down_proj"})
+STATES_DIR = "revision-states"
+
+
+@dataclass(frozen=True)
+class RevisionState:
+    path: str  # tinker://NAME@N: the revision pinned by number, whatever alias named it
+    revision: Revision
+    base_model: str
+    lora: types.LoraConfig
+    state_dir: Path
+
+
+def lora_of(rank: int, lora_config: dict[str, Any]) -> types.LoraConfig:
+    """The tinker LoraConfig a revision trains as: its rank, and the switches its targets imply
+    (the policy's own switches when it records them, as runs of this server do)."""
+    modules = set(lora_config.get("target_modules") or ())
+    flags = {
+        "train_unembed": lora_config.get("train_unembed", bool(modules & _UNEMBED)),
+        "train_mlp": lora_config.get("train_mlp", bool(modules & _MLP)),
+        "train_attn": lora_config.get("train_attn", bool(modules - _UNEMBED - _MLP)),
+    }
+    return types.LoraConfig(rank=rank, **{k: bool(v) for k, v in flags.items()})
+
+
+def resolve(core: Core, path: str, owner: str, with_optimizer: bool = False) -> RevisionState | None:
+    """None for a checkpoint path; for a policy reference, the revision it names now (own, servable
+    on this base) as a training start. InvalidInput for `with_optimizer` (a revision has none)."""
+    ref = parse_policy_ref(path)
+    if ref is None:
+        return None
+    revision, policy = core.policies.resolve(ref, owner)
+    core.policies.check_servable(ref, policy)
+    if with_optimizer:
+        raise InvalidInput(f"path {path!r}: a policy revision holds adapter weights only, no optimizer state; "
+                           "load it without the optimizer (create_training_client_from_state / load_state), "
+                           "which starts the optimizer fresh")
+    return RevisionState(
+        path=f"tinker://{revision.ref}", revision=revision, base_model=policy.base_model,
+        lora=lora_of(revision.rank, policy.lora_config), state_dir=core.ephemeral_root / STATES_DIR / revision.sha256,
+    )
+
+
+async def ensure_state(core: Core, state: RevisionState) -> Path:
+    """The revision's weights-only training-state dir, written once (atomically) by the engine: the
+    revision loaded as sampling loads it, copied unchanged (one source, coefficient 1), saved."""
+    if (state.state_dir / "state.json").is_file():
+        return state.state_dir
+    source = AdapterSource.of_revision(state.revision.sha256, core.policies.reader(state.revision))
+    adapter = await core.call(core.engine.interpolate([source], [1.0]))
+    try:
+        await core.call(core.engine.save_state(adapter, state.state_dir, False))
+    finally:
+        await core.call(core.engine.release_adapter(adapter))
+    return state.state_dir
