@@ -11,6 +11,23 @@ Per element, at step t (after optional global-norm clipping of the gradient g):
 
 This is torch.optim.AdamW's arithmetic in the same order, so it matches it to the last bit on CPU.
 
+Bias correction divides by 1 − β1ᵗ and 1 − β2ᵗ, which is right only for moments built with the
+same betas at every step. So the betas are part of the state: a step whose (beta1, beta2) differ
+from the ones the moments were built with starts the moments afresh (m = v = 0, t = 0) before it
+runs, exactly as a new adapter's first step would. (A changed learning rate, eps or weight decay
+needs nothing: they are not in the moments.) A state whose betas are not known (saved before they
+were recorded) adopts the next step's.
+
+Every step, of either family, is checked after it runs (`step_or_rollback`): a non-finite weight or
+moment, or an update absurd against the weights — for any LoRA matrix M,
+
+    rms(ΔM) > MAX_UPDATE_VS_WEIGHTS · rms(M) + MAX_UPDATE_VS_LR · learning_rate
+
+— puts weights, moments and step count back exactly and refuses the step. A sound step stays far
+below that: AdamW moves an element by at most ≈7.3·lr with the default betas (|m̂|/√v̂ by
+Cauchy–Schwarz; 1·lr on the first step) plus its decay, at most |p|; Dimuon moves a matrix by lr·√r
+in Frobenius norm, an RMS of at most lr.
+
 Dimuon, as Tinker documents it (DimuonParams: learning_rate, grad_clip_norm, beta1; the matrix-sign
 iteration count and normalization epsilon are internal constants), per LoRA matrix M of each layer
 (A [r, in], B [out, r]):
@@ -89,28 +106,58 @@ def check_adam_params(p: types.AdamParams) -> None:
             raise EngineError(f"adam_params.{name}: {value!r} is out of range; must be {allowed}")
 
 
+# The bound on one step's update (see the module docstring): far above any sound step, far below
+# what moments gone wrong produce (weights × 47 to × 4e12 in issue 52's probe).
+MAX_UPDATE_VS_WEIGHTS = 10.0
+MAX_UPDATE_VS_LR = 100.0
+
+
+@torch.no_grad()
+def update_within_bound(before: Pairs, after: Pairs, learning_rate: float) -> bool:
+    """Whether every LoRA matrix's update is within rms(ΔM) ≤ 10·rms(M) + 100·lr (one host sync)."""
+    ratios = []
+    for t, (x0, y0) in before.items():
+        for old, new in ((x0, after[t][0]), (y0, after[t][1])):
+            if old.numel() == 0:
+                continue
+            old32 = old.float()
+            moved = (new.float() - old32).pow(2).mean().sqrt()
+            bound = MAX_UPDATE_VS_WEIGHTS * old32.pow(2).mean().sqrt() + MAX_UPDATE_VS_LR * learning_rate + 1e-12
+            ratios.append(moved / bound)
+    return not ratios or bool(torch.stack(ratios).max() <= 1.0)  # NaN (an inf update) compares False
+
+
 def step_or_rollback(step: Callable[..., dict[str, float]], params: Pairs, grads: Pairs, state: AdamState,
                      hp: Any, agree: Callable[[bool], bool] = lambda ok: ok, **kw: Any) -> dict[str, float]:
-    """Run one optimizer `step` in place; if any new weight or moment is non-finite, put the weights,
-    moments and step count back exactly as they were and raise EngineError (the gradients stay).
+    """Run one optimizer `step` in place; if any new weight or moment is non-finite, or the update is
+    absurd against the weights (`update_within_bound`), put the weights, moments, step count and
+    betas back exactly as they were and raise EngineError (the gradients stay). The caller publishes
+    the weights only when this returns, so weights that failed the check are never served or saved.
 
-    agree: tensor-parallel ranks combine their verdicts (all ranks roll back, or none).
+    agree: tensor-parallel ranks combine their verdicts (all ranks roll back, or none); each rank
+    bounds its own share of each matrix.
     """
     weights = {t: (x.clone(), y.clone()) for t, (x, y) in params.items()}
     moments = {t: tuple(m.clone() for m in ms) for t, ms in state.moments.items()}
-    step_count = state.step
+    step_count, betas = state.step, state.betas
     metrics = step(params, grads, state, hp, **kw)
-    finite = kernels.all_finite([*(x for pair in params.values() for x in pair),
-                                 *(m for ms in state.moments.values() for m in ms)])
-    if agree(finite):
+    finite = agree(kernels.all_finite([*(x for pair in params.values() for x in pair),
+                                       *(m for ms in state.moments.values() for m in ms)]))
+    bounded = finite and agree(update_within_bound(weights, params, float(hp.learning_rate)))
+    if finite and bounded:
         return metrics
     with torch.no_grad():
         for t, (x, y) in weights.items():
             params[t][0].copy_(x)
             params[t][1].copy_(y)
-    state.moments, state.step = moments, step_count  # type: ignore[assignment]
-    raise EngineError("optim_params: this step would make the adapter's weights or optimizer moments non-finite "
-                      "(lower the learning rate, or clip gradients); the adapter and its gradients are unchanged")
+    state.moments, state.step, state.betas = moments, step_count, betas  # type: ignore[assignment]
+    if not finite:
+        raise EngineError("optim_params: this step would make the adapter's weights or optimizer moments "
+                          "non-finite (lower the learning rate, or clip gradients); the adapter and its gradients "
+                          "are unchanged")
+    raise EngineError(f"optim_params: this step's update is absurd against the weights (the RMS of some LoRA "
+                      f"matrix's change exceeds {MAX_UPDATE_VS_WEIGHTS:g} × its RMS + {MAX_UPDATE_VS_LR:g} × "
+                      "learning_rate), so it was refused; the adapter and its gradients are unchanged")
 
 
 def grad_norm(grads: Pairs) -> float:
@@ -124,6 +171,9 @@ def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamPara
                norm: float | None = None) -> dict[str, float]:
     """Update float32 `params` in place from `grads`; advances `state`. Returns optimizer metrics.
 
+    Betas other than the ones `state`'s moments were built with reset the moments and step count
+    first (m = v = 0, t = 0), so the bias correction is always that of the moments it divides.
+
     Targets without a gradient are left alone (like torch optimizers skip params whose .grad is None).
     norm: the gradient's global norm when `grads` is one tensor-parallel rank's share (tp.grad_norm).
     """
@@ -131,6 +181,12 @@ def adamw_step(params: Pairs, grads: Pairs, state: AdamState, hp: types.AdamPara
     # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6) when that is < 1.
     clip = hp.grad_clip_norm / (norm + 1e-6) if hp.grad_clip_norm > 0 else 1.0
     clip = min(clip, 1.0)
+    betas = (float(hp.beta1), float(hp.beta2))
+    if state.betas is not None and state.betas != betas:
+        # Moments built under other betas cannot be bias-corrected under these: start them afresh
+        # (a new dict: step_or_rollback's copy of the old one stays intact for a rollback).
+        state.moments, state.step = {}, 0
+    state.betas = betas
     state.step += 1
     bc1 = 1 - hp.beta1**state.step
     bc2_sqrt = (1 - hp.beta2**state.step) ** 0.5  # `** 0.5`, not math.sqrt: torch's exact arithmetic

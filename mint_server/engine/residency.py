@@ -181,7 +181,7 @@ class Residency:
                     alpha=weights.alpha, targets=tuple(sorted(weights.weights)), last_used=next(self._clock))
         if optim is not None:
             a.optim = AdamState(optim.step, {t: tuple(m.cpu() for m in ms)
-                                             for t, ms in optim.moments.items()}, optim.family)
+                                             for t, ms in optim.moments.items()}, optim.family, optim.betas)
         self._adapters[a.id] = a
         self._set_host(a, {t: (x.detach().float().cpu().clone(), y.detach().float().cpu().clone())
                            for t, (x, y) in weights.weights.items()})
@@ -417,7 +417,7 @@ class Residency:
                                                           a.grads))
             a.paged = dest
             self._set_host(a, None)
-            a.grads, a.optim = {}, AdamState(a.optim.step, family=a.optim.family)
+            a.grads, a.optim = {}, AdamState(a.optim.step, family=a.optim.family, betas=a.optim.betas)
         else:
             self._set_host(a, None)
         self.stats.evictions["host"] += 1
@@ -496,7 +496,8 @@ class Residency:
             self.stats.load_seconds.append(seconds)
             if isinstance(out, state_io.PagedState):
                 w = out.weights
-                a.grads, a.optim = out.grads, AdamState(out.optim.step, out.optim.moments, out.optim.family)
+                a.grads, a.optim = out.grads, AdamState(out.optim.step, out.optim.moments, out.optim.family,
+                                                      out.optim.betas)
                 shutil.rmtree(a.paged, ignore_errors=True)  # type: ignore[arg-type]
                 a.paged = None
             else:

@@ -83,6 +83,7 @@ def save_state(dest: str | Path, state: TrainState, grads: dict[str, tuple[Tenso
         "step": state.optim.step if state.optim is not None else 0,
         "has_optimizer": state.optim is not None,
         "optimizer": state.optim.family if state.optim is not None else None,
+        "adam_betas": list(state.optim.betas) if state.optim is not None and state.optim.betas else None,
     }
 
     def fill(tmp: Path) -> None:
@@ -122,7 +123,9 @@ def load_state(src: str | Path, include_optimizer: bool) -> TrainState:
             names = _MOMENTS[family]
             mflat = load_file(str(src / "optimizer.safetensors"))
             moments = {t: tuple(mflat[f"{t}.{n}"] for n in names) for t in targets if f"{t}.{names[0]}" in mflat}
-            optim = AdamState(step=int(meta["step"]), moments=moments, family=family)
+            betas = meta.get("adam_betas")
+            optim = AdamState(step=int(meta["step"]), moments=moments, family=family,
+                              betas=(float(betas[0]), float(betas[1])) if betas else None)
     except (OSError, KeyError, SafetensorError) as e:
         raise EngineError(f"path: {str(src)!r} has missing or corrupt tensors ({e})") from None
     lora = LoraWeights(weights, int(meta["rank"]), float(meta["alpha"]))

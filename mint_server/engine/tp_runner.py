@@ -327,7 +327,7 @@ def gather_optim(sh: Shard, aid: str) -> AdamState:
     rec = sh.record(aid)
     moments = {t: tuple(m.cpu() for m in ms)
                for t, ms in tpmod.gather_moments(rec.optim.moments, rec.optim.family, sh.tp).items()}
-    return AdamState(rec.optim.step, moments, rec.optim.family)
+    return AdamState(rec.optim.step, moments, rec.optim.family, rec.optim.betas)
 
 
 # --- optimizer --------------------------------------------------------------------------------------

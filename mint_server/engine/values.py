@@ -85,6 +85,9 @@ class AdamState:
     # adamw (m_A, v_A, m_B, v_B); dimuon (momentum_A, momentum_B)
     moments: dict[str, tuple[Tensor, ...]] = field(default_factory=dict)
     family: str = "adamw"
+    # AdamW: the (beta1, beta2) the moments were built with (None: not known, e.g. a state saved
+    # before this was recorded: the next step's betas are adopted). See optim.adamw_step.
+    betas: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
