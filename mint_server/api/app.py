@@ -18,6 +18,7 @@ from mint_server.api import (
     routes_service,
     routes_training,
 )
+from mint_server.api.anthropic import routes as anthropic_routes
 from mint_server.api.auth import TRAIN, Authenticator, Principal, Signer
 from mint_server.api.http import BodyLimit, install_error_handlers, needs
 from mint_server.api.jsonsafe import SafeJSONResponse
@@ -72,6 +73,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     dashboard.install(app)
     for router in openai_routes.routers:
         app.include_router(router)
+    app.include_router(anthropic_routes.router)
     app.include_router(
         make_catalog_router(
             lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes,

@@ -25,6 +25,7 @@ class TextStream:
         self._text = ""  # complete characters decoded so far (before stop-string cutting)
         self._sent = 0  # characters of `_text` handed out
         self.stopped = False  # a stop string was found: the text ends before it
+        self.stop_string: str | None = None  # which one (the earliest in the text)
         self.finished = False
 
     @property
@@ -58,9 +59,10 @@ class TextStream:
     def _release(self, final: bool) -> str:
         if self.stops and not self.stopped:
             # A stop string cannot begin in text already handed out: its start would have been held back.
-            hits = [i for s in self.stops if (i := self._text.find(s, self._sent)) >= 0]
+            hits = [(i, s) for s in self.stops if (i := self._text.find(s, self._sent)) >= 0]
             if hits:
-                self._text = self._text[: min(hits)]
+                at, self.stop_string = min(hits)
+                self._text = self._text[:at]
                 self.stopped = True
         end = len(self._text)
         if not (final or self.stopped):

@@ -118,6 +118,14 @@ class Reply:
                 "system_fingerprint": self.target.fingerprint, "choices": choices, **extra}
 
 
+@dataclass
+class RenderedChat:
+    prompt: list[int]  # the tokens (with images: each image as its run of image tokens)
+    parsed: Prompt | None  # the engine's parse, when the chat has images
+    forced: dict[str, Any] | None  # the grammar of a call tool_choice forces
+    parse_calls: bool  # tool calls in the reply are parsed (tools given, tool_choice not "none")
+
+
 class Mailbox:
     """Carries tokens from the engine's thread to the event loop with one wakeup per batch of them
     (a decode step draws a token for every running stream at once), not one per token."""
@@ -441,14 +449,29 @@ class OpenAIService:
         return out
 
     # --- chat completions -------------------------------------------------------------------------
-    async def admit_chat(self, owner: str, req: ChatRequest) -> Reply:
+    async def admit_chat(self, owner: str, req: ChatRequest, max_tokens_at_most: int | None = None) -> Reply:
         """Checks, renders (off the event loop, after a byte bound) and parses a chat into its engine
-        jobs. The one chat admission: the Anthropic face admits its requests here too, as ChatRequests."""
+        jobs. The one chat admission: the Anthropic face admits its requests here too, as ChatRequests.
+        `max_tokens_at_most`: the request's max_tokens as a ceiling, lowered to what the context leaves
+        (the Anthropic face's max_tokens) rather than refused when it does not fit."""
         self.core.admission.check_accepting()
         target = self.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         top_logprobs = self._top_logprobs(req.top_logprobs, "top_logprobs") if req.logprobs else 0
+        rendered = await self.render_chat(req)
+        prompt = rendered.prompt
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens_at_most is not None:
+            max_tokens = max(1, min(max_tokens_at_most, self.engine.limits.max_context - len(prompt)))
+        params = self._params(req, [prompt], max_tokens)
+        return self._admit(owner, target, [prompt], req.n, params, req, rendered.parse_calls, top_logprobs,
+                           rendered.forced, rendered.parsed)
+
+    async def render_chat(self, req: ChatRequest) -> RenderedChat:
+        """A chat's prompt as the model's template writes it (tools included), off the event loop after a
+        byte bound; with images, parsed by the engine. What admission samples from, and what the
+        Anthropic face's count_tokens counts."""
         choice = req.tool_choice
         if choice is not None and not req.tools:
             raise OpenAIError(400, "tool_choice needs tools", "tool_choice")
@@ -471,10 +494,7 @@ class OpenAIService:
         parsed = await asyncio.to_thread(self._with_images, prompt, images) if images else None
         if parsed is not None:
             prompt = list(parsed.tokens)  # each image as its run of image tokens: what the context holds
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        params = self._params(req, [prompt], max_tokens)
-        return self._admit(owner, target, [prompt], req.n, params, req, bool(tools) and choice != "none", top_logprobs,
-                           forced, parsed)
+        return RenderedChat(prompt, parsed, forced, bool(tools) and choice != "none")
 
     def _with_images(self, tokens: list[int], images: list[ChatImage]) -> Prompt:
         """The rendered prompt with each image placeholder replaced by its image, parsed by the engine
@@ -502,11 +522,7 @@ class OpenAIService:
                 pass
         choices = []
         for c in reply.choices:
-            content = c.text.text
-            if c.tool_calls:
-                content = content[: content.find("<tool_call>")] if "<tool_call>" in content else content
-                content = content if content.strip() else None
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+            message: dict[str, Any] = {"role": "assistant", "content": message_content(c)}
             if c.tool_calls:
                 message["tool_calls"] = [_tool_call(t) for t in c.tool_calls]
             choices.append({
@@ -716,6 +732,15 @@ _ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repe
                   "prompt", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
                   "logit_bias", "response_format", "stop_token_ids", "tools")
 _OPENAI_NAME = {"num_samples": "n"}
+
+
+def message_content(c: Choice) -> str | None:
+    """A finished chat choice's text: with tool calls, the text before the first (None if blank)."""
+    content = c.text.text
+    if c.tool_calls:
+        content = content[: content.find("<tool_call>")] if "<tool_call>" in content else content
+        content = content if content.strip() else None
+    return content
 
 
 def _message_bytes(req: ChatRequest) -> int:

@@ -1,0 +1,1 @@
+"""The Anthropic Messages-compatible face (docs/anthropic.md)."""
