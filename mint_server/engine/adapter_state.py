@@ -109,7 +109,8 @@ class AdapterState:
         a.grads.clear()
         dev = self.device
         a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)
-                                            for t, ms in st.optim.moments.items()}, family) if st.optim \
+                                            for t, ms in st.optim.moments.items()}, family, st.optim.betas) \
+            if st.optim \
             else AdamState(family=family)
         return a.id
 
