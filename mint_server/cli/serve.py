@@ -78,6 +78,8 @@ def engine_settings(
     sample_steps_per_slice: int | None = None,
     max_chunk_tokens: int | None = None,
     keep_freed_memory: bool | None = None,
+    compile: str | None = None,
+    compile_cache_dir: Path | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -93,7 +95,7 @@ def engine_settings(
              "batch_invariant": batch_invariant, "max_slowdown": max_slowdown, "linger_s": linger_s,
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
              "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens,
-             "keep_freed_memory": keep_freed_memory}
+             "keep_freed_memory": keep_freed_memory, "compile": compile, "compile_cache_dir": compile_cache_dir}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -122,11 +124,10 @@ def fleet_engine(model_dir: Path, name: str, settings: EngineSettings, ray: str,
 
 
 def _default(name: str) -> object:
-    from dataclasses import fields
-
+    """A setting's default as a fresh EngineSettings has it (also those read from the environment)."""
     from mint_server.engine.settings import EngineSettings
 
-    return next(f.default for f in fields(EngineSettings) if f.name == name)
+    return getattr(EngineSettings(), name)
 
 
 def register(app: typer.Typer) -> None:
@@ -260,6 +261,12 @@ def register(app: typer.Typer) -> None:
             f"[default: {_default('keep_freed_memory')}]: no page faults on every training step's big blocks "
             "(~5% of an 8 x 256 SmolLM2 step), while the RSS stays at its peak. See docs/training-speed.md.",
         ),
+        compile: str = typer.Option(
+            None, "--compile",
+            help=f"auto or off [default: {_default('compile')} (MINT_COMPILE)]: decode steps as compiled graphs, "
+            "compiled in the background after start-up (steps run eagerly meanwhile), cached in the data dir's "
+            "compile-cache; off: always eager. See docs/engine.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -291,7 +298,8 @@ def register(app: typer.Typer) -> None:
                                      batch_invariant, max_slowdown=max_slowdown, linger_s=linger_s,
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
                                      sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens,
-                                     keep_freed_memory=keep_freed_memory)
+                                     keep_freed_memory=keep_freed_memory, compile=compile,
+                                     compile_cache_dir=root / "compile-cache")
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 from torch import Tensor
 
 from mint_server.engine.sampler_ops import score_targets
+from mint_server.model.compiled import CompileStats, DecodeGraph, configure_cache, unsupported
 from mint_server.model.images import PromptImages
 from mint_server.model.lora import LoraBank, LoraBatch
 from mint_server.model.qwen3_vl import FeatureCache
@@ -134,11 +136,13 @@ def _state_view(st: RankState, b: StepBatch, starts: list[int]) -> StateView | N
 
 
 # --- the ops (run on every rank) -------------------------------------------------------------------
-def step(st: RankState, batch: StepBatch) -> StepResult:
-    """One forward over the packed batch: next-token logits of `logits_at`, prompt scores of `scoring`."""
+def step(st: RankState, batch: StepBatch, hidden: Tensor | None = None) -> StepResult:
+    """One forward over the packed batch: next-token logits of `logits_at`, prompt scores of `scoring`.
+    hidden: the batch's final hidden states when the compiled decode step already ran them."""
     dev, model = st.device, st.model
     with torch.no_grad():
-        hidden = _hidden(st, batch)
+        if hidden is None:
+            hidden = _hidden(st, batch)
         starts = batch.starts
         ends = [starts[i] + batch.lengths[i] - 1 for i in batch.logits_at]
         if ends:
@@ -200,8 +204,11 @@ class Executor:
     """Runs the sampler's ops on this process's model, or on every tensor-parallel rank via `runner`."""
 
     def __init__(self, model: Transformer, bank: LoraBank, device: torch.device, num_blocks: int, block_size: int,
-                 runner: Any = None, state_slots: int = 0) -> None:
-        """state_slots: a hybrid base's recurrent-state slots (one per sequence in flight, plus scratch)."""
+                 runner: Any = None, state_slots: int = 0, compile: str = "off",
+                 compile_cache_dir: Path | None = None) -> None:
+        """state_slots: a hybrid base's recurrent-state slots (one per sequence in flight, plus scratch).
+        compile: "auto" runs decode steps through the compiled graph (model/compiled.py) once
+        `start_compile` has built it, where the model allows; "off" stays eager."""
         self.runner = runner
         self.states: StateCache | None = None
         if runner is not None:
@@ -212,6 +219,17 @@ class Executor:
             self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
             self.states = StateCache.for_model(model.config, state_slots, device, dtype)
             self.rank = LocalRank(model, bank, device, self.cache, states=self.states)
+        self.compile_stats = CompileStats()
+        self.graph: DecodeGraph | None = None
+        self._eager_reason = "compile off" if compile == "off" else unsupported(model)
+        if self._eager_reason is None:
+            configure_cache(compile_cache_dir)
+            self.graph = DecodeGraph(model, bank, self.cache, self.compile_stats)
+
+    def start_compile(self) -> None:
+        """Compile the decode step in the background (steps run eagerly until it is ready)."""
+        if self.graph is not None:
+            self.graph.start_warm_up()
 
     def call(self, name: str, **inputs: Any) -> Any:
         if self.runner is not None:
@@ -219,6 +237,15 @@ class Executor:
         return OPS[name](self.rank, **inputs)
 
     def step(self, batch: StepBatch) -> StepResult:
+        graph = self.graph
+        reason = self._eager_reason if graph is None else graph.eager_reason(batch.lengths, bool(batch.scoring),
+                                                                            bool(batch.images))
+        if graph is not None and reason is None:
+            hidden = graph.hidden(batch.tokens, batch.positions, batch.tables, batch.slots)
+            if hidden is not None:
+                return step(self.rank, batch, hidden)
+            reason = "compile failed"
+        self.compile_stats.note_eager(reason)
         return self.call("step", batch=batch)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:

@@ -143,6 +143,7 @@ class LocalEngine(JobParsing):
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
             step_overhead_tokens=s.step_overhead_tokens or 0, linger_s=s.linger_s, grammars=self.grammars,
+            compile=s.compile, compile_cache_dir=s.compile_cache_dir,
         )
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False
@@ -296,7 +297,7 @@ class LocalEngine(JobParsing):
                 "step_tokens": {"decode": float(self.sampler.stats.decode_tokens),
                                 "prefill": float(self.sampler.stats.prefill_tokens),
                                 "training": float(self.stats["train_tokens"])},
-                "calibration": self.calibration()}
+                "calibration": self.calibration(), "compile": self.sampler.executor.compile_stats.totals()}
 
     def calibration(self) -> dict[str, float]:
         """What start-up measured on this machine (the skinny-product rule, the scheduler's cost model)."""
@@ -408,6 +409,7 @@ class LocalEngine(JobParsing):
             log.exception("measuring the step costs failed")
         finally:
             self._calibrated.set()
+        self.sampler.executor.start_compile()  # after the measurements: it would be their contention
         while True:
             with self._cv:
                 while self._running and (self._paused or not self._has_work()):

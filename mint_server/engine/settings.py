@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mint_server.engine.scheduler import StepCost
@@ -99,6 +99,12 @@ class EngineSettings:
     # gradients are bitwise the same whatever else is in its batch, and the sampler's logprobs equal
     # the training forward's. Dense families on one rank; costs padding and smaller kernels.
     batch_invariant: bool = False
+    # The decode step as compiled graphs (model/compiled.py): "auto" compiles in the background after
+    # start-up (steps run eagerly meanwhile) where the family and device allow, "off" stays eager.
+    # MINT_COMPILE sets the default (the test suite runs eager unless a test asks).
+    compile: str = field(default_factory=lambda: os.environ.get("MINT_COMPILE", "auto"))
+    # Where inductor keeps compiled kernels and graphs (a restart then compiles warm); None: its own default.
+    compile_cache_dir: Path | None = None
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -141,6 +147,8 @@ class EngineSettings:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batch_invariant and self.tp != 1:
             raise ValueError("batch_invariant is supported on one rank only (tp=1)")
+        if self.compile not in ("auto", "off"):
+            raise ValueError(f"compile must be auto or off, got {self.compile!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:

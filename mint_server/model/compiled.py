@@ -1,0 +1,300 @@
+"""The compiled decode step: a step's decode rows through one compiled decoder-layer function.
+
+Eager PyTorch runs a decode step as ~400 small ATen ops a layer, each a dispatch of a few µs, beside
+matmuls that for one row are a few hundred µs a layer (docs/engine.md). `torch.compile` (inductor)
+fuses the elementwise work (norms, rope, masks, softmax, SiLU·mul, residual adds, LoRA scaling)
+into a few C++ / Triton kernels and leaves the products to BLAS.
+
+What is static, so the compiler can keep one graph for every step and every layer:
+- **one layer function** (`_layer`) reused by all layers: a layer's weights, its LoRA stacks and
+  its KV pool are inputs, so compile time does not grow with depth;
+- **the LoRA bank as it lies** (`model/lora.py`): A [slots, r_max, in], B [slots, out, r_max] of a
+  layer, read through each row's slot id (`slots`, a tensor; base rows carry scale 0); an adapter
+  swap writes its slot in place and never recompiles;
+- **the paged KV pool**: the step writes each row's key/value at its flat index and reads a
+  window of `W` positions per row through a flat index table (`read_idx`, from the block tables),
+  masked past each row's own position; no Python per row;
+- **dynamic sizes instead of buckets on CPU**: the rows and the window are symbolic dimensions
+  (`mark_dynamic`), so any batch runs the same graph; one row has its own graph (size 1
+  specialises). Two variants: with LoRA and without (a step of base rows reads no bank).
+
+What stays eager: the embedding, rope's cos/sin, the final norm and the logits (one large product,
+nothing to fuse), and every step that is not all decode rows (prefill chunks, prompt scoring,
+images), every family whose layer is not the dense one below, tensor parallelism, and the
+batch-invariant mode (its kernels are fixed-shape on purpose) — each counted by its reason.
+
+A compile failure never fails a step: the step runs eagerly, the reason is logged once and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from mint_server.model import invariant
+from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBank
+from mint_server.model.transformer import MLP, Block, KVCache, Transformer, signed_sin
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "off")
+_LAYER_TARGETS = ATTN_TARGETS + MLP_TARGETS
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why this model's decode step cannot run compiled (None: it can)."""
+    cfg = model.config
+    if model.tp is not None:
+        return "tensor parallel"
+    if type(model) is not Transformer:
+        return f"family {type(model).__name__} (its own layer kinds)"
+    if cfg.mrope_section is not None:
+        return "multimodal rope"
+    for block in model.layers:
+        if type(block) is not Block or type(block.mlp) is not MLP:
+            return "mixture-of-experts layers"
+        if block.self_attn.window or block.self_attn.sinks is not None:
+            return "sliding-window or sink attention"
+    if model.embed_tokens.weight.device.type == "cpu" and shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler for inductor"
+    return None
+
+
+def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _project(x: Tensor, w: Tensor, b: Tensor | None, lora: tuple[Tensor, Tensor] | None, slots: Tensor,
+             row_scale: Tensor) -> Tensor:
+    """x [n, in] through the base weight plus each row's own adapter (A[slot] [r, in], B[slot]
+    [out, r]) as two reductions the compiler fuses with the gather of the row's A/B (no copy of
+    them per row)."""
+    y = F.linear(x, w, b)
+    if lora is None:
+        return y
+    A, B = lora
+    xa = (x[:, None, :] * A[slots]).sum(-1) * row_scale[:, None]
+    return y + (xa[:, None, :] * B[slots]).sum(-1)
+
+
+def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callable[..., Tensor]:
+    group, scale = heads // kv_heads, head_dim**-0.5
+
+    def _layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
+               lora: tuple[tuple[Tensor, Tensor], ...] | None, slots: Tensor, row_scale: Tensor,
+               k_pool: Tensor, v_pool: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor) -> Tensor:
+        """One decoder layer over n decode rows: x [n, hidden] → [n, hidden]; the row's key/value
+        written at write_idx [n] of the layer's flat pools [positions, kv_heads, head_dim]; its keys
+        read at read_idx [n, W] where visible [n, W]."""
+        ln1, ln2, wq, bq, wk, bk, wv, bv, wo, bo, qn, kn, wg, wu, wd = w
+        lq, lk, lv, lo, lg, lu, ld = lora if lora is not None else (None,) * 7
+        n = x.shape[0]
+        h = _rms(x, ln1, eps)
+        q = _project(h, wq, bq, lq, slots, row_scale).view(n, heads, head_dim)
+        k = _project(h, wk, bk, lk, slots, row_scale).view(n, kv_heads, head_dim)
+        v = _project(h, wv, bv, lv, slots, row_scale).view(n, kv_heads, head_dim)
+        if qn is not None:
+            q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+        c, s = cos[:, None], ssin[:, None]
+        q = q * c + torch.cat(q.chunk(2, -1)[::-1], -1) * s
+        k = k * c + torch.cat(k.chunk(2, -1)[::-1], -1) * s
+        k_pool.index_copy_(0, write_idx, k)
+        v_pool.index_copy_(0, write_idx, v)
+        keys, values = k_pool[read_idx], v_pool[read_idx]  # [n, W, kv_heads, head_dim]
+        qg = q.view(n, kv_heads, group, head_dim)  # GQA: a key head's query heads as its queries
+        scores = torch.einsum("nhgd,nwhd->nhgw", qg.float(), keys.float()) * scale
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
+        y = torch.einsum("nhgw,nwhd->nhgd", scores.to(values.dtype), values).reshape(n, heads * head_dim)
+        x = x + _project(y, wo, bo, lo, slots, row_scale)
+        h = _rms(x, ln2, eps)
+        m = F.silu(_project(h, wg, None, lg, slots, row_scale)) * _project(h, wu, None, lu, slots, row_scale)
+        return x + _project(m, wd, None, ld, slots, row_scale)
+
+    return _layer
+
+
+@dataclass
+class CompileStats:
+    """What /metrics reports of the compiled step (cumulative)."""
+
+    compiled_steps: int = 0
+    eager_steps: Counter = field(default_factory=Counter)  # reason → steps
+    graphs: int = 0  # graphs compiled (the warm-up's included)
+    recompiles: int = 0  # graphs compiled after the warm-up finished
+    graph_breaks: int = 0
+    failures: int = 0
+    compile_seconds: float = 0.0
+
+    _logged: set[str] = field(default_factory=set)
+
+    def note_eager(self, reason: str) -> None:
+        self.eager_steps[reason] += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.info("decode step runs eagerly: %s (logged once per reason)", reason)
+
+    def totals(self) -> dict[str, float]:
+        return {"compiled_steps": self.compiled_steps, "eager_steps": sum(self.eager_steps.values()),
+                "graphs": self.graphs, "recompiles": self.recompiles, "graph_breaks": self.graph_breaks,
+                "failures": self.failures, "compile_seconds": self.compile_seconds}
+
+
+def configure_cache(cache_dir: Path | None) -> None:
+    """Inductor's compiled kernels and FX graphs under `cache_dir` (the data dir), so a restart
+    compiles warm; and a recompile past dynamo's limit raises (we fall back, counted) instead of
+    silently running eager."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    if cache_dir is not None:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        import os
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+    torch._inductor.config.fx_graph_cache = True
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+class DecodeGraph:
+    """The compiled decode step of one model, its LoRA bank and its KV cache (see the module doc)."""
+
+    def __init__(self, model: Transformer, bank: LoraBank, cache: KVCache, stats: CompileStats) -> None:
+        self.model, self.bank, self.cache, self.stats = model, bank, cache, stats
+        self._warm = threading.Event()  # every variant compiled: the step may use the graphs
+        self._broken: str | None = None
+        self._lock = threading.Lock()
+        cfg = model.config
+        self._fn = torch.compile(_make_layer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps),
+                                 fullgraph=True, dynamic=None, backend=self._backend)
+        self._weights = [self._layer_weights(b) for b in model.layers]
+        has_lora = all(t in bank.A for t in _LAYER_TARGETS) and bank.num_slots > 0
+        self._lora = ([tuple((bank.A[t][:, i], bank.B[t][:, i]) for t in _LAYER_TARGETS)
+                       for i in range(len(model.layers))] if has_lora else None)
+        D, Hkv = cfg.head_dim, cfg.num_kv_heads
+        self._pools = [(cache.k[i].view(-1, Hkv, D), cache.v[i].view(-1, Hkv, D)) for i in range(len(model.layers))]
+
+    @staticmethod
+    def _layer_weights(block: Block) -> tuple[Tensor | None, ...]:
+        a, m = block.self_attn, block.mlp
+        qn = a.q_norm.weight if a.qk_norm else None
+        kn = a.k_norm.weight if a.qk_norm else None
+        return (block.input_layernorm.weight, block.post_attention_layernorm.weight,
+                a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
+                a.o_proj.weight, a.o_proj.bias, qn, kn, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Any:
+        from torch._inductor.compile_fx import compile_fx
+
+        t0 = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs)
+        self.stats.compile_seconds += time.perf_counter() - t0
+        self.stats.graphs += 1
+        if self._warm.is_set():
+            self.stats.recompiles += 1
+        return compiled
+
+    # --- warm-up --------------------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile every variant (one row and many, with LoRA and without) on dummy rows that write
+        and read only the scratch block; the step uses the graphs once this has returned."""
+        try:
+            for rows in (1, 2):
+                for lora in (False, True) if self._lora is not None else (False,):
+                    tokens = [0] * rows
+                    slots = [0 if lora else -1] * rows
+                    tables = [[KVCache.SCRATCH] * 2] * rows
+                    self._run(tokens, [0] * rows, tables, slots)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
+            self._fail(e)
+            return
+        self._warm.set()
+
+    def start_warm_up(self) -> threading.Thread:
+        t = threading.Thread(target=self.warm_up, name="mint-compile", daemon=True)
+        t.start()
+        return t
+
+    @property
+    def ready(self) -> bool:
+        return self._warm.is_set() and self._broken is None
+
+    def _fail(self, e: BaseException) -> None:
+        import torch._dynamo.exc as dynamo_exc
+
+        if isinstance(e, dynamo_exc.Unsupported):
+            self.stats.graph_breaks += 1
+        self.stats.failures += 1
+        self._broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+        log.warning("compiled decode step disabled, running eagerly: %s", self._broken)
+
+    # --- the step -------------------------------------------------------------------------------
+    def eager_reason(self, lengths: list[int], scoring: bool, images: bool) -> str | None:
+        """Why this step runs eagerly (None: it runs compiled)."""
+        if self._broken is not None:
+            return "compile failed"
+        if not self._warm.is_set():
+            return "compiling"
+        if invariant.enabled():
+            return "batch-invariant mode"
+        if scoring or images or any(n != 1 for n in lengths):
+            return "prefill in the step"
+        return None
+
+    def hidden(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor | None:
+        """Final-norm hidden states [rows, hidden] of decode rows (row i: token i at positions[i] on
+        its blocks tables[i] and adapter slot slots[i], -1 the base); None if the compiled step
+        failed (the caller runs it eagerly; the reason is counted)."""
+        try:
+            with self._lock:
+                out = self._run(tokens, positions, tables, slots)
+        except Exception as e:  # noqa: BLE001 - a compiler or runtime failure: eager from now on
+            self._fail(e)
+            return None
+        self.stats.compiled_steps += 1
+        return out
+
+    def _run(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor:
+        model, dev = self.model, self.model.embed_tokens.weight.device
+        n, bs = len(tokens), self.cache.block_size
+        pos = torch.tensor(positions, device=dev)
+        # the window every row reads: its blocks up to the longest row's last position (at least 2
+        # positions, so it is never a size-1 dimension the compiler would specialise on)
+        blocks = max(-(-(max(positions) + 1) // bs), -(-2 // bs))
+        table = torch.tensor([(t + [KVCache.SCRATCH] * blocks)[:blocks] for t in tables], device=dev)
+        read_idx = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)  # [n, W]
+        visible = torch.arange(read_idx.shape[1], device=dev)[None, :] <= pos[:, None]
+        write_idx = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        slot = torch.tensor(slots, device=dev)
+        use_lora = self._lora is not None and bool((slot >= 0).any())
+        row_scale = torch.where(slot >= 0, self.bank.scale[slot.clamp(min=0)], 0.0).to(model.embed_tokens.weight.dtype)
+        slot = slot.clamp(min=0)
+        with torch.no_grad():
+            x = model.embed_tokens(torch.tensor(tokens, device=dev))
+            cos, sin = model.rope(pos[:, None])  # [n, 1, 1, D]
+            if model.rope_factor != 1.0:
+                cos, sin = cos * model.rope_factor, sin * model.rope_factor
+            cos, ssin = cos[:, 0, 0].to(x.dtype), signed_sin(sin[:, 0, 0]).to(x.dtype)
+            inputs = [x, cos, ssin, slot, row_scale, write_idx, read_idx, visible]
+            if n > 1:
+                for t in inputs:
+                    torch._dynamo.mark_dynamic(t, 0)
+            torch._dynamo.mark_dynamic(read_idx, 1)
+            torch._dynamo.mark_dynamic(visible, 1)
+            for i, w in enumerate(self._weights):
+                lora = self._lora[i] if use_lora and self._lora is not None else None
+                k_pool, v_pool = self._pools[i]
+                x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx, visible)
+            return model.norm(x)

@@ -1,0 +1,137 @@
+"""The compiled decode step (model/compiled.py): its logits equal the eager step's within the
+tolerance policy, for mixed adapters and base rows, and a long mixed workload compiles nothing after
+the warm-up. Each test compiles (inductor, tens of seconds on 2 cores), so the set is small."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mint_server.engine.executor import Executor, StepBatch
+from mint_server.model.compiled import unsupported
+from mint_server.model.loader import load_model
+from mint_server.model.lora import LoraBank, LoraBatch, init_lora_weights, target_shapes
+from tests.tiny import make_tiny_checkpoint
+from tests.tolerance import Tolerance
+
+BS = 4  # small blocks: rows cross block boundaries within a few tokens
+
+
+def _executor(model_dir, slots: int = 4) -> tuple[Executor, LoraBank]:
+    model = load_model(model_dir, device="cpu", dtype=torch.float32)
+    bank = LoraBank(model.config, slots, 8, "cpu", torch.float32)
+    for s in range(slots):  # every slot a different nonzero adapter of rank 1 + s
+        w = init_lora_weights(target_shapes(model.config), tuple(bank.shapes), 1 + s, seed=s, dtype=torch.float32)
+        w = {t: (a, torch.randn_like(b) * 0.1) for t, (a, b) in w.items()}
+        bank.write(s, w, 1 + s, alpha=2.0 * (1 + s))
+    ex = Executor(model, bank, torch.device("cpu"), num_blocks=64, block_size=BS, compile="auto")
+    assert ex.graph is not None
+    ex.graph.warm_up()
+    assert ex.graph.ready
+    return ex, bank
+
+
+def _prefill(ex: Executor, prompts: list[list[int]], slots: list[int], tables: list[list[int]]) -> None:
+    batch = StepBatch(tokens=[t for p in prompts for t in p], positions=[i for p in prompts for i in range(len(p))],
+                      lengths=[len(p) for p in prompts], slots=slots, tables=tables, logits_at=[])
+    ex.step(batch)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def compiled(request, tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), family=request.param, layers=2)
+    return _executor(d)
+
+
+def test_compiled_decode_equals_eager(compiled):
+    ex, bank = compiled
+    rng = random.Random(0)
+    slots = [0, 2, -1, 3, 0, -1]  # mixed adapters, a repeated one and base rows
+    lengths = [5, 9, 3, 14, 1, 7]
+    prompts = [[rng.randrange(1, 300) for _ in range(n)] for n in lengths]
+    tables = [list(range(1 + 5 * i, 1 + 5 * i + 5)) for i in range(len(prompts))]
+    _prefill(ex, prompts, slots, tables)
+    before = ex.compile_stats.compiled_steps
+    for rows in (6, 1, 3):  # many rows, one row (its own graph), a few
+        decode = StepBatch(tokens=[rng.randrange(1, 300) for _ in range(rows)], positions=lengths[:rows],
+                           lengths=[1] * rows, slots=slots[:rows], tables=tables[:rows], logits_at=list(range(rows)))
+        got = ex.step(decode).logits
+        want = ex.call("step", batch=decode).logits  # the eager step over the same KV
+        Tolerance(n=ex.rank.model.config.vocab_size, depth=2).check(got, want, f"{rows} rows")
+        lengths = [n + 1 if i < rows else n for i, n in enumerate(lengths)]
+    assert ex.compile_stats.compiled_steps == before + 3
+
+
+def test_adapter_matters_in_compiled_step(compiled):
+    """A row's adapter reaches the compiled step: the same token on two slots gives other logits,
+    and on slot -1 the base's (what the eager step gives without any LoRA)."""
+    ex, bank = compiled
+    prompt = [5, 6, 7, 8]
+    tables = [[40], [41], [42]]
+    _prefill(ex, [prompt] * 3, [1, 2, -1], tables)
+    decode = StepBatch(tokens=[9] * 3, positions=[4] * 3, lengths=[1] * 3, slots=[1, 2, -1],
+                       tables=[[40, 43], [41, 44], [42, 45]], logits_at=[0, 1, 2])
+    got = ex.step(decode).logits
+    assert (got[0] - got[1]).abs().max() > 1e-3
+    want = ex.call("step", batch=decode).logits
+    Tolerance(n=ex.rank.model.config.vocab_size, depth=2).check(got, want, "per-row adapters")
+
+
+def test_mixed_workload_never_recompiles(compiled):
+    """500 steps: rows 1..24 on any slot or the base, prefill chunks beside decode rows (eager),
+    adapters rewritten in their slots, a training forward/backward through the bank: after the
+    warm-up no step compiles again."""
+    ex, bank = compiled
+    model = ex.rank.model
+    rng = random.Random(1)
+    graphs = ex.compile_stats.graphs
+    compiled_before = ex.compile_stats.compiled_steps
+    seqs: list[dict] = []
+    next_block = [1]
+
+    def blocks(n: int) -> list[int]:
+        out = [(next_block[0] + i) % 63 + 1 for i in range(n)]
+        next_block[0] += n
+        return out
+
+    for step in range(500):
+        if step % 97 == 0:  # an adapter swap: a slot rewritten in place
+            s = rng.randrange(bank.num_slots)
+            w = init_lora_weights(target_shapes(model.config), tuple(bank.shapes), 4, seed=step, dtype=torch.float32)
+            bank.write(s, {t: (a, torch.randn_like(b) * 0.1) for t, (a, b) in w.items()}, 4, alpha=8.0)
+        if step % 113 == 0:  # a training slice on the same model and bank
+            with torch.enable_grad():
+                w = {t: (a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_())
+                     for t, (a, b) in bank.batch([0, 1]).weights.items()}
+                model(torch.randint(1, 300, (2, 6)), lora=LoraBatch(w, torch.tensor([0, 1]), bank.scale)).sum().backward()
+        if not seqs or len(seqs) < rng.randrange(1, 25) or step % 41 == 0:
+            n = rng.randrange(2, 9)
+            seq = {"slot": rng.choice([-1, 0, 1, 2, 3]), "len": n, "table": blocks(8)}
+            _prefill(ex, [[rng.randrange(1, 300) for _ in range(n)]], [seq["slot"]], [seq["table"]])
+            seqs.append(seq)
+        seqs = [s for s in seqs if s["len"] < 8 * BS - 1]
+        rows = seqs[: rng.randrange(1, len(seqs) + 1)] if seqs else []
+        if not rows:
+            continue
+        ex.step(StepBatch(tokens=[rng.randrange(1, 300) for _ in rows], positions=[s["len"] for s in rows],
+                          lengths=[1] * len(rows), slots=[s["slot"] for s in rows], tables=[s["table"] for s in rows],
+                          logits_at=list(range(len(rows)))))
+        for s in rows:
+            s["len"] += 1
+    assert ex.compile_stats.graphs == graphs
+    assert ex.compile_stats.recompiles == 0
+    assert ex.compile_stats.compiled_steps - compiled_before > 300
+    assert ex.compile_stats.failures == 0
+
+
+def test_families_without_a_compiled_layer_run_eagerly_with_their_reason(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "moe", family="qwen3_moe")
+    model = load_model(d, device="cpu", dtype=torch.float32)
+    assert unsupported(model) == "mixture-of-experts layers"
+    bank = LoraBank(model.config, 2, 4, "cpu", torch.float32)
+    ex = Executor(model, bank, torch.device("cpu"), num_blocks=16, block_size=BS, compile="auto")
+    assert ex.graph is None
+    ex.step(StepBatch(tokens=[3, 4], positions=[0, 1], lengths=[2], slots=[-1], tables=[[1]], logits_at=[0]))
+    assert ex.compile_stats.eager_steps == {"mixture-of-experts layers": 1}
