@@ -9,6 +9,10 @@ import pytest
 from mint_server.model import kernels
 from mint_server.model.prepare import prepare
 
+# Engines (in-process and `mint serve` subprocesses) run eagerly unless a test asks for the compiled
+# step: a background compile per engine would cost every test tens of seconds of CPU.
+os.environ.setdefault("MINT_COMPILE", "off")
+
 # Skinny products (kernels.linear) on for up to 8 rows whatever this machine's calibration would
 # choose: the fast kernels then take the weight × xᵀ form on every machine, the reference kernels
 # F.linear, and the parity suites run both.

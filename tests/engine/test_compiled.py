@@ -45,7 +45,7 @@ def compiled(request, tmp_path_factory):
     return _executor(d)
 
 
-def test_compiled_decode_equals_eager(compiled):
+def test_compiled_decode_agrees_with_eager(compiled):
     ex, bank = compiled
     rng = random.Random(0)
     slots = [0, 2, -1, 3, 0, -1]  # mixed adapters, a repeated one and base rows
