@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request, Response, Security
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import SecurityScopes
@@ -24,7 +24,14 @@ from mint_server.api.anthropic.schemas import CountTokensRequest, MessagesReques
 from mint_server.api.anthropic.service import AnthropicService
 from mint_server.api.auth import SERVE, AuthError, Principal, ScopeError
 from mint_server.api.codec import describe_validation_error
-from mint_server.api.http import API_KEY_HEADER, authorized, json_body, openai_exception_response, service
+from mint_server.api.http import (
+    API_KEY_HEADER,
+    API_KEY_SCHEME,
+    authorized,
+    json_body,
+    openai_exception_response,
+    service,
+)
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.routes import EventStream, unless_disconnected
 from mint_server.api.openapi import body_doc
@@ -67,17 +74,22 @@ class AnthropicRoute(APIRoute):
         return answer
 
 
-def caller(request: Request) -> Principal:
-    """The caller, from `x-api-key` or `Authorization: Bearer KEY`."""
+def _caller(request: Request, needed: SecurityScopes, _key: str | None = Security(API_KEY_SCHEME)) -> Principal:
+    """The caller, from `Authorization: Bearer KEY` or `x-api-key` (declared as the ApiKey scheme
+    so the served spec documents the route's 401 and 403)."""
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     key = token.strip() if scheme.lower() == "bearer" else request.headers.get(API_KEY_HEADER)
     try:
-        return authorized(request, key or None, SecurityScopes([SERVE]))
+        return authorized(request, key or None, needed)
     except AuthError as e:
         raise OpenAIError(401, "missing API key: send x-api-key: KEY" if not key else str(e)) from None
     except ScopeError as e:
         raise OpenAIError(403, str(e)) from None
+
+
+def principal() -> Any:
+    return Security(_caller, scopes=[SERVE])
 
 
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
@@ -117,8 +129,7 @@ router = APIRouter(prefix=PREFIX, route_class=AnthropicRoute)
 
 
 @router.post("/v1/messages", openapi_extra=body_doc(MessagesRequest))
-async def messages(request: Request) -> Any:
-    p = caller(request)
+async def messages(request: Request, p: Principal = principal()) -> Any:
     req: MessagesRequest = await _parse(request, MessagesRequest)
     anthropic = face(request)
     reply, _chat = await anthropic.admit(p.owner, req)
@@ -128,7 +139,6 @@ async def messages(request: Request) -> Any:
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=body_doc(CountTokensRequest))
-async def count_tokens(request: Request) -> Any:
-    p = caller(request)
+async def count_tokens(request: Request, p: Principal = principal()) -> Any:
     req: CountTokensRequest = await _parse(request, CountTokensRequest)
     return await face(request).count_tokens(p.owner, req)
