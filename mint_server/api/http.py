@@ -21,6 +21,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import APIKeyHeader, SecurityScopes
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_server.api import jsonsafe
@@ -100,6 +101,19 @@ def openai_exception_response(exc: BaseException) -> JSONResponse:
     return openai_error_response(status, detail, getattr(exc, "field", None))
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at this request's path: a 405's complete `Allow`, on both
+    faces alike. (Starlette names only the first matching route's, so a path served by two routes —
+    GET and POST of /api/v1/mint/keys — listed one.) Each method is tried against the app's routes
+    as the router itself would match it."""
+    routes = [r for r in request.app.router.routes if isinstance(r, BaseRoute)]
+    return [m for m in HTTP_METHODS
+            if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in routes)]
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         if is_openai_path(request.url.path):
@@ -108,9 +122,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if is_openai_path(request.url.path):
-            return openai_exception_response(exc)
-        response = error_response(exc.status_code, str(exc.detail))
-        response.headers.update(exc.headers or {})  # e.g. a 405's Allow
+            response = openai_exception_response(exc)
+        else:
+            response = error_response(exc.status_code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(allowed_methods(request))
         return response
 
     for exc_type, _status in STATUS_OF:

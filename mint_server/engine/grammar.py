@@ -185,6 +185,12 @@ class Grammars:
         if template.is_error():
             raise EngineError(f"{where}: {template.get_error()}")
         template.compute_bitmask()  # its first mask, once: the samples' copies start from it warm
+        if template.is_error() or (not template.is_accepting() and template.is_stopped()):
+            # Compiled, but no text can start: a $ref cycle with no base case ({"$ref": "#"}) and the
+            # like. Refused here, at admission, not sampled into an empty 200.
+            detail = next((line for line in str(template.get_error() or "").splitlines() if line.strip()), "")
+            raise EngineError(f"{where}: no text satisfies this grammar (an unsatisfiable or recursive schema"
+                              + (f"; {detail[:200]}" if detail else "") + ")")
         with self._lock:
             self._templates[grammar.text] = template
             while len(self._templates) > TEMPLATES_KEPT:
