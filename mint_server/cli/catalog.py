@@ -215,15 +215,23 @@ def _size(n: float) -> str:
     return f"{n:.1f} {unit}"
 
 
+class PlainTable(Table):
+    """A table whose string cells are shown as they are: stored names, metrics and metadata may hold
+    console markup (a key named "[/]" crashed `mint key list`), which must print, not parse."""
+
+    def add_row(self, *renderables: Any, **kw: Any) -> None:
+        super().add_row(*(Text(r) if isinstance(r, str) else r for r in renderables), **kw)
+
+
 def _table(*columns: str) -> Table:
-    table = Table(box=None, header_style="bold", pad_edge=False)
+    table = PlainTable(box=None, header_style="bold", pad_edge=False)
     for c in columns:
         table.add_column(c)
     return table
 
 
 def _kv(rows: list[tuple[str, Any]]) -> None:
-    table = Table(box=None, show_header=False, pad_edge=False)
+    table = PlainTable(box=None, show_header=False, pad_edge=False)
     table.add_column(style="bold")
     table.add_column()
     for key, value in rows:
