@@ -79,6 +79,9 @@ class Metrics:
         self.calibration = Gauge("mint_engine_calibration", "What the engine measured at start-up on this machine "
                                  "(skinny_rows, max_step_tokens, step and adapter costs in seconds)", ["quantity"],
                                  registry=self.registry)
+        self.compile = Counter("mint_compile", "The compiled decode step (docs/engine.md): compiled_steps, "
+                               "eager_steps, graphs, recompiles, graph_breaks, failures, compile_seconds",
+                               ["event"], registry=self.registry)
         self._engine: Engine | None = None
         self._seen: dict[tuple[str, str], float] = {}
 
@@ -96,25 +99,16 @@ class Metrics:
             self.adapters_resident.labels(tier).set(n)
         for family, counter in (("loads", self.adapter_loads), ("evictions", self.adapter_evictions)):
             for label, total in r[family].items():
-                delta = total - self._seen.get((family, label), 0)
-                if delta > 0:
-                    counter.labels(label).inc(delta)
-                self._seen[(family, label)] = total
+                self._advance(counter, family, label, total)
         for seconds in r["load_seconds"]:
             self.adapter_load_seconds.observe(seconds)
         for seconds in r["step_seconds"]:
             self.engine_step.observe(seconds)
-        for kind, phases in r["sampler"].items():  # cumulative in the engine: add what is new
+        for kind, phases in r["sampler"].items():
             for phase, total in phases.items():
-                delta = total - self._seen.get((f"sampler_{kind}", phase), 0)
-                if delta > 0:
-                    self.sampler_totals[kind].labels(phase).inc(delta)
-                self._seen[(f"sampler_{kind}", phase)] = total
+                self._advance(self.sampler_totals[kind], f"sampler_{kind}", phase, total)
         for kind, total in r["step_tokens"].items():
-            delta = total - self._seen.get(("step_tokens", kind), 0)
-            if delta > 0:
-                self.step_tokens.labels(kind).inc(delta)
-            self._seen[("step_tokens", kind)] = total
+            self._advance(self.step_tokens, "step_tokens", kind, total)
         names = {"ttft": "time_to_first_token", "itl": "inter_token", "queue": "queue_wait"}
         for priority, kind, seconds in r["latencies"]:
             self.latency[names[kind]].labels(Priority(priority).name.lower()).observe(seconds)
@@ -122,9 +116,18 @@ class Metrics:
             self.key_tokens.labels(key[:12] or "-").set(tokens)
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])
+        for event, total in r.get("compile", {}).items():
+            self._advance(self.compile, "compile", event, total)
         for quantity, value in r.get("calibration", {}).items():
             self.calibration.labels(quantity).set(value)
         return r
+
+    def _advance(self, counter: Counter, family: str, label: str, total: float) -> None:
+        """The engine counts cumulatively: add to the counter what is new since the last scrape."""
+        delta = total - self._seen.get((family, label), 0)
+        if delta > 0:
+            counter.labels(label).inc(delta)
+        self._seen[(family, label)] = total
 
     def engine_view(self) -> dict[str, Any]:
         """The engine's current figures for the dashboard: residency tiers, queue, fair-share tokens
