@@ -569,3 +569,13 @@ def test_metrics_show_what_the_engine_calibrated(live: LiveServer) -> None:
     values = {line.split('quantity="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
               for line in text.splitlines() if line.startswith("mint_engine_calibration{")}
     assert values["max_step_tokens"] >= 1 and values["max_slowdown"] >= 1 and values["skinny_rows"] >= 0
+
+
+def test_metrics_count_eager_and_compiled_steps(live: LiveServer, oai: openai.OpenAI) -> None:
+    """/metrics counts the decode steps by how they ran: this suite's server runs with compile off
+    (tests/conftest.py), so every step it ran is an eager one and none compiled."""
+    oai.completions.create(model=BASE, prompt="hello", max_tokens=3, temperature=0)
+    text = httpx.get(f"{live.url}/metrics").text
+    values = {line.split('event="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+              for line in text.splitlines() if line.startswith("mint_compile_total{")}
+    assert values["eager_steps"] >= 3 and values.get("compiled_steps", 0) == 0 and values.get("graphs", 0) == 0
