@@ -403,6 +403,9 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
         msg.prompt_logprobs = np.asarray(prompt, dtype=np.float32).tobytes()
     if resp.topk_prompt_logprobs_np is not None:
         _topk_proto(resp.topk_prompt_logprobs_np, msg.topk_prompt_logprobs)
+    from mint_server.api.sampling import encode_prompt_extras  # api.sampling imports this module
+
+    encode_prompt_extras(resp, msg)  # target_prompt_logprobs, prompt_alt_tokens (fields 5, 6)
     return msg.SerializeToString()
 
 
@@ -426,4 +429,17 @@ def sample_response_json(resp: types.SampleResponse) -> dict[str, Any]:
             {"stop_reason": s.stop_reason, "tokens": list(s.tokens), "logprobs": s.logprobs} for s in resp.sequences
         ],
         "prompt_logprobs": resp.prompt_logprobs,
+        **({"target_prompt_logprobs": _wire_tensor_json(resp.target_prompt_logprobs)}
+           if resp.target_prompt_logprobs is not None else {}),
+        **({"prompt_alt_tokens": {"tokens": _wire_tensor_json(resp.prompt_alt_tokens.tokens),
+                                  "logprobs": _wire_tensor_json(resp.prompt_alt_tokens.logprobs)}}
+           if resp.prompt_alt_tokens is not None else {}),
     }
+
+
+def _wire_tensor_json(t: types.TensorData) -> dict[str, Any]:
+    """A response tensor as the request's TensorData JSON: a sparse CSR one stays sparse."""
+    if t.sparse_crow_indices is None:
+        return tensor_json(t)
+    return {"data": np.asarray(t.data).tolist(), "dtype": t.dtype, "shape": list(t.shape or []),
+            "sparse_crow_indices": list(t.sparse_crow_indices), "sparse_col_indices": list(t.sparse_col_indices or [])}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 from typing import Any
 
@@ -19,16 +18,12 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import deserialize_sample_response
 
-from mint_server.api import codec
 from mint_server.api.mint_types import EXTENSIONS_HEADER
 from mint_server.api.sampling import encode_prompt_extras
 from mint_server.engine.local import LocalEngine
 from tests.service.live import BASE, ENGINE_SETTINGS, KEY_A, LiveServer
 
 PROMPT = [5, 17, 33, 60, 61]
-# api/codec.encode_sample_response (not this change's file) has to call encode_prompt_extras for
-# the SDK to see the two new response fields; until it does, the SDK-level test cannot pass.
-CODEC_CARRIES_EXTRAS = "encode_prompt_extras" in inspect.getsource(codec)
 
 
 def session(server: LiveServer) -> str:
@@ -91,8 +86,44 @@ def test_the_new_response_fields_round_trip_through_the_sdks_proto_reader() -> N
         assert np.array_equal(back.prompt_alt_tokens.logprobs.to_numpy(), alt.logprobs.to_numpy())
 
 
-@pytest.mark.xfail(not CODEC_CARRIES_EXTRAS, strict=True,
-                   reason="api/codec.encode_sample_response does not call api.sampling.encode_prompt_extras yet")
+def test_the_new_response_fields_reach_the_sdk_and_json_clients(server: LiveServer) -> None:
+    """The SDK (protobuf answer) and a JSON client see target_prompt_logprobs (sparse CSR stays
+    sparse) and prompt_alt_tokens; both carry the same values."""
+    ids = torch.full((len(PROMPT) - 1, 8), -1, dtype=torch.int64)
+    ids[1, 0], ids[3, 1], ids[3, 6] = 9, 40, 41
+    target = types.TensorData.from_torch_sparse(ids, pad_value=-1)
+    assert target.sparse_crow_indices is not None
+    client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+    try:
+        sampler = client.create_sampling_client(base_model=BASE).result()
+        got = sampler.sample(types.ModelInput.from_ints(PROMPT), 1, types.SamplingParams(max_tokens=2, seed=3),
+                             target_prompt_logprobs=target, prompt_alt_tokens_k=2).result()
+    finally:
+        client.close("success")
+    assert got.target_prompt_logprobs is not None and got.prompt_alt_tokens is not None
+    assert got.target_prompt_logprobs.sparse_crow_indices == target.sparse_crow_indices
+    assert got.target_prompt_logprobs.sparse_col_indices == target.sparse_col_indices
+    assert got.prompt_alt_tokens.tokens.shape == [len(PROMPT) - 1, 2]
+
+    body = {"target_prompt_logprobs": {"data": target.data, "dtype": "int64", "shape": target.shape,
+                                       "sparse_crow_indices": target.sparse_crow_indices,
+                                       "sparse_col_indices": target.sparse_col_indices},
+            "prompt_alt_tokens_k": 2, "sampling_params": {"max_tokens": 2, "seed": 3}}
+    future = asample(server, session(server), **body)
+    assert future.status_code == 200, future.text
+    r = httpx.post(f"{server.url}/api/v1/retrieve_future", headers={"X-API-Key": KEY_A, "Accept": "application/json"},
+                   json={"request_id": future.json()["request_id"]}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    tpl = out["target_prompt_logprobs"]
+    assert (tpl["sparse_crow_indices"], tpl["sparse_col_indices"]) == (target.sparse_crow_indices,
+                                                                      target.sparse_col_indices)
+    assert np.allclose(tpl["data"], got.target_prompt_logprobs.data, atol=1e-6)
+    assert out["prompt_alt_tokens"]["tokens"]["data"] == got.prompt_alt_tokens.tokens.to_numpy().ravel().tolist()
+    assert np.allclose(out["prompt_alt_tokens"]["logprobs"]["data"],
+                       got.prompt_alt_tokens.logprobs.to_numpy().ravel(), atol=1e-6)
+
+
 def test_cookbook_decisions_recipe_runs_against_the_server(tiny_dir, tmp_path) -> None:
     """tinker-cookbook 0.6.1's recipes/decisions, offline: its tokenizer is the tiny checkpoint's, its
     renderer the ChatML one the examples give SmolLM2; the probabilities it returns are the softmax
