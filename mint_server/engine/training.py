@@ -3,10 +3,14 @@
 The engine's single worker thread drives a `Trainer` synchronously. `run()` takes the pending
 forward / forward_backward requests of any number of adapters and does one batched pass for the
 backward ones (each row carries its adapter index, so gradients land only in their own adapter)
-and one no-grad pass for the forward-only ones. Datums are right-padded to the longest row: the
-attention is causal, so padding after a row's last token cannot change its logits, and the loss
-masks it. A token budget splits very large fused batches into micro-batches whose gradients are
-summed, which is exact because every Tinker loss is a sum over positions.
+and one no-grad pass for the forward-only ones. Datums are packed end to end into one row with
+per-datum attention (`Transformer.packed_hidden_states`): no token of padding is computed. Where
+packing does not apply (`packing_unsupported`: some families, tensor parallelism, batch-invariant
+mode) datums are right-padded to the longest row: the attention is causal, so padding after a
+row's last token cannot change its logits, and the loss masks it. Either way the losses see each
+request's rows padded ([rows, T, K], `losses.py`); packed logprobs are laid out so for them. A
+token budget splits very large fused batches into micro-batches whose gradients are summed, which
+is exact because every Tinker loss is a sum over positions.
 
 Gradients accumulate in `Adapter.grads` (float32) until `optim_step` (`adapter_state.py`, with the
 rest of an adapter's state: master weights, save/load, export, interpolation). Reverse KL has its
@@ -16,6 +20,7 @@ own room (`reverse_kl.py`).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,14 +38,16 @@ from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.values import EngineError
 from mint_server.model import invariant
-from mint_server.model.lora import LoraBank, LoraBatch, lora_shapes
+from mint_server.model.lora import ExpertGroups, LoraBank, LoraBatch, add_product, lora_shapes
 from mint_server.model.qwen3_vl import FeatureCache
-from mint_server.model.transformer import Transformer
+from mint_server.model.tp_group import TP
+from mint_server.model.transformer import Attention, Block, Transformer
 from mint_server.model.vision_input import VisionInput
 
 Output = types.ForwardBackwardOutput
 Leaves = dict[str, dict[str, tuple[list[Tensor], list[Tensor]]]]  # adapter id → target → per-layer (A, B)
 OUTPUT_TYPE = "ArrayRecord"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,10 +86,13 @@ class Trainer:
     since (the adapter exists and is trainable).
 
     max_len: longest datum accepted (default: the model's max_position_embeddings).
-    max_tokens_per_pass: padded tokens (rows × longest row) per forward/backward; a bigger fused
-        batch is split into micro-batches, longest rows first. None = never split.
-    checkpoint_from_tokens: the block activations a micro-batch may keep for backward, in padded
-        tokens (rows × longest row) through every block. A micro-batch of T > B of them recomputes
+    Token counts below are the tokens a micro-batch computes: its datums' own lengths when packed,
+    rows × longest row when padded.
+
+    max_tokens_per_pass: tokens per forward/backward; a bigger fused batch is split into
+        micro-batches (packed: in request order; padded: longest rows first). None = never split.
+    checkpoint_from_tokens: the block activations a micro-batch may keep for backward, in tokens
+        through every block. A micro-batch of T > B of them recomputes
         its first k = ceil((1 − B/T)·L) of the L blocks in backward (activation checkpointing: they
         keep only their input), so it keeps the activations of ~B tokens at the cost of k/L of one
         more forward. None = never.
@@ -108,8 +118,14 @@ class Trainer:
         max_tokens_per_pass: int | None = 16384,
         checkpoint_from_tokens: int | None = 4096,
         logits_chunk: int = 2**28,
+        pack: bool = True,
     ) -> None:
         self.model, self.residency, self.base_model = model, residency, base_model
+        self.pack = pack  # False: always the padded path (benchmarks compare the two)
+        self._unpacked_reason = packing_unsupported(model)
+        # tokens computed by training passes: real ones, and padding (padded path only)
+        self.stats = {"packed_passes": 0, "padded_passes": 0, "tokens": 0, "padding_tokens": 0}
+        self._logged: set[str] = set()
         self.max_tokens_per_pass = max_tokens_per_pass
         self.checkpoint_from_tokens = checkpoint_from_tokens
         self.logits_chunk = logits_chunk
@@ -168,12 +184,15 @@ class Trainer:
         loss_sum = [0.0] * len(preps)
         pending: dict[str, Pairs] = {}
         runner = self.residency.runner
-        # Padded tokens of the largest request alone (in micro-batches of the same budget).
-        alone = max(min(len(p.datums) * max(len(d.tokens) for d in p.datums), budget or 1 << 62) for p in preps)
+        packed = self._packs()
+        # Tokens of the largest request alone (in micro-batches of the same budget).
+        alone = max(min(sum(len(d.tokens) for d in p.datums) if packed
+                        else len(p.datums) * max(len(d.tokens) for d in p.datums), budget or 1 << 62) for p in preps)
+        micro_batch = self._packed_micro_batch if packed else self._micro_batch
         try:
-            batches = self.plan(rows, budget)
+            batches = self.plan_packed(rows, budget) if packed else self.plan(rows, budget)
             for i, mb in enumerate(batches):
-                grads = self._micro_batch(mb, preps, backward, logprobs, losses, loss_sum, alone)
+                grads = micro_batch(mb, preps, backward, logprobs, losses, loss_sum, alone)
                 accumulate(pending, grads)
                 if between is not None and i + 1 < len(batches):
                     between()
@@ -198,6 +217,35 @@ class Trainer:
             outs.append(Output(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=per_datum,
                                metrics={"loss:sum": loss_sum[r]}))
         return outs
+
+    def _packs(self) -> bool:
+        """Whether this pass packs its datums; the reason it does not is logged once per reason."""
+        reason = (None if self.pack else "packing is off (Trainer(pack=False))") or self._unpacked_reason
+        if reason is None and self.residency.runner is not None:
+            reason = "tensor parallelism (tp_runner pads its share)"
+        if reason is None and invariant.enabled():
+            reason = "batch-invariant mode (its tiles follow padded rows)"
+        self.stats["padded_passes" if reason else "packed_passes"] += 1
+        if reason is not None and reason not in self._logged:
+            self._logged.add(reason)
+            log.info("training passes pad their datums: %s", reason)
+        return reason is None
+
+    def plan_packed(self, rows: list[Row], budget: int | None = None) -> list[list[Row]]:
+        """Packed micro-batches of at most `budget` tokens (default max_tokens_per_pass), datums in
+        request order (a datum longer than the budget goes alone)."""
+        budget = budget or self.max_tokens_per_pass
+        if budget is None or sum(r.length for r in rows) <= budget:
+            return [rows]
+        batches: list[list[Row]] = [[]]
+        used = 0
+        for row in rows:
+            if batches[-1] and used + row.length > budget:
+                batches.append([])
+                used = 0
+            batches[-1].append(row)
+            used += row.length
+        return batches
 
     def plan(self, rows: list[Row], budget: int | None = None) -> list[list[Row]]:
         """Micro-batches within the token budget (default max_tokens_per_pass); longest rows first so
@@ -227,6 +275,9 @@ class Trainer:
         datums = [preps[r.req].datums[r.datum] for r in mb]
         T, K = max(r.length for r in mb), max(d.width for d in datums)
         recomputed_blocks, logits_chunk = self.memory_plan(len(mb) * T, alone)
+        real = sum(r.length for r in mb)
+        self.stats["tokens"] += real
+        self.stats["padding_tokens"] += len(mb) * T - real
         tokens = np.zeros((len(mb), T), dtype=np.int64)
         targets = np.zeros((len(mb), T, K), dtype=np.int64)
         for i, d in enumerate(datums):
@@ -283,6 +334,87 @@ class Trainer:
                 key = (q, mb[i].datum)
                 one_d = d.inputs["target_tokens"].ndim == 1
                 logprobs[key] = lp_cpu[i, :n, 0].copy() if one_d else lp_cpu[i, :n, : d.width].copy()
+                losses[key] = el_cpu[j, :n].copy()
+        return leaf_grads(leaves)
+
+    def _packed_micro_batch(
+        self,
+        mb: list[Row],
+        preps: list[_Prepared],
+        backward: bool,
+        logprobs: dict[tuple[int, int], np.ndarray],
+        losses: dict[tuple[int, int], np.ndarray],
+        loss_sum: list[float],
+        alone: int,
+    ) -> dict[str, Pairs]:
+        """One forward (+ backward) over `mb` packed end to end in one row: no padding computed.
+
+        Datums are laid out grouped by adapter (each adapter's tokens one contiguous span for its
+        LoRA); each request's loss then sees its rows padded as on the padded path (a gather of the
+        packed logprobs, zeros on padding, which every loss masks)."""
+        def adapter_of(r: Row) -> Adapter | None:
+            return preps[r.req].adapter
+
+        adapters = _unique([a for r in mb if (a := adapter_of(r)) is not None])
+        index = {a.id: k for k, a in enumerate(adapters)}
+        mb = sorted(mb, key=lambda r: index[a.id] if (a := adapter_of(r)) is not None else -1)
+        datums = [preps[r.req].datums[r.datum] for r in mb]
+        lengths = [r.length for r in mb]
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        N, K = sum(lengths), max(d.width for d in datums)
+        self.stats["tokens"] += N
+        recomputed_blocks, logits_chunk = self.memory_plan(N, alone)
+        tokens = np.concatenate([np.asarray(d.tokens, dtype=np.int64) for d in datums])[None]
+        targets = np.zeros((1, N, K), dtype=np.int64)
+        for s, d in zip(starts, datums, strict=True):
+            t = d.inputs["target_tokens"]
+            targets[0, s : s + len(d.tokens), : d.width] = t if t.ndim == 2 else t[:, None]
+        leaves: Leaves = {}
+        lora: LoraBatch | None = None
+        if backward:
+            per_datum = [index[a.id] for r in mb if (a := adapter_of(r)) is not None]
+            if len(adapters) == 1:  # one row, one adapter: the plain two-matmul LoRA
+                lora, leaves = self.training_lora(adapters, [0])
+            else:
+                lora, leaves = self.training_lora(adapters, np.repeat(per_datum, lengths).tolist())
+        elif adapters:
+            slots = [a.slot if (a := adapter_of(r)) is not None else -1 for r in mb]
+            lora = self.residency.bank.batch(slots[:1] if len(set(slots)) == 1 else np.repeat(slots, lengths).tolist())
+        if lora is not None and lora.rows.numel() > 1:
+            lora = TokenLora(weights=lora.weights, rows=lora.rows, scale=lora.scale)
+
+        with torch.set_grad_enabled(backward):
+            h = self.model.packed_hidden_states(torch.from_numpy(tokens).to(self.device), lengths, lora,
+                                                recomputed_blocks=recomputed_blocks)
+            lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
+            lp_flat = torch.cat([lp[0], lp.new_zeros(1, K)])  # row N: what padded positions read
+            total: Tensor | None = None
+            els: list[tuple[list[int], int, Tensor]] = []
+            for q in dict.fromkeys(r.req for r in mb):
+                p = preps[q]
+                idx = [i for i, r in enumerate(mb) if r.req == q]
+                k_req = max(datums[i].width for i in idx)
+                T = max(lengths[i] for i in idx)
+                gather = np.full((len(idx), T), N, dtype=np.int64)
+                for j, i in enumerate(idx):
+                    gather[j, : lengths[i]] = starts[i] + np.arange(lengths[i])
+                lp_q = lp_flat[torch.from_numpy(gather).to(self.device)][..., :k_req]
+                x, mask = pad_inputs([datums[i] for i in idx], T, self.device, fill={"weights": 1.0, **p.job.config})
+                el = p.job.spec.fn(lp_q, x, mask, p.job.config)
+                total = el.sum() if total is None else total + el.sum()
+                els.append((idx, q, el.detach()))
+            if backward and total is not None:
+                total.backward()
+
+        lp_cpu = lp.detach().float().cpu().numpy()[0]
+        for idx, q, el in els:
+            el_cpu = el.float().cpu().numpy()
+            loss_sum[q] += float(el_cpu.sum(dtype=np.float64))
+            for j, i in enumerate(idx):
+                d, n, s = datums[i], lengths[i], starts[i]
+                key = (q, mb[i].datum)
+                one_d = d.inputs["target_tokens"].ndim == 1
+                logprobs[key] = lp_cpu[s : s + n, 0].copy() if one_d else lp_cpu[s : s + n, : d.width].copy()
                 losses[key] = el_cpu[j, :n].copy()
         return leaf_grads(leaves)
 
@@ -428,12 +560,16 @@ def target_logprobs(model: Transformer, h: Tensor, lora: LoraBatch | None, targe
     if chunks == 1:
         return logprobs_block(model, h, targets, lora)
     parts = []
+    start = 0
     for i, (hs, ts) in enumerate(zip(h.tensor_split(chunks, dim=1), targets.tensor_split(chunks, dim=1), strict=True)):
         hs = hs.contiguous()  # a strided chunk would take matmul's batched path (the weight expanded per row)
+        # a packed row's per-token LoRA: this chunk's tokens
+        lc = lora.window(start, start + hs.shape[1]) if isinstance(lora, TokenLora) else lora
+        start += hs.shape[1]
         if torch.is_grad_enabled() and i + 1 < chunks:
-            parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lora, use_reentrant=False))
+            parts.append(torch.utils.checkpoint.checkpoint(logprobs_block, model, hs, ts, lc, use_reentrant=False))
         else:
-            parts.append(logprobs_block(model, hs, ts, lora))
+            parts.append(logprobs_block(model, hs, ts, lc))
     return torch.cat(parts, dim=1)
 
 
@@ -441,6 +577,69 @@ def logprobs_block(model: Transformer, h: Tensor, targets: Tensor, lora: LoraBat
     if getattr(model, "tp", None) is not None:  # vocab-parallel: never gather the [rows, T, vocab] logits
         return model.tp.target_logprobs(model.local_logits(h, lora), targets, model.vocab_start)
     return TargetLogprobs.apply(model.logits(h, lora), targets)
+
+
+def packing_unsupported(model: Transformer) -> str | None:
+    """Why `model`'s training passes cannot pack their datums (None: they can). Packing needs the
+    standard blocks, whose attention takes a PackedView (dense Llama/Qwen3, Qwen3-MoE, gpt-oss)."""
+    cfg = model.config
+    if cfg.vision is not None or cfg.mrope_section is not None:
+        return "vision-language base (image features and M-RoPE positions are laid out per padded row)"
+    if cfg.mla is not None:
+        return "MLA attention (DeepSeek): its latent attention has no per-datum packed form yet"
+    if cfg.hybrid is not None:
+        return "Qwen3.5 hybrid: its linear-attention layers carry a recurrent state along each row"
+    if cfg.v4 is not None:
+        return "DeepSeek-V4: its compressors read each row's positions"
+    if getattr(model, "tp", None) is not None:
+        return "tensor parallelism (tp_runner pads its share)"
+    own = type(model)
+    if own.hidden_states is not Transformer.hidden_states or own.run_layers is not Transformer.run_layers or any(
+        type(b).forward is not Block.forward or type(getattr(b, "self_attn", None)) is not Attention
+        for b in model.layers
+    ):
+        return f"{own.__name__}: its blocks are not the standard ones that take a PackedView"
+    return None
+
+
+@dataclass
+class TokenLora(LoraBatch):
+    """A LoraBatch whose rows are the tokens of one packed row [1, N] (several datums, several
+    adapters): each adapter's LoRA runs over its own contiguous spans of tokens, added in place into
+    the base projection's output (`lora.add_product`); expert pairs take their token's adapter
+    (`moe.SparseMoE`). Base tokens (-1) get no delta."""
+
+    spans: list[tuple[int, int, int]] = dataclasses.field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        rows = self.row_list = self.rows.tolist()
+        self.uniform, self.plan = None, None
+        self.row_index = self.rows.clamp(min=0)
+        self.row_scale = torch.where(self.rows >= 0, self.scale[self.row_index], torch.zeros_like(self.scale[:1]))
+        start = 0
+        for i in range(1, len(rows) + 1):  # (adapter, first token, end) of each run of equal adapters
+            if i == len(rows) or rows[i] != rows[start]:
+                if rows[start] >= 0:
+                    self.spans.append((rows[start], start, i))
+                start = i
+
+    def window(self, start: int, end: int) -> TokenLora:
+        """The same adapters over tokens start..end (a chunk of the row)."""
+        return TokenLora(weights=self.weights, rows=self.rows[start:end], scale=self.scale)
+
+    def apply(self, target: str, layer: int, x: Tensor, y: Tensor, groups: ExpertGroups | None = None,
+              tp: TP | None = None) -> Tensor:
+        if groups is not None:  # expert pairs: each pair's own adapter (lora.add_lora)
+            return super().apply(target, layer, x, y, groups, tp)
+        ab = self.weights.get(target)
+        if ab is None:
+            return y
+        A, B = ab[0][:, layer], ab[1][:, layer]
+        xf, yf = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for a, s, e in self.spans:
+            xa = (xf[s:e] @ A[a].transpose(0, 1)) * self.scale[a].to(x.dtype)
+            add_product(yf[s:e], xa, B[a].transpose(0, 1))
+        return y
 
 
 def _unique(adapters: list[Adapter]) -> list[Adapter]:

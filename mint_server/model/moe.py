@@ -70,7 +70,9 @@ class SparseMoE(nn.Module):
         expert = chosen.reshape(-1)  # pairs in token-major order
         token = torch.arange(B * T, device=x.device).repeat_interleave(k)
         if lora is not None and any(lora.has(t) for t in EXPERT_TARGETS):
-            adapter, n = lora.rows.repeat_interleave(T * k), lora.num_adapters
+            # rows per batch row, or per token (a packed training row holds several datums' tokens)
+            per_token = lora.rows.numel() == B * T != B
+            adapter, n = lora.rows.repeat_interleave(k if per_token else T * k), lora.num_adapters
         else:
             adapter, n = torch.full_like(expert, -1), 0
         groups = group_pairs(expert, adapter, self.num_experts, n)

@@ -395,6 +395,42 @@ class RaggedView(CacheView):
         return out
 
 
+class PackedView:
+    """Training without padding: a micro-batch's datums end to end in one row ([1, N] tokens),
+    passed where a cache view goes. Every projection, LoRA delta and MLP runs once over the N real
+    tokens; attention runs per datum (block-diagonal causal: each datum's queries see only its own
+    earlier keys), one SDPA call on each datum's slice, as RaggedView does for prefill chunks. No KV
+    is stored. lengths: each datum's tokens, in row order.
+    """
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = list(lengths)
+        self.spans: list[tuple[int, int]] = []
+        start = 0
+        for n in self.lengths:
+            self.spans.append((start, n))
+            start += n
+        self.tokens = start
+
+    def attention(self, layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool,
+                  window: int = 0, sinks: Tensor | None = None) -> Tensor:
+        """q [1, H, N, D], k / v [1, Hkv, N, D] → [1, H, N, D], each datum attending to itself only."""
+        if len(self.spans) == 1:
+            return self._one(q, k, v, scale, gqa, window, sinks)
+        return torch.cat([self._one(q[:, :, s : s + n], k[:, :, s : s + n], v[:, :, s : s + n], scale, gqa, window, sinks)
+                          for s, n in self.spans], dim=2)
+
+    @staticmethod
+    def _one(q: Tensor, k: Tensor, v: Tensor, scale: float, gqa: bool, window: int, sinks: Tensor | None) -> Tensor:
+        # the same calls as Attention's uncached path over one padded row
+        n = q.shape[2]
+        if window or sinks is not None:
+            keys = torch.arange(n, device=q.device)
+            mask = visible(keys, keys[:, None], window)[None, None] if window else None
+            return attend(q, k, v, mask, scale, gqa, sinks)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, enable_gqa=gqa)
+
+
 class Attention(nn.Module):
     tp: TP | None = None  # set by tp.shard_model: this rank's heads only, o_proj's partial sums reduced
 
@@ -552,6 +588,21 @@ class Transformer(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = recomputed_blocks if cache is None and torch.is_grad_enabled() else 0
         return self.norm(self.run_layers(x, cos, sin, lora, cache, recompute, vision))
+
+    def packed_hidden_states(self, tokens: Tensor, lengths: list[int], lora: LoraBatch | None = None,
+                             recomputed_blocks: int = 0) -> Tensor:
+        """Training without padding: tokens [1, N] are datums of `lengths` end to end; each datum's
+        positions restart at 0 and it attends only to itself (PackedView). → [1, N, hidden], equal
+        to hidden_states of each datum alone. For the families whose blocks are this module's
+        (training.packing_unsupported says which)."""
+        positions = torch.cat([torch.arange(n, device=tokens.device) for n in lengths])[None]
+        x = self.embed_tokens(tokens)
+        cos, sin = self.rope(positions)
+        if self.rope_factor != 1.0:
+            cos, sin = cos * self.rope_factor, sin * self.rope_factor
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        recompute = recomputed_blocks if torch.is_grad_enabled() else 0
+        return self.norm(self.run_layers(x, cos, sin, lora, PackedView(lengths), recompute))  # type: ignore[arg-type]
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
                    recomputed_blocks: int, vision: VisionInput | None = None) -> Tensor:
