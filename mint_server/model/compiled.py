@@ -171,8 +171,13 @@ def configure_cache(cache_dir: Path | None) -> None:
 class DecodeGraph:
     """The compiled decode step of one model, its LoRA bank and its KV cache (see the module doc)."""
 
-    def __init__(self, model: Transformer, bank: LoraBank, cache: KVCache, stats: CompileStats) -> None:
+    def __init__(self, model: Transformer, bank: LoraBank, cache: KVCache, stats: CompileStats,
+                 buckets: bool | None = None) -> None:
+        """buckets: pad rows and the KV window to powers of two (default: on CUDA, where each bucket
+        is captured as a CUDA graph and replayed; the CPU needs no padding under dynamic sizes)."""
         self.model, self.bank, self.cache, self.stats = model, bank, cache, stats
+        cuda = model.embed_tokens.weight.device.type == "cuda"
+        self.buckets = cuda if buckets is None else buckets
         self._warm = threading.Event()  # every variant compiled: the step may use the graphs
         self._broken: str | None = None
         self._lock = threading.Lock()
@@ -185,6 +190,12 @@ class DecodeGraph:
                        for i in range(len(model.layers))] if has_lora else None)
         D, Hkv = cfg.head_dim, cfg.num_kv_heads
         self._pools = [(cache.k[i].view(-1, Hkv, D), cache.v[i].view(-1, Hkv, D)) for i in range(len(model.layers))]
+        self._cudagraphs = cuda
+        if cuda:  # weights, bank and pools are read (and the pools written) in place by every replay
+            for t in (*[w for ws in self._weights for w in ws if w is not None],
+                      *[x for layer in self._lora or () for ab in layer for x in ab],
+                      *[p for kv in self._pools for p in kv]):
+                torch._dynamo.mark_static_address(t)
 
     @staticmethod
     def _layer_weights(block: Block) -> tuple[Tensor | None, ...]:
@@ -199,7 +210,8 @@ class DecodeGraph:
         from torch._inductor.compile_fx import compile_fx
 
         t0 = time.perf_counter()
-        compiled = compile_fx(gm, example_inputs)
+        compiled = compile_fx(gm, example_inputs,
+                              config_patches={"triton.cudagraphs": True} if self._cudagraphs else None)
         self.stats.compile_seconds += time.perf_counter() - t0
         self.stats.graphs += 1
         if self._warm.is_set():
@@ -269,27 +281,31 @@ class DecodeGraph:
     def _run(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor:
         model, dev = self.model, self.model.embed_tokens.weight.device
         n, bs = len(tokens), self.cache.block_size
-        pos = torch.tensor(positions, device=dev)
         # the window every row reads: its blocks up to the longest row's last position (at least 2
         # positions, so it is never a size-1 dimension the compiler would specialise on)
         blocks = max(-(-(max(positions) + 1) // bs), -(-2 // bs))
+        use_lora = self._lora is not None and any(s >= 0 for s in slots)
+        if self.buckets:  # rows and window padded to powers of two: a CUDA graph per bucket, replayed
+            rows, blocks = _bucket(n), _bucket(blocks)
+            pad = rows - n  # padding rows: token 0 at position 0 on the scratch block, the base
+            tokens, positions = tokens + [0] * pad, positions + [0] * pad
+            tables, slots = tables + [[KVCache.SCRATCH]] * pad, slots + [-1] * pad
+        pos = torch.tensor(positions, device=dev)
         table = torch.tensor([(t + [KVCache.SCRATCH] * blocks)[:blocks] for t in tables], device=dev)
-        read_idx = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)  # [n, W]
+        read_idx = (table[:, :, None] * bs + torch.arange(bs, device=dev)).flatten(1)  # [rows, W]
         visible = torch.arange(read_idx.shape[1], device=dev)[None, :] <= pos[:, None]
         write_idx = table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         slot = torch.tensor(slots, device=dev)
-        use_lora = self._lora is not None and bool((slot >= 0).any())
         row_scale = torch.where(slot >= 0, self.bank.scale[slot.clamp(min=0)], 0.0).to(model.embed_tokens.weight.dtype)
         slot = slot.clamp(min=0)
         with torch.no_grad():
             x = model.embed_tokens(torch.tensor(tokens, device=dev))
-            cos, sin = model.rope(pos[:, None])  # [n, 1, 1, D]
+            cos, sin = model.rope(pos[:, None])  # [rows, 1, 1, D]
             if model.rope_factor != 1.0:
                 cos, sin = cos * model.rope_factor, sin * model.rope_factor
             cos, ssin = cos[:, 0, 0].to(x.dtype), signed_sin(sin[:, 0, 0]).to(x.dtype)
-            inputs = [x, cos, ssin, slot, row_scale, write_idx, read_idx, visible]
-            if n > 1:
-                for t in inputs:
+            if len(tokens) > 1:
+                for t in (x, cos, ssin, slot, row_scale, write_idx, read_idx, visible):
                     torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(read_idx, 1)
             torch._dynamo.mark_dynamic(visible, 1)
@@ -297,4 +313,9 @@ class DecodeGraph:
                 lora = self._lora[i] if use_lora and self._lora is not None else None
                 k_pool, v_pool = self._pools[i]
                 x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx, visible)
-            return model.norm(x)
+            return model.norm(x[:n])
+
+
+def _bucket(n: int) -> int:
+    """The least power of two ≥ n."""
+    return 1 << (n - 1).bit_length()

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from mint_server.engine.executor import Executor, StepBatch
-from mint_server.model.compiled import unsupported
+from mint_server.engine.executor import Executor, StepBatch, step
+from mint_server.model.compiled import CompileStats, DecodeGraph, unsupported
 from mint_server.model.loader import load_model
 from mint_server.model.lora import LoraBank, LoraBatch, init_lora_weights, target_shapes
 from tests.tiny import make_tiny_checkpoint
@@ -96,17 +96,17 @@ def test_mixed_workload_never_recompiles(compiled):
         next_block[0] += n
         return out
 
-    for step in range(500):
-        if step % 97 == 0:  # an adapter swap: a slot rewritten in place
+    for i in range(500):
+        if i % 97 == 0:  # an adapter swap: a slot rewritten in place
             s = rng.randrange(bank.num_slots)
-            w = init_lora_weights(target_shapes(model.config), tuple(bank.shapes), 4, seed=step, dtype=torch.float32)
+            w = init_lora_weights(target_shapes(model.config), tuple(bank.shapes), 4, seed=i, dtype=torch.float32)
             bank.write(s, {t: (a, torch.randn_like(b) * 0.1) for t, (a, b) in w.items()}, 4, alpha=8.0)
-        if step % 113 == 0:  # a training slice on the same model and bank
+        if i % 113 == 0:  # a training slice on the same model and bank
             with torch.enable_grad():
                 w = {t: (a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_())
                      for t, (a, b) in bank.batch([0, 1]).weights.items()}
                 model(torch.randint(1, 300, (2, 6)), lora=LoraBatch(w, torch.tensor([0, 1]), bank.scale)).sum().backward()
-        if not seqs or len(seqs) < rng.randrange(1, 25) or step % 41 == 0:
+        if not seqs or len(seqs) < rng.randrange(1, 25) or i % 41 == 0:
             n = rng.randrange(2, 9)
             seq = {"slot": rng.choice([-1, 0, 1, 2, 3]), "len": n, "table": blocks(8)}
             _prefill(ex, [[rng.randrange(1, 300) for _ in range(n)]], [seq["slot"]], [seq["table"]])
@@ -135,3 +135,22 @@ def test_families_without_a_compiled_layer_run_eagerly_with_their_reason(tmp_pat
     assert ex.graph is None
     ex.step(StepBatch(tokens=[3, 4], positions=[0, 1], lengths=[2], slots=[-1], tables=[[1]], logits_at=[0]))
     assert ex.compile_stats.eager_steps == {"mixture-of-experts layers": 1}
+
+
+def test_bucketed_rows_agree_with_eager(compiled):
+    """The GPU's layout on the CPU: rows and the KV window padded to powers of two (padding rows on the
+    scratch block, the base) give the unpadded rows' logits."""
+    ex, bank = compiled
+    graph = DecodeGraph(ex.rank.model, bank, ex.cache, CompileStats(), buckets=True)
+    graph.warm_up()
+    prompts = [[11, 12, 13], [14, 15, 16, 17, 18, 19], [20]]
+    tables = [[50, 51, 52], [53, 54, 55], [56, 57, 58]]
+    slots = [3, -1, 1]
+    _prefill(ex, prompts, slots, tables)
+    decode = StepBatch(tokens=[21, 22, 23], positions=[3, 6, 1], lengths=[1] * 3, slots=slots, tables=tables,
+                       logits_at=[0, 1, 2])
+    hidden = graph.hidden(decode.tokens, decode.positions, decode.tables, decode.slots)
+    assert hidden is not None and hidden.shape[0] == 3
+    got = step(ex.rank, decode, hidden).logits
+    want = ex.call("step", batch=decode).logits
+    Tolerance(n=ex.rank.model.config.vocab_size, depth=2).check(got, want, "bucketed rows")
