@@ -18,7 +18,7 @@ def test_gpu_check_runs_at_tiny_size():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert "## tiny" in lines
-    rows = [line for line in lines if line.startswith("| 1 row") or line.startswith("| 2 rows")]
+    rows = [line for line in lines if line.startswith(("| 1 row", "| 2 rows"))]
     assert len(rows) == 3, out.stdout
     assert any("prefill" in line for line in lines)
     assert "'recompiles': 0" in out.stdout and "'failures': 0" in out.stdout
