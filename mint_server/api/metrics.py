@@ -62,6 +62,12 @@ class Metrics:
                           registry=self.registry)
             for kind in ("seconds", "tokens", "forwards", "rows")
         }
+        self.prefix_cache = Counter("mint_prefix_cache", "The prefix cache: hit_tokens (prompt positions taken from "
+                                    "it, not computed), query_tokens (prompt tokens of new prompt rows that could "
+                                    "use it; hit rate = hit_tokens / query_tokens), evictions (blocks taken for "
+                                    "other use)", ["phase"], registry=self.registry)
+        self.prefix_cache_blocks = Gauge("mint_prefix_cache_blocks", "KV blocks the prefix cache holds (in use "
+                                         "or kept for later requests)", registry=self.registry)
         self.step_tokens = Counter("mint_step_tokens", "Tokens the engine's steps ran: decode, prefill, training",
                                    ["kind"], registry=self.registry)
         token_buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -106,7 +112,11 @@ class Metrics:
             self.engine_step.observe(seconds)
         for kind, phases in r["sampler"].items():
             for phase, total in phases.items():
-                self._advance(self.sampler_totals[kind], f"sampler_{kind}", phase, total)
+                if kind == "prefix_cache" and phase == "blocks":
+                    self.prefix_cache_blocks.set(total)
+                else:
+                    self._advance(self.prefix_cache if kind == "prefix_cache" else self.sampler_totals[kind],
+                                  f"sampler_{kind}", phase, total)
         for kind, total in r["step_tokens"].items():
             self._advance(self.step_tokens, "step_tokens", kind, total)
         names = {"ttft": "time_to_first_token", "itl": "inter_token", "queue": "queue_wait"}

@@ -80,6 +80,7 @@ def engine_settings(
     keep_freed_memory: bool | None = None,
     compile: str | None = None,
     compile_cache_dir: Path | None = None,
+    prefix_cache: bool | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -95,7 +96,8 @@ def engine_settings(
              "batch_invariant": batch_invariant, "max_slowdown": max_slowdown, "linger_s": linger_s,
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
              "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens,
-             "keep_freed_memory": keep_freed_memory, "compile": compile, "compile_cache_dir": compile_cache_dir}
+             "keep_freed_memory": keep_freed_memory, "compile": compile, "compile_cache_dir": compile_cache_dir,
+             "prefix_cache": prefix_cache}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -267,6 +269,12 @@ def register(app: typer.Typer) -> None:
             "compiled in the background after start-up (steps run eagerly meanwhile), cached in the data dir's "
             "compile-cache; off: always eager. See docs/engine.md.",
         ),
+        prefix_cache: bool = typer.Option(
+            None, "--prefix-cache/--no-prefix-cache",
+            help=f"Keep full KV blocks of earlier requests for later ones with the same prefix [default: "
+            f"{_default('prefix_cache')}]: a chat's next turn prefills only what is new. Per owner, adapter "
+            "revision and base; evicted least recently used. See docs/engine.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -299,7 +307,7 @@ def register(app: typer.Typer) -> None:
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
                                      sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens,
                                      keep_freed_memory=keep_freed_memory, compile=compile,
-                                     compile_cache_dir=root / "compile-cache")
+                                     compile_cache_dir=root / "compile-cache", prefix_cache=prefix_cache)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

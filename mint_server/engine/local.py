@@ -143,7 +143,7 @@ class LocalEngine(JobParsing):
             max_seq_len=self.limits.max_context, records=self.records, max_batch_rows=s.max_batch_rows,
             max_step_tokens=s.step_tokens(s.step_overhead_tokens or 0), max_slowdown=s.max_slowdown,
             step_overhead_tokens=s.step_overhead_tokens or 0, linger_s=s.linger_s, grammars=self.grammars,
-            compile=s.compile, compile_cache_dir=s.compile_cache_dir,
+            compile=s.compile, compile_cache_dir=s.compile_cache_dir, prefix_cache=s.prefix_cache,
         )
         self._queue: deque[_Work] = deque()
         self._accepting, self._running, self._abort = True, True, False

@@ -50,7 +50,7 @@ from tinker.types.topk_logprobs import TopkLogprobs
 from mint_server.engine.executor import Executor, StepBatch
 from mint_server.engine.grammar import Grammars
 from mint_server.engine.jobs import SampleJob
-from mint_server.engine.kv import BlockPool, blocks_for
+from mint_server.engine.kv import BlockPool, block_keys, blocks_for, cache_root
 from mint_server.engine.records import SamplingRecord, SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.sampler_ops import (
@@ -67,7 +67,7 @@ from mint_server.engine.sampler_ops import (
 )
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler, StepCost
 from mint_server.engine.state_cache import StateSlots
-from mint_server.engine.values import Priority, SampleCancelled, TopLogprobs
+from mint_server.engine.values import REVISION_KEY_PREFIX, Priority, SampleCancelled, TopLogprobs
 from mint_server.model import kernels
 from mint_server.model.images import PromptImages
 from mint_server.model.transformer import Transformer
@@ -99,6 +99,8 @@ class SamplerStats:
     peak_step_tokens: int = 0
     preempted: int = 0  # rows swapped out to make room
     resumed: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens of new prompt rows that could use the prefix cache
+    prefix_hit_tokens: int = 0  # of those, positions taken from the cache (never computed)
 
 
 @dataclass(eq=False)
@@ -115,6 +117,8 @@ class _Request:
     finished: int = 0
     first_token: bool = False
     cache_hit: bool = False  # its prefill was another request's
+    cache_hit_tokens: int = 0  # prompt positions its prompt row took from the prefix cache
+    prefix: tuple[bytes | None, list[bytes]] | None = None  # (root, full prompt blocks' keys): Sampler._prefix
     scores: PromptScores | None = None
     results: list[types.SampledSequence | None] = field(default_factory=list)
     # target_prompt_logprobs / prompt_alt_tokens_k (set up when admitted, filled chunk by chunk):
@@ -224,6 +228,9 @@ class _Row:
     pool: BlockPool | None = None  # for held_blocks
     state: int = 0  # hybrid bases: its recurrent-state slot while running (state_cache.py; 0: none)
     grammar: Any = None  # its own grammar matcher (grammar.Grammars.start), from its first token
+    # prefix cache: the keys of its full blocks so far (None: it caches nothing), chained from `root`
+    keys: list[bytes] | None = None
+    root: bytes = b""
 
     # scheduler.Work
     key = property(lambda self: self.request.key)
@@ -278,6 +285,14 @@ class _Group:
     images: PromptImages | None = None  # part of the prompt's identity: other images, another prompt
     state: int = 0  # hybrid bases: the prompt's recurrent-state slot (state_cache.py; 0: none)
     state_rows: int = 0  # hybrid bases: 1, the batch row its state counts as (Sampler._state_rows)
+    # prefix cache: its chain's root (None: nothing cached), its full blocks' keys, how many of them
+    # are registered (or were taken from the cache), the positions it took from the cache, and the
+    # salt that requests joining it must share
+    root: bytes | None = None
+    keys: list[bytes] = field(default_factory=list)
+    registered: int = 0
+    cached: int = 0
+    salt: str = ""
 
     @property
     def has_sampler(self) -> bool:
@@ -345,7 +360,7 @@ class _Waiting:
 
     @property
     def pending(self) -> int:
-        return len(self.request.prompt)
+        return len(self.request.prompt) - self.sampler._hit_tokens(self.request)
 
     def fit(self, free_blocks: int, free_rows: int) -> Fit:
         return self.sampler._fit(self.request, free_blocks, free_rows)
@@ -369,9 +384,14 @@ class Sampler:
         grammars: Grammars | None = None,
         compile: str = "off",
         compile_cache_dir: Path | None = None,
+        prefix_cache: bool = True,
+        salt_per_owner: bool = True,
     ) -> None:
         """kv_budget_tokens positions is the KV pool; max_seq_len bounds prompt + max_tokens.
         compile, compile_cache_dir: the executor's compiled decode step (EngineSettings.compile).
+        prefix_cache: keep full KV blocks for later requests with the same prefix (kv.py; off on
+        hybrid and vision bases, whose state is not all in blocks); salt_per_owner: only a request of
+        the same key (owner) reads them, or joins a prompt being prefilled.
 
         max_batch_rows caps the sequences holding KV; max_step_tokens, max_slowdown,
         step_overhead_tokens and linger_s are the scheduler's (see scheduler.py). dedupe_prompts shares one
@@ -397,6 +417,16 @@ class Sampler:
                                  compile=compile, compile_cache_dir=compile_cache_dir)
         self.cache = self.executor.cache
         self.pool = BlockPool(self.cache.num_blocks)
+        self.prefix_cache, self.salt_per_owner = prefix_cache, salt_per_owner
+        self.prefix_cache_off = "" if prefix_cache else "off by setting"
+        if prefix_cache and cfg.hybrid is not None:
+            self.prefix_cache_off = "a hybrid base: its recurrent state is not in the KV blocks"
+        elif prefix_cache and getattr(model, "vision_input", None) is not None:
+            self.prefix_cache_off = "a vision base: a prompt's image features are not in its tokens"
+        if prefix_cache and self.prefix_cache_off:
+            self.prefix_cache = False
+            log.info("prefix cache off: %s", self.prefix_cache_off)
+        self._evictions_before = 0  # of pools replaced after a failed step
         self.scheduler = Scheduler(max_step_tokens, max_slowdown, step_overhead_tokens, linger_s=linger_s)
         self.stats = SamplerStats()
         self._queue: deque[_Request] = deque()
@@ -492,7 +522,10 @@ class Sampler:
         return {"seconds": {"step": s.step_s},
                 "tokens": {"decode": float(s.decode_tokens), "prefill": float(s.prefill_tokens)},
                 "forwards": {"step": float(s.forwards)},
-                "rows": {"preempted": float(s.preempted), "resumed": float(s.resumed)}}
+                "rows": {"preempted": float(s.preempted), "resumed": float(s.resumed)},
+                "prefix_cache": {"hit_tokens": float(s.prefix_hit_tokens), "query_tokens": float(s.prefix_query_tokens),
+                                 "evictions": float(self._evictions_before + self.pool.evictions),
+                                 "blocks": float(self.pool.cached)}}
 
     def drain_latencies(self) -> list[tuple[int, str, float]]:
         out = []
@@ -720,7 +753,8 @@ class Sampler:
         if not self.dedupe_prompts:
             return None
         for g in self._groups:
-            if g.swapped is None and g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and (
+            if g.swapped is None and g.slot == req.slot and g.prompt == req.prompt and g.images == req.job.images and \
+                    g.salt == self._salt(req) and (
                     g.computed == 0 or (not req.job.prompt_extras and (not req.wants_scores or (
                         g.score_k >= req.topk_prompt_logprobs and g.score_from <= req.job.score_from)))):
                 return g
@@ -748,6 +782,62 @@ class Sampler:
         state its samples do not hold yet (state_cache.py says why that bounds the slots)."""
         return prompts if self.states is not None else 0
 
+    # --- the prefix cache (kv.py) ----------------------------------------------------------------
+    def _salt(self, req: _Request) -> str:
+        """Whose cached blocks (and prompts being prefilled) a request may read: its owner's only."""
+        return req.key if self.prefix_cache and self.salt_per_owner else ""
+
+    def _prefix(self, req: _Request) -> tuple[bytes | None, list[bytes]]:
+        """The root of its blocks' key chain (None: it neither reads nor fills the cache) and the keys
+        of its prompt's full blocks. The root names the base (one per sampler), the adapter revision's
+        content — a catalog revision by its content key, any other read-only adapter by its id (its
+        weights never change); a trainable adapter's weights change with every step, so it caches
+        nothing — and the salt."""
+        if req.prefix is None:
+            a, root = req.adapter, None
+            if self.prefix_cache and req.job.images is None and (a is None or not a.trainable):
+                content = "base" if a is None else (
+                    a.source.key if a.source is not None and a.source.key.startswith(REVISION_KEY_PREFIX)
+                    else "adapter:" + a.id)
+                root = cache_root("mint-kv-1", content, self._salt(req))
+            keys = [] if root is None else block_keys(root, req.prompt, self.block_size)
+            req.prefix = (root, keys)
+        return req.prefix
+
+    def _usable_blocks(self, req: _Request) -> int:
+        """How many leading full prompt blocks a new prompt row for `req` may take from the cache:
+        the last prompt position is always computed (its logits draw the first token), and so is every
+        position whose prompt logprob, targets or draws it asks for."""
+        limit = len(req.prompt) - 1
+        if req.job.prompt_extras:
+            limit = 0
+        elif req.wants_scores:
+            limit = min(limit, max(0, req.job.score_from))
+        return limit // self.block_size
+
+    def _hit_tokens(self, req: _Request) -> int:
+        """Prompt positions a new prompt row for `req` would take from the cache now."""
+        if not self.prefix_cache:
+            return 0
+        _, keys = self._prefix(req)
+        return len(self.pool.lookup(keys[: self._usable_blocks(req)])) * self.block_size
+
+    def _register(self, item: _Row | _Group) -> None:
+        """Keep the full blocks it has computed since the last call under their keys."""
+        bs = self.block_size
+        if isinstance(item, _Group):
+            if item.root is None:
+                return
+            upto = min(item.computed // bs, len(item.keys))
+            for k in range(item.registered, upto):
+                self.pool.register(item.keys[k], item.blocks[k])
+            item.registered = max(item.registered, upto)
+        elif item.keys is not None and item.length % bs == 0 and item.length // bs == len(item.keys) + 1:
+            k, n = len(item.keys), len(item.request.prompt)
+            seq = item.request.prompt[k * bs :] + tuple(item.tokens[max(0, k * bs - n) :])
+            item.keys += block_keys(item.keys[-1] if item.keys else item.root, seq[:bs], bs)
+            self.pool.register(item.keys[k], item.blocks[k])
+
     def _admit(self, req: _Request, fit: Fit) -> _Group | None:
         """Reserve `fit`'s samples of `req` on a (new or shared) prompt row; None if none fit."""
         if fit.take == 0:
@@ -755,9 +845,17 @@ class Sampler:
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
         if group is None:
-            blocks = self.pool.alloc(blocks_for(n, bs))
+            root, keys = self._prefix(req)
+            hit = self.pool.lookup(keys[: self._usable_blocks(req)])
+            self.pool.share(hit)  # before the alloc, which may evict kept blocks
+            blocks = hit + self.pool.alloc(blocks_for(n, bs) - len(hit))
             group = _Group(req.slot, req.prompt, blocks, images=req.job.images, prompt_blocks=len(blocks), pool=self.pool,
-                           state_rows=self._state_rows(1))
+                           state_rows=self._state_rows(1), root=root, keys=keys, registered=len(hit),
+                           cached=len(hit) * bs, computed=len(hit) * bs, salt=self._salt(req))
+            req.cache_hit_tokens = group.cached
+            if root is not None:
+                self.stats.prefix_query_tokens += n
+                self.stats.prefix_hit_tokens += group.cached
             if self.states is not None:
                 group.state = self.states.alloc()
             self._groups.append(group)
@@ -896,6 +994,8 @@ class Sampler:
                 item.computed += n
             else:
                 item.length += 1
+            if self.prefix_cache:
+                self._register(item)
         # logits rows: decode rows first (in run order), then finishing prompts, as laid out above
         logits_of_seg = dict(zip(batch.logits_at, range(len(batch.logits_at)), strict=True))
         rows, index = list(decoding), [logits_of_seg[i] for i, (it, _) in enumerate(runs) if isinstance(it, _Row)]
@@ -951,6 +1051,8 @@ class Sampler:
             if p.temperature > 0:
                 gen = torch.Generator().manual_seed(sample_seed(p.seed, m.index))
             row = _Row(m.request, m.index, blocks, n, gen, pool=self.pool)
+            if g.root is not None:
+                row.keys, row.root = list(g.keys), g.root
             if self.states is not None:  # the first sample continues the prompt's state, the others a copy
                 row.state = g.state if j == 0 else self.states.alloc()
                 if j:
@@ -1074,7 +1176,7 @@ class Sampler:
                 sequences=list(req.results),  # type: ignore[arg-type]  # all filled by now
                 prompt_logprobs_np=s.logprobs if s is not None and job.prompt_logprobs else None,
                 topk_prompt_logprobs_np=s.topk(req.topk_prompt_logprobs) if s is not None and req.topk_prompt_logprobs else None,
-                prompt_cache_hit_tokens=len(req.prompt) if req.cache_hit else 0,
+                prompt_cache_hit_tokens=len(req.prompt) if req.cache_hit else req.cache_hit_tokens,
                 target_prompt_logprobs=None if job.target_prompt_logprobs is None or req.cell_values is None
                 else job.target_prompt_logprobs.response(req.cell_values),
                 prompt_alt_tokens=alt,
@@ -1107,6 +1209,7 @@ class Sampler:
         # Everything holding blocks was in flight, so the whole pool is free again.
         self.executor.drop_swapped([x.swapped for x in (*self._rows, *self._groups) if x.swapped is not None])
         self._rows, self._groups = [], []
+        self._evictions_before += self.pool.evictions
         self.pool = BlockPool(self.cache.num_blocks)
         if self.states is not None:
             self.states = StateSlots(self.states.num_slots)

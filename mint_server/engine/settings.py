@@ -103,6 +103,11 @@ class EngineSettings:
     # start-up (steps run eagerly meanwhile) where the family and device allow, "off" stays eager.
     # MINT_COMPILE sets the default (the test suite runs eager unless a test asks).
     compile: str = field(default_factory=lambda: os.environ.get("MINT_COMPILE", "auto"))
+    # Keep full KV blocks of earlier requests for later ones with the same prefix (a chat's next turn,
+    # a multi-turn environment's next step): keyed by base, adapter revision, owner and tokens, evicted
+    # least recently used when the pool needs the room (engine/kv.py, docs/engine.md "Prefix cache").
+    # Off by itself on hybrid (linear-attention) and vision bases.
+    prefix_cache: bool = True
     # Where inductor keeps compiled kernels and graphs (a restart then compiles warm); None: its own default.
     compile_cache_dir: Path | None = None
 
@@ -142,7 +147,7 @@ class EngineSettings:
             raise ValueError(f"checkpoint_from_tokens must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
         if not (isinstance(self.logits_chunk_mb, int | float) and self.logits_chunk_mb > 0):
             raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb!r}")
-        for name in ("batch_invariant", "keep_freed_memory"):
+        for name in ("batch_invariant", "keep_freed_memory", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batch_invariant and self.tp != 1:
