@@ -105,12 +105,14 @@ class Reply:
     score_only: bool = False
     # each prompt's engine result, kept when the request asked for prompt logprobs (echo + logprobs)
     responses: dict[int, types.SampleResponse] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (its results' prompt_cache_hit_tokens)
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def body(self, response_id: str, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         """A response or stream chunk of this reply, in OpenAI's envelope."""
@@ -277,7 +279,8 @@ class OpenAIService:
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0, logit_bias=req.logit_bias, response_format=response_format,
-                stop_token_ids=req.stop_token_ids, priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
+                stop_token_ids=req.stop_token_ids, priority=Priority.lowered(req.priority, Priority.INTERACTIVE),
+                logprobs_mode=req.logprobs_mode)
         except EngineError as e:  # the parser names Tinker's fields: say them as this face's
             name, _, why = str(e).partition(": ")
             name = _OPENAI_NAME.get(name, name.removeprefix("sampling_params."))
@@ -383,6 +386,7 @@ class OpenAIService:
                 if (error := done.exception()) is not None:
                     raise error
                 result = done.result()
+                reply.cached_tokens += result.prompt_cache_hit_tokens or 0
                 if result.prompt_logprobs_np is not None:
                     reply.responses[index] = result
                 for i, seq in enumerate(result.sequences):
@@ -730,7 +734,7 @@ class OpenAIService:
 # Engine fields a refusal may name; the face's own names for them are the same.
 _ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "priority",
                   "prompt", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
-                  "logit_bias", "response_format", "stop_token_ids", "tools")
+                  "logit_bias", "response_format", "stop_token_ids", "tools", "logprobs_mode")
 _OPENAI_NAME = {"num_samples": "n"}
 
 
