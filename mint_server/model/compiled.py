@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from mint_server.model import invariant
+from mint_server.model import invariant, kernels
 from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBank
 from mint_server.model.transformer import MLP, Block, KVCache, Transformer, signed_sin
 
@@ -77,11 +77,18 @@ def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
 
 
 def _project(x: Tensor, w: Tensor, b: Tensor | None, lora: tuple[Tensor, Tensor] | None, slots: Tensor,
-             row_scale: Tensor) -> Tensor:
+             row_scale: Tensor, skinny: bool) -> Tensor:
     """x [n, in] through the base weight plus each row's own adapter (A[slot] [r, in], B[slot]
     [out, r]) as two reductions the compiler fuses with the gather of the row's A/B (no copy of
-    them per row)."""
-    y = F.linear(x, w, b)
+    them per row). skinny: a few rows as weight × xᵀ (kernels.linear's rule: BLAS streams the
+    weight faster that way; one row is doubled, or it takes the matrix-vector path again)."""
+    if skinny:
+        n = x.shape[0]
+        xt = torch.cat((x, x)) if n == 1 else x
+        y = (w @ xt.t())[:, :n].t()
+        y = y if b is None else y + b
+    else:
+        y = F.linear(x, w, b)
     if lora is None:
         return y
     A, B = lora
@@ -94,7 +101,8 @@ def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callabl
 
     def _layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
                lora: tuple[tuple[Tensor, Tensor], ...] | None, slots: Tensor, row_scale: Tensor,
-               k_pool: Tensor, v_pool: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor) -> Tensor:
+               k_pool: Tensor, v_pool: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor,
+               skinny: bool) -> Tensor:
         """One decoder layer over n decode rows: x [n, hidden] → [n, hidden]; the row's key/value
         written at write_idx [n] of the layer's flat pools [positions, kv_heads, head_dim]; its keys
         read at read_idx [n, W] where visible [n, W]."""
@@ -102,9 +110,9 @@ def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callabl
         lq, lk, lv, lo, lg, lu, ld = lora if lora is not None else (None,) * 7
         n = x.shape[0]
         h = _rms(x, ln1, eps)
-        q = _project(h, wq, bq, lq, slots, row_scale).view(n, heads, head_dim)
-        k = _project(h, wk, bk, lk, slots, row_scale).view(n, kv_heads, head_dim)
-        v = _project(h, wv, bv, lv, slots, row_scale).view(n, kv_heads, head_dim)
+        q = _project(h, wq, bq, lq, slots, row_scale, skinny).view(n, heads, head_dim)
+        k = _project(h, wk, bk, lk, slots, row_scale, skinny).view(n, kv_heads, head_dim)
+        v = _project(h, wv, bv, lv, slots, row_scale, skinny).view(n, kv_heads, head_dim)
         if qn is not None:
             q, k = _rms(q, qn, eps), _rms(k, kn, eps)
         c, s = cos[:, None], ssin[:, None]
@@ -117,10 +125,10 @@ def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callabl
         scores = torch.einsum("nhgd,nwhd->nhgw", qg.float(), keys.float()) * scale
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
         y = torch.einsum("nhgw,nwhd->nhgd", scores.to(values.dtype), values).reshape(n, heads * head_dim)
-        x = x + _project(y, wo, bo, lo, slots, row_scale)
+        x = x + _project(y, wo, bo, lo, slots, row_scale, skinny)
         h = _rms(x, ln2, eps)
-        m = F.silu(_project(h, wg, None, lg, slots, row_scale)) * _project(h, wu, None, lu, slots, row_scale)
-        return x + _project(m, wd, None, ld, slots, row_scale)
+        m = F.silu(_project(h, wg, None, lg, slots, row_scale, skinny)) * _project(h, wu, None, lu, slots, row_scale, skinny)
+        return x + _project(m, wd, None, ld, slots, row_scale, skinny)
 
     return _layer
 
@@ -222,8 +230,8 @@ class DecodeGraph:
     def warm_up(self) -> None:
         """Compile every variant (one row and many, with LoRA and without) on dummy rows that write
         and read only the scratch block; the step uses the graphs once this has returned."""
-        try:
-            for rows in (1, 2):
+        try:  # one row, a few (skinny products, as kernels.linear) and more: each its own graph
+            for rows in sorted({1, 2, kernels.skinny_rows() + 1}):
                 for lora in (False, True) if self._lora is not None else (False,):
                     tokens = [0] * rows
                     slots = [0 if lora else -1] * rows
@@ -298,6 +306,7 @@ class DecodeGraph:
         slot = torch.tensor(slots, device=dev)
         row_scale = torch.where(slot >= 0, self.bank.scale[slot.clamp(min=0)], 0.0).to(model.embed_tokens.weight.dtype)
         slot = slot.clamp(min=0)
+        skinny = kernels.fast() and len(tokens) <= kernels.skinny_rows()
         with torch.no_grad():
             x = model.embed_tokens(torch.tensor(tokens, device=dev))
             cos, sin = model.rope(pos[:, None])  # [rows, 1, 1, D]
@@ -312,7 +321,7 @@ class DecodeGraph:
             for i, w in enumerate(self._weights):
                 lora = self._lora[i] if use_lora and self._lora is not None else None
                 k_pool, v_pool = self._pools[i]
-                x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx, visible)
+                x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx, visible, skinny)
             return model.norm(x[:n])
 
 
