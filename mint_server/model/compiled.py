@@ -29,6 +29,7 @@ A compile failure never fails a step: the step runs eagerly, the reason is logge
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import threading
 import time
@@ -48,7 +49,8 @@ from mint_server.model.transformer import MLP, Block, KVCache, Transformer, sign
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "off")
+# TORCHINDUCTOR_CACHE_DIR as the process was started with it (inductor sets it itself on first use).
+_OPERATOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
 _LAYER_TARGETS = ATTN_TARGETS + MLP_TARGETS
 
 
@@ -166,11 +168,9 @@ def configure_cache(cache_dir: Path | None) -> None:
     import torch._dynamo
     import torch._inductor.config
 
-    if cache_dir is not None:
+    if cache_dir is not None and _OPERATOR_CACHE_DIR is None:  # an operator's own choice stands
         cache_dir.mkdir(parents=True, exist_ok=True)
-        import os
-
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
     torch._inductor.config.fx_graph_cache = True
     torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.fail_on_recompile_limit_hit = True
