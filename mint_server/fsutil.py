@@ -19,6 +19,8 @@ from typing import Any
 TRASH_PREFIX = ".trash-"  # what publish_dir names a dir it is replacing, until the new one is in place
 # Out of room: no space on the device, over quota, or past the process's file-size limit (ulimit -f).
 FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# The filesystem refuses every write: mounted read-only, or remounted so by the kernel after I/O errors.
+READ_ONLY_ERRNOS = frozenset({errno.EROFS})
 
 
 class DiskFull(OSError):
@@ -29,13 +31,20 @@ class DiskFull(OSError):
         return str(self.strerror)
 
 
+class ReadOnlyStorage(DiskFull):
+    """A durable write was refused because the data dir's filesystem is read-only. A kind of
+    DiskFull (507: the server cannot store what the request writes), raised the same way: after the
+    writer removed what it could, so nothing partial was kept."""
+
+
 def _full_errno(error: BaseException) -> int | None:
+    no_room = FULL_ERRNOS | READ_ONLY_ERRNOS
     if isinstance(error, OSError):
-        return error.errno if error.errno in FULL_ERRNOS else None
+        return error.errno if error.errno in no_room else None
     # safetensors reports I/O failures as SafetensorError("... (os error 28)"), without an errno.
     found = re.search(r"\(os error (\d+)\)", str(error))
     code = int(found.group(1)) if found else None
-    return code if code in FULL_ERRNOS else None
+    return code if code in no_room else None
 
 
 @contextmanager
@@ -49,6 +58,9 @@ def full_disk_named(what: str | os.PathLike) -> Iterator[None]:
         if code is None:
             raise
         cause = e.__cause__ if isinstance(e, DiskFull) else e
+        if code in READ_ONLY_ERRNOS:
+            raise ReadOnlyStorage(code, f"cannot write {what}: the data dir is read-only ({os.strerror(code)}); "
+                                        "nothing of it was kept (make it writable, then retry)") from cause
         raise DiskFull(code, f"not enough room to write {what}: {os.strerror(code)}; nothing of it was kept "
                              "(free disk space, then retry)") from cause
 
@@ -88,8 +100,9 @@ def read_json(path: Path) -> Any:
 
 def new_staging_dir(parent: Path, prefix: str = ".staging-") -> Path:
     """An empty dir next to its final place, so moving it there is one rename on one filesystem."""
-    parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    with full_disk_named(f"into {parent}"):  # a read-only or full data dir says so, not a bare OSError
+        parent.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
 
 
 def publish_dir(staging: Path, final: Path) -> None:

@@ -437,7 +437,8 @@ class LocalBlobStore(PackedStore):
 
     def _put_stream(self, source: BinaryIO) -> BlobInfo:
         digest = hashlib.sha256()
-        fd, tmp_name = self._locked_temp()
+        with full_disk_named("a blob"):  # a read-only store fails at the temp file already
+            fd, tmp_name = self._locked_temp()
         size = 0
         try:
             with full_disk_named("a blob"), os.fdopen(fd, "wb") as tmp:
