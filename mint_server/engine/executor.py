@@ -238,8 +238,8 @@ class Executor:
 
     def step(self, batch: StepBatch) -> StepResult:
         graph = self.graph
-        reason = self._eager_reason if graph is None else graph.eager_reason(batch.lengths, bool(batch.scoring),
-                                                                            bool(batch.images))
+        reason = self._eager_reason if graph is None else graph.eager_reason(batch.lengths, batch.slots,
+                                                                            bool(batch.scoring), bool(batch.images))
         if graph is not None and reason is None:
             hidden = graph.hidden(batch.tokens, batch.positions, batch.tables, batch.slots)
             if hidden is not None:

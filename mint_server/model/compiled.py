@@ -186,7 +186,8 @@ class DecodeGraph:
         self.model, self.bank, self.cache, self.stats = model, bank, cache, stats
         cuda = model.embed_tokens.weight.device.type == "cuda"
         self.buckets = cuda if buckets is None else buckets
-        self._warm = threading.Event()  # every variant compiled: the step may use the graphs
+        self._ready: set[tuple[str, bool]] = set()  # variants (rows kind, LoRA) compiled: steps may use them
+        self._warming = threading.local()  # set on the thread running warm_up: its compiles are expected
         self._broken: str | None = None
         self._lock = threading.Lock()
         cfg = model.config
@@ -222,25 +223,26 @@ class DecodeGraph:
                               config_patches={"triton.cudagraphs": True} if self._cudagraphs else None)
         self.stats.compile_seconds += time.perf_counter() - t0
         self.stats.graphs += 1
-        if self._warm.is_set():
+        if not getattr(self._warming, "on", False):
             self.stats.recompiles += 1
         return compiled
 
     # --- warm-up --------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compile every variant (one row and many, with LoRA and without) on dummy rows that write
-        and read only the scratch block; the step uses the graphs once this has returned."""
-        try:  # one row, a few (skinny products, as kernels.linear) and more: each its own graph
-            for rows in sorted({1, 2, kernels.skinny_rows() + 1}):
-                for lora in (False, True) if self._lora is not None else (False,):
-                    tokens = [0] * rows
-                    slots = [0 if lora else -1] * rows
-                    tables = [[KVCache.SCRATCH] * 2] * rows
-                    self._run(tokens, [0] * rows, tables, slots)
+        """Compile every variant on dummy rows that write and read only the scratch block, the most
+        used first (one row, on an adapter); steps use each variant once it is compiled."""
+        self._warming.on = True
+        try:
+            for rows, lora in self._examples():
+                variant = self._variant(rows, lora)
+                if variant in self._ready:
+                    continue
+                self._run([0] * rows, [0] * rows, [[KVCache.SCRATCH] * 2] * rows, [0 if lora else -1] * rows)
+                self._ready.add(variant)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             self._fail(e)
-            return
-        self._warm.set()
+        finally:
+            self._warming.on = False
 
     def start_warm_up(self) -> threading.Thread:
         t = threading.Thread(target=self.warm_up, name="mint-compile", daemon=True)
@@ -249,7 +251,21 @@ class DecodeGraph:
 
     @property
     def ready(self) -> bool:
-        return self._warm.is_set() and self._broken is None
+        """Every variant compiled (and nothing failed)."""
+        return self._broken is None and self._ready >= {self._variant(r, lora) for r, lora in self._examples()}
+
+    def _examples(self) -> list[tuple[int, bool]]:
+        """(rows, LoRA) of a step of each variant, the most used first: one row (on an adapter, on the base)."""
+        lora = (True, False) if self._lora is not None else (False,)
+        out = [(rows, on) for on in lora for rows in (1, 2, kernels.skinny_rows() + 1)]
+        return sorted(out, key=lambda s: (s[0] != 1, not s[1]))
+
+    def _variant(self, rows: int, lora: bool) -> tuple[str, bool]:
+        """Which graph a step of `rows` rows (after bucketing) runs: one row, a few (skinny products) or more."""
+        if self.buckets:
+            rows = _bucket(rows)
+        kind = "one" if rows == 1 else "skinny" if kernels.fast() and rows <= kernels.skinny_rows() else "wide"
+        return kind, lora and self._lora is not None
 
     def _fail(self, e: BaseException) -> None:
         import torch._dynamo.exc as dynamo_exc
@@ -261,16 +277,16 @@ class DecodeGraph:
         log.warning("compiled decode step disabled, running eagerly: %s", self._broken)
 
     # --- the step -------------------------------------------------------------------------------
-    def eager_reason(self, lengths: list[int], scoring: bool, images: bool) -> str | None:
+    def eager_reason(self, lengths: list[int], slots: list[int], scoring: bool, images: bool) -> str | None:
         """Why this step runs eagerly (None: it runs compiled)."""
         if self._broken is not None:
             return "compile failed"
-        if not self._warm.is_set():
-            return "compiling"
         if invariant.enabled():
             return "batch-invariant mode"
         if scoring or images or any(n != 1 for n in lengths):
             return "prefill in the step"
+        if self._variant(len(lengths), any(s >= 0 for s in slots)) not in self._ready:
+            return "compiling"
         return None
 
     def hidden(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor | None:
