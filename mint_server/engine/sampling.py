@@ -764,6 +764,9 @@ class Sampler:
         """What admitting the rest of `req`'s samples (as many as fit) would take now."""
         bs, n = self.block_size, len(req.prompt)
         group = self._joinable(req)
+        # A prefix-cache hit counts as the new block it replaces: taking a kept block out of the idle
+        # list costs the pool one available block as an alloc does, and counting hits on blocks in use
+        # as free would let a preemption or another admission of this step make the pool short.
         new_blocks = 0 if group else blocks_for(n, bs)
         state_row = self._state_rows(1 if group is None else 0)  # a new prompt's recurrent state
         if req.score_only:
