@@ -16,7 +16,10 @@ whenever `has_ready_work()`. Each step
 
 A prompt row is shared by every admitted sample and every identical (adapter, prompt) request that
 joins it while it is still being prefilled; forked samples share the prompt's full KV blocks and
-copy only its last, partly filled one. Requests whose adapter is still loading wait without holding
+copy only its last, partly filled one. Full blocks outlive their requests in the prefix cache
+(kv.py; keyed by base, adapter revision, owner and tokens): a later prompt with the same prefix starts
+its prefill after the blocks it finds there (`_prefix`, docs/engine.md "Prefix cache"), and only a
+request of the same owner joins a prompt row in flight. Requests whose adapter is still loading wait without holding
 anyone up (cold loads are the residency manager's scheduled work, `waiting_adapters` its wants).
 
 Each sample draws from its own generator seeded from (request seed, sample index), and the token
