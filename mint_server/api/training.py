@@ -21,6 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 from tinker import types
 
+from mint_server.api import revision_state
 from mint_server.api.auth import Principal
 from mint_server.api.codec import FwdBwdCall, describe_validation_error
 from mint_server.api.core import Core, CustomLoss, TrainingModel, waits_on_engine
@@ -151,6 +152,8 @@ class TrainingService:
         if req.model_seq_id is None:
             raise InvalidInput("model_seq_id is required with session_id")
         session = self.core.sessions.live(req.session_id or "", p.owner)
+        if (st := revision_state.resolve(self.core, req.path, p.owner, req.optimizer)) is not None:
+            return self._create_from_revision(p, session, req, st)
         rec, run = self.core.resolve(req.path, p.owner)
         if rec.kind != "weights":
             raise InvalidInput(f"path {req.path!r}: a training client loads tinker://…/weights/… checkpoints")
@@ -173,6 +176,24 @@ class TrainingService:
             p, session, req.model_seq_id, lora, make_adapter, req.user_metadata,
             lambda model_id: types.LoadWeightsResponse(path=rec.ref.tinker_path, model_id=model_id), "load_weights",
             saved=(state_dir, optimizer, 0), optimizer=family,
+        )
+
+    def _create_from_revision(self, p: Principal, session: Session, req: types.LoadWeightsRequest,
+                              st: revision_state.RevisionState) -> types.UntypedAPIFuture:
+        """A new model starting from a catalog revision's weights (tinker://NAME@N), with a fresh
+        optimizer: the revision becomes a weights-only training state the engine loads."""
+        self.core.check_base_model(req.base_model)  # an override must still name the served model
+        family = check_optimizer(req.optimizer_config)
+        assert req.model_seq_id is not None  # create_from_state checked it
+
+        async def make_adapter() -> str:
+            await revision_state.ensure_state(self.core, st)
+            return await self.core.call(self.engine.load_state(None, st.state_dir, False, family))
+
+        return self._start_model(
+            p, session, req.model_seq_id, st.lora, make_adapter, req.user_metadata,
+            lambda model_id: types.LoadWeightsResponse(path=st.path, model_id=model_id), "load_weights",
+            saved=(st.state_dir, False, 0), optimizer=family,
         )
 
     def _start_model(
@@ -487,6 +508,8 @@ class TrainingService:
             raise InvalidInput("load_weights needs model_id (existing model) or session_id (new model)")
 
         def check(model: TrainingModel) -> Op:
+            if (st := revision_state.resolve(self.core, req.path, p.owner, req.optimizer)) is not None:
+                return self._load_revision(model, st)
             rec, run_rec = self.core.resolve(req.path, p.owner)
             if rec.kind != "weights":
                 raise InvalidInput(f"path {req.path!r}: load_weights takes tinker://…/weights/… checkpoints")
@@ -511,6 +534,21 @@ class TrainingService:
             return run
 
         return self.sequenced(p, req.model_id, req.seq_id, "load_weights", check)
+
+    def _load_revision(self, model: TrainingModel, st: revision_state.RevisionState) -> Op:
+        """load_weights of a catalog revision into an existing model of the same LoRA config: its
+        weights and a fresh optimizer (as load_state without the optimizer; a revision has none)."""
+        if lora_shape(st.lora) != lora_shape(model.lora):
+            raise InvalidInput(f"revision {st.path!r} LoRA config {lora_shape(st.lora)} does not match this "
+                               f"model's {lora_shape(model.lora)}")
+
+        async def run() -> types.LoadWeightsResponse:
+            await revision_state.ensure_state(self.core, st)
+            await self.core.call(self.engine.load_state(model.adapter(), st.state_dir, False))
+            model.saved = (st.state_dir, False, model.steps)
+            return types.LoadWeightsResponse(path=st.path, model_id=model.model_id)
+
+        return run
 
     def unload_model(self, p: Principal, req: types.UnloadModelRequest) -> types.UntypedAPIFuture:
         def check(model: TrainingModel) -> Op:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from tinker import types
 from typer.testing import CliRunner
 
 from mint_server.catalog import Catalog
@@ -157,3 +158,47 @@ def test_a_revision_becomes_a_training_start_on_a_live_server(base: Path, tmp_pa
     assert sorted(loaded.weights.weights) == sorted(expected.weights)
     for t, (a, b) in expected.weights.items():
         assert torch.equal(loaded.weights.weights[t][0], a) and torch.equal(loaded.weights.weights[t][1], b), t
+
+
+def test_create_training_client_from_an_imported_revision_trains_like_peft(base: Path, tmp_path: Path) -> None:
+    """`mint import DIR --policy NAME` (against the live server) of an adapter PEFT wrote, then the
+    tinker SDK's create_training_client_from_state(tinker://NAME@1) and load_state on an existing
+    model of the same LoRA config: the first forward_backward's loss equals PEFT's on the same batch."""
+    import tinker
+
+    from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
+
+    adapter_dir = peft_library_adapter(base, tmp_path / "from-peft")
+    datums = sft_datums([13, 7, 19], seed=4)
+    with LiveServer(tiny_engine(base), tmp_path / "data") as server:
+        out = mint("import", str(adapter_dir), "--policy", "elsewhere", "--base-model", BASE,
+                   "--server", server.url, "--api-key", KEY_A)
+        assert out["path"] == "tinker://elsewhere@1"
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        try:
+            tc = client.create_training_client_from_state(out["path"]).result()
+            assert tc.get_info().lora_rank == 4
+            from_state = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+            tc.optim_step(types.AdamParams(learning_rate=0.05)).result()
+            stepped = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+            # load_weights by model_id (tinker's load_state; 0.22 / mindlab-toolkit's path) puts the
+            # revision's weights back into the trained model
+            tc.load_state(out["path"]).result()
+            loaded = tc.forward_backward(datums, "cross_entropy").result().metrics["loss:sum"]
+            with pytest.raises(tinker.BadRequestError, match="no optimizer state"):
+                client.create_training_client_from_state_with_optimizer(out["path"]).result()
+            small = client.create_lora_training_client(base_model=BASE, rank=2).result()
+            with pytest.raises(tinker.BadRequestError, match="does not match"):
+                small.load_state(out["path"]).result()
+            # same rank and switches but more targets than PEFT trained: the engine refuses by name
+            wide = client.create_lora_training_client(base_model=BASE, rank=4).result()
+            with pytest.raises(tinker.RequestFailedError, match="do not fit"):
+                wide.load_state(out["path"]).result()
+        finally:
+            client.close("success")
+    ref_loss, _, _ = peft_reference(base, adapter_dir, datums)
+    tol = for_model(load_model(base, device="cpu", dtype=torch.float32).config)
+    tokens = sum(d.model_input.length for d in datums)
+    tol.check_scalar(from_state, ref_loss, tokens, "create_training_client_from_state loss vs PEFT")
+    tol.check_scalar(loaded, ref_loss, tokens, "load_state loss vs PEFT")
+    assert abs(stepped - ref_loss) > 1e-3  # the step moved the weights; load_state brought them back
