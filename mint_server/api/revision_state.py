@@ -11,9 +11,9 @@ base and refuses what it cannot compute exactly), and turned once into a weights
 dir under the ephemeral root, keyed by its content (sha256): the engine's own `load_state` then
 starts the new model from it, and a model whose replica dies resumes from it like from any state.
 
-Wiring (api/training.py, where a `weights` path is resolved today): `resolve(core, path, owner)`
-returns None for a checkpoint path, else the revision's LoRA config and state dir; `await
-ensure_state(core, state)` before the engine's `load_state(None, state.state_dir, False, family)`.
+Used by api/training.py (`create_from_state`, `load_weights`): `resolve(core, path, owner)` returns
+None for a checkpoint path, else the revision's LoRA config and state dir; `await
+ensure_state(core, state)` before the engine's `load_state(None | adapter, state.state_dir, False, …)`.
 """
 
 from __future__ import annotations

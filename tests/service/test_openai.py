@@ -209,6 +209,41 @@ def test_frequency_penalty_steers_greedy_output_and_keeps_raw_logprobs(live: Liv
         assert chat.choices[0].message.content is not None
 
 
+def test_processed_logprobs_opt_in_equals_the_tinker_faces(live: LiveServer, oai: openai.OpenAI) -> None:
+    """`logprobs_mode: "processed_logprobs"` (extra_body) reports the distribution the token was drawn
+    from: at temperature 0.5 and top_k 3 not the raw model's, and the Tinker face's numbers for the
+    same request. The same seed draws the same tokens in either mode."""
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True, "top_k": 3}
+    kw: dict[str, Any] = dict(model=BASE, prompt=PROMPT, max_tokens=8, temperature=0.5, seed=11, logprobs=0)
+    raw = oai.completions.create(**kw, extra_body=extra).choices[0].logprobs
+    processed = oai.completions.create(**kw, extra_body={**extra, "logprobs_mode": "processed_logprobs"})
+    got = processed.choices[0].logprobs
+    assert got.tokens == raw.tokens and len(got.tokens) == 8
+    assert oai.completions.create(**kw, extra_body={**extra, "logprobs_mode": "raw_logprobs"}).choices[0].logprobs == raw
+    assert all(p > r + 1e-3 for p, r in zip(got.token_logprobs, raw.token_logprobs, strict=True))  # sharper, renormalised
+
+    h = {"X-API-Key": KEY_A}
+    sid = httpx.post(f"{live.url}/api/v1/create_session", headers=h, timeout=30, json={
+        "type": "create_session", "tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+    sampler = httpx.post(f"{live.url}/api/v1/create_sampling_session", headers=h, timeout=30, json={
+        "type": "create_sampling_session", "session_id": sid, "sampling_session_seq_id": 0, "base_model": BASE,
+    }).json()["sampling_session_id"]
+    future = httpx.post(f"{live.url}/api/v1/asample", headers=h, timeout=30, json={
+        "type": "sample", "sampling_session_id": sampler, "seq_id": 1, "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 8, "temperature": 0.5, "top_k": 3, "seed": 11,
+                            "logprobs_mode": "processed_logprobs"}})
+    assert future.status_code == 200, future.text
+    ref = httpx.post(f"{live.url}/api/v1/retrieve_future", headers=h, timeout=60,
+                     json={"request_id": future.json()["request_id"]}).json()["sequences"][0]
+    assert ids(got.tokens) == ref["tokens"]  # neither stops at EOS (ignore_eos here; the Tinker face never does)
+    assert got.token_logprobs == pytest.approx(ref["logprobs"], abs=1e-4)
+
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(**kw, extra_body={**extra, "logprobs_mode": "final"})
+    assert e.value.body["param"] == "logprobs_mode", e.value.body
+
+
 # --- streaming ------------------------------------------------------------------------------------
 
 def collect(stream: Any) -> tuple[dict[int, str], dict[int, str], Any]:

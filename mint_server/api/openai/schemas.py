@@ -38,6 +38,9 @@ class _Sampling(_Body):
     min_p: float | None = Field(None, ge=0, le=1)  # extension (vLLM's)
     logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]}; the engine checks them
     stop_token_ids: list[int] | None = None  # extension (vLLM's): stop tokens next to `stop` and EOS
+    # extension (vLLM's): which logprobs `logprobs` reports; "processed_logprobs" is the distribution
+    # the token was drawn from (after temperature, top-k/top-p/min-p, penalties, bias, grammar)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
     # Structured output (engine/grammar.py parses it: json_object, json_schema, and the extensions
     # regex / lark and prefix / suffix; docs/openai.md). On completions too, as vLLM has it.
     response_format: dict[str, Any] | None = None

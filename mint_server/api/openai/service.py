@@ -279,7 +279,8 @@ class OpenAIService:
                 frequency_penalty=req.frequency_penalty or 0.0, presence_penalty=req.presence_penalty or 0.0,
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 min_p=req.min_p or 0.0, logit_bias=req.logit_bias, response_format=response_format,
-                stop_token_ids=req.stop_token_ids, priority=Priority.lowered(req.priority, Priority.INTERACTIVE))
+                stop_token_ids=req.stop_token_ids, priority=Priority.lowered(req.priority, Priority.INTERACTIVE),
+                logprobs_mode=req.logprobs_mode)
         except EngineError as e:  # the parser names Tinker's fields: say them as this face's
             name, _, why = str(e).partition(": ")
             name = _OPENAI_NAME.get(name, name.removeprefix("sampling_params."))
@@ -733,7 +734,7 @@ class OpenAIService:
 # Engine fields a refusal may name; the face's own names for them are the same.
 _ENGINE_FIELDS = ("top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "priority",
                   "prompt", "messages", "max_tokens", "stop", "temperature", "top_p", "top_k", "seed", "n",
-                  "logit_bias", "response_format", "stop_token_ids", "tools")
+                  "logit_bias", "response_format", "stop_token_ids", "tools", "logprobs_mode")
 _OPENAI_NAME = {"num_samples": "n"}
 
 
