@@ -1,6 +1,7 @@
 """HTTP plumbing shared by the routes: auth, body parsing and limits, error responses.
 
-Every error leaves as JSON `{"detail": "..."}` with a message naming the field or thing at fault.
+Every error leaves as JSON `{"detail": "..."}` with a message naming the field or thing at fault
+(under the OpenAI face's prefixes in OpenAI's shape, under /anthropic/api in Anthropic's).
 The SDK treats a 400 with an *empty* body as a proxy glitch and retries it, so bodies are never
 empty.
 """
@@ -101,6 +102,27 @@ def openai_exception_response(exc: BaseException) -> JSONResponse:
     return openai_error_response(status, detail, getattr(exc, "field", None))
 
 
+ANTHROPIC_PREFIX = "/anthropic/api"  # api/anthropic/routes.py's PREFIX (that module imports this one)
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_exception_response(exc: BaseException) -> JSONResponse:
+    """The Anthropic face's shape, `{"type": "error", "error": {"type", "message"}}`, for what fails
+    under its prefix outside its routes (an unknown path or method)."""
+    from mint_server.api.anthropic.routes import error_response
+
+    return error_response(exc)
+
+
+def anthropic_error_response(status: int, message: str) -> JSONResponse:
+    from mint_server.api.anthropic.routes import error_body
+
+    return SafeJSONResponse(error_body(status, message), status_code=status)
+
+
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
@@ -118,11 +140,15 @@ def install_error_handlers(app: FastAPI) -> None:
     async def handler(request: Request, exc: Exception) -> JSONResponse:
         if is_openai_path(request.url.path):
             return openai_exception_response(exc)
+        if is_anthropic_path(request.url.path):
+            return anthropic_exception_response(exc)
         return exception_response(exc)
 
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if is_openai_path(request.url.path):
             response = openai_exception_response(exc)
+        elif is_anthropic_path(request.url.path):
+            response = anthropic_exception_response(exc)
         else:
             response = error_response(exc.status_code, str(exc.detail))
         response.headers.update(exc.headers or {})
@@ -152,7 +178,9 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         for name, value in scope.get("headers", []):
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                response = error_response(413, f"request body exceeds the {self.max_bytes}-byte limit")
+                message = f"request body exceeds the {self.max_bytes}-byte limit"
+                response = (anthropic_error_response(413, message) if is_anthropic_path(scope.get("path", ""))
+                            else error_response(413, message))
                 return await response(scope, receive, send)
         seen = 0
         body_done = False
