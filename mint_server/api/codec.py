@@ -116,7 +116,9 @@ def check_tensor(t: Any, where: str) -> None:
         size = math.prod(int(d) for d in shape)
     if size > MAX_TENSOR_ELEMENTS:
         raise _invalid(where + ".shape", f"{size} elements exceed the limit of {MAX_TENSOR_ELEMENTS}")
-    crow_given, col_given = t.sparse_crow_indices is not None, t.sparse_col_indices is not None
+    # getattr: a wire type without the CSR fields (the mindlab-toolkit extensions' WireTensor) is dense
+    crow_given = getattr(t, "sparse_crow_indices", None) is not None
+    col_given = getattr(t, "sparse_col_indices", None) is not None
     if not (crow_given or col_given):
         if shape is not None and size != n:
             raise _invalid(where + ".shape", f"{list(shape)} holds {size} values but data has {n}")

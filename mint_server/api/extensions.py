@@ -13,7 +13,7 @@ import numpy as np
 from tinker import types
 
 from mint_server.api.auth import Principal
-from mint_server.api.codec import tensor_json
+from mint_server.api.codec import check_tensor, tensor_json
 from mint_server.api.core import Core, TrainingModel
 from mint_server.api.mint_types import (
     ForwardBackwardReverseKLRequest,
@@ -31,6 +31,7 @@ from mint_server.engine.interface import AdapterSource, ReverseKLDatum
 
 def _tensor(t: WireTensor, field: str) -> types.TensorData:
     data = t.data if isinstance(t.data, list) else [t.data]
+    check_tensor(t.model_copy(update={"data": data}), field)  # as every request tensor: a 400 naming the field
     try:
         return types.TensorData(data=data, dtype=t.dtype, shape=t.shape or [len(data)])
     except (ValueError, OverflowError, TypeError) as e:

@@ -418,6 +418,18 @@ CASES: list[Case] = [
          lambda c: rkl(c, datum={"reference_input": tokens([10**9])}), names="reference_input"),
     Case("rkl-reference-bigint", "POST", "mint/forward_backward_reverse_kl",
          lambda c: rkl(c, datum={"reference_input": tokens([BIG])}), names="reference_input"),
+    # its tensors pass codec.check_tensor like every request tensor (the route's WireTensor has no
+    # CSR fields: a CSR tensor is read as dense, and one whose data does not fill its shape is refused)
+    Case("rkl-csr-malformed", "POST", "mint/forward_backward_reverse_kl", lambda c: rkl(c, datum={"target_tokens": {
+        "data": [7], "dtype": "int64", "shape": [3, 1], "sparse_crow_indices": [0, 1, 1, 1], "sparse_col_indices": [5]}}),
+         names="data[0].target_tokens.shape"),
+    Case("rkl-target-fraction", "POST", "mint/forward_backward_reverse_kl",
+         lambda c: rkl(c, datum={"target_tokens": {"data": [2, 3.5, 4], "dtype": "int64"}}), names="data[0].target_tokens.data"),
+    Case("rkl-shape-negative", "POST", "mint/forward_backward_reverse_kl",
+         lambda c: rkl(c, datum={"weights": {"data": [1.0, 1.0, 1.0], "shape": [-1]}}), names="data[0].weights.shape"),
+    Case("rkl-weights-nan", "POST", "mint/forward_backward_reverse_kl",
+         lambda c: json.dumps(rkl(c, datum={"weights": {"data": [1.0, 0.25, 1.0]}})).replace("0.25", "NaN"),
+         names="data[0].weights.data"),
     Case("rkl-missing-model", "POST", "mint/forward_backward_reverse_kl", lambda c: unused(c, rkl(c), model_id=None), names="model_id"),
     Case("interp-empty", "POST", "mint/checkpoints/interpolate", {"source_paths": [], "coefficients": []}, names="source_paths"),
     Case("interp-mismatch", "POST", "mint/checkpoints/interpolate",
