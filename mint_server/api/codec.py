@@ -385,6 +385,30 @@ def _topk_proto(topk: types.TopkLogprobs, target: pb.TopkLogprobs) -> None:
     target.length = n
 
 
+def encode_prompt_extras(resp: types.SampleResponse, msg: Any) -> None:
+    """Write a SampleResponse's target_prompt_logprobs and prompt_alt_tokens into its proto message
+    (tinker_public_pb2.SampleResponse, fields 5 and 6; tinker.proto.response_conv reads them back,
+    keeping a CSR tensor sparse). For encode_sample_response."""
+    if resp.target_prompt_logprobs is not None:
+        _tensor_proto(resp.target_prompt_logprobs, msg.target_prompt_logprobs)
+    if resp.prompt_alt_tokens is not None:
+        _tensor_proto(resp.prompt_alt_tokens.tokens, msg.prompt_alt_tokens.tokens)
+        _tensor_proto(resp.prompt_alt_tokens.logprobs, msg.prompt_alt_tokens.logprobs)
+
+
+def _tensor_proto(t: types.TensorData, out: Any) -> None:
+    dtype = np.float32 if t.dtype == "float32" else np.int64
+    out.dtype = pb.DTYPE_FLOAT32 if t.dtype == "float32" else pb.DTYPE_INT64
+    out.shape.extend(t.shape or [])
+    values = np.ascontiguousarray(t.to_numpy() if t.sparse_crow_indices is None else np.asarray(t.data), dtype=dtype)
+    if t.sparse_crow_indices is None:
+        out.dense = values.tobytes()
+    else:
+        out.sparse_csr.values = values.tobytes()
+        out.sparse_csr.crow_indices = np.asarray(t.sparse_crow_indices, dtype=np.int64).tobytes()
+        out.sparse_csr.col_indices = np.asarray(t.sparse_col_indices, dtype=np.int64).tobytes()
+
+
 def _logprob_array(values: list[float | None] | None) -> np.ndarray | None:
     if values is None:
         return None
@@ -405,8 +429,6 @@ def encode_sample_response(resp: types.SampleResponse) -> bytes:
         msg.prompt_logprobs = np.asarray(prompt, dtype=np.float32).tobytes()
     if resp.topk_prompt_logprobs_np is not None:
         _topk_proto(resp.topk_prompt_logprobs_np, msg.topk_prompt_logprobs)
-    from mint_server.api.sampling import encode_prompt_extras  # api.sampling imports this module
-
     encode_prompt_extras(resp, msg)  # target_prompt_logprobs, prompt_alt_tokens (fields 5, 6)
     return msg.SerializeToString()
 

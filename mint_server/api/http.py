@@ -103,24 +103,31 @@ def openai_exception_response(exc: BaseException) -> JSONResponse:
 
 
 ANTHROPIC_PREFIX = "/anthropic/api"  # api/anthropic/routes.py's PREFIX (that module imports this one)
+# Anthropic's error types by status (api/anthropic/routes.py's table; kept here, where the shape is
+# needed outside that face's routes, since importing it from there would make an import circle).
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}  # fmt: skip
 
 
 def is_anthropic_path(path: str) -> bool:
     return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
 
 
+def anthropic_error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """Anthropic's shape, `{"type": "error", "error": {"type", "message"}}`."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return SafeJSONResponse({"type": "error", "error": {"type": kind, "message": message}}, status_code=status,
+                            headers=headers)
+
+
 def anthropic_exception_response(exc: BaseException) -> JSONResponse:
-    """The Anthropic face's shape, `{"type": "error", "error": {"type", "message"}}`, for what fails
-    under its prefix outside its routes (an unknown path or method)."""
-    from mint_server.api.anthropic.routes import error_response
-
-    return error_response(exc)
-
-
-def anthropic_error_response(status: int, message: str) -> JSONResponse:
-    from mint_server.api.anthropic.routes import error_body
-
-    return SafeJSONResponse(error_body(status, message), status_code=status)
+    """What fails under /anthropic/api outside that face's routes (an unknown path or method), with
+    the status and Retry-After the OpenAI face gives it (as api/anthropic/routes.error_response)."""
+    openai_shaped = openai_exception_response(exc)
+    message = jsonsafe.loads(bytes(openai_shaped.body))["error"]["message"]
+    retry = openai_shaped.headers.get("retry-after")
+    return anthropic_error_response(openai_shaped.status_code, message, {"Retry-After": retry} if retry else None)
 
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

@@ -14,13 +14,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from pydantic import ValidationError
 from tinker import types
-from tinker.proto import tinker_public_pb2 as pb
 
 from mint_server.api.auth import Principal
 from mint_server.api.codec import describe_validation_error
+from mint_server.api.codec import encode_prompt_extras as encode_prompt_extras  # moved to codec; re-exported
 from mint_server.api.core import Core, SamplingSession, TrainingModel, waits_on_engine
 from mint_server.api.futures import CompletionLog
 from mint_server.api.mint_types import (
@@ -58,30 +57,6 @@ def _prompt_fields(req: MintSampleRequest) -> dict[str, Any]:
     if req.prompt_logprobs_last_n is not None:
         out["prompt_logprobs_last_n"] = req.prompt_logprobs_last_n
     return out
-
-
-def encode_prompt_extras(resp: types.SampleResponse, msg: Any) -> None:
-    """Write a SampleResponse's target_prompt_logprobs and prompt_alt_tokens into its proto message
-    (tinker_public_pb2.SampleResponse, fields 5 and 6; tinker.proto.response_conv reads them back,
-    keeping a CSR tensor sparse). For api/codec.encode_sample_response."""
-    if resp.target_prompt_logprobs is not None:
-        _tensor_proto(resp.target_prompt_logprobs, msg.target_prompt_logprobs)
-    if resp.prompt_alt_tokens is not None:
-        _tensor_proto(resp.prompt_alt_tokens.tokens, msg.prompt_alt_tokens.tokens)
-        _tensor_proto(resp.prompt_alt_tokens.logprobs, msg.prompt_alt_tokens.logprobs)
-
-
-def _tensor_proto(t: types.TensorData, out: Any) -> None:
-    dtype = np.float32 if t.dtype == "float32" else np.int64
-    out.dtype = pb.DTYPE_FLOAT32 if t.dtype == "float32" else pb.DTYPE_INT64
-    out.shape.extend(t.shape or [])
-    values = np.ascontiguousarray(t.to_numpy() if t.sparse_crow_indices is None else np.asarray(t.data), dtype=dtype)
-    if t.sparse_crow_indices is None:
-        out.dense = values.tobytes()
-    else:
-        out.sparse_csr.values = values.tobytes()
-        out.sparse_csr.crow_indices = np.asarray(t.sparse_crow_indices, dtype=np.int64).tobytes()
-        out.sparse_csr.col_indices = np.asarray(t.sparse_col_indices, dtype=np.int64).tobytes()
 
 
 CLONE_BLOCK = 1_000_000_000  # the SDK numbers a cloned client's samples from clone_id * 1e9
