@@ -1,6 +1,6 @@
 """The prefix cache on SmolLM2 (in process, fp32): a chat's second turn and multi-turn GRPO groups.
 
-    python -m benchmarks.prefix_cache [--conversation 2000] [--groups 8 --samples 4 --turns 4]
+    python -m benchmarks.prefix_cache [--conversation 2000] [--groups 8 --samples 4 --turns 4] [--parts grpo]
 
 1. **Second turn.** Turn 1 is a `--conversation`-token prompt answered with `--reply` tokens; turn 2
    is turn 1's prompt, its reply and a 64-token user message. Time to the first token of each (submit
@@ -120,14 +120,18 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=256, help="the environment's task prompt, in tokens")
     ap.add_argument("--action", type=int, default=32, help="tokens sampled per turn (the rest of 64: observation)")
+    ap.add_argument("--parts", default="second_turn,grpo", help="which measurements, comma-separated")
     args = ap.parse_args()
     print(f"load average at the start: {load_average()}", flush=True)
     model = load_model(smollm2_dir(), device="cpu", dtype=torch.float32)
     residency = AdapterRegistry(model.config, num_slots=1, max_rank=8)
-    result = {"load_average_start": load_average(),
-              "second_turn": second_turn(model, residency, args.conversation, args.reply),
-              "grpo": grpo(model, residency, args.groups, args.samples, args.turns, args.prompt, args.action),
-              "load_average_end": load_average()}
+    parts = args.parts.split(",")
+    result: dict[str, object] = {"load_average_start": load_average()}
+    if "second_turn" in parts:
+        result["second_turn"] = second_turn(model, residency, args.conversation, args.reply)
+    if "grpo" in parts:
+        result["grpo"] = grpo(model, residency, args.groups, args.samples, args.turns, args.prompt, args.action)
+    result["load_average_end"] = load_average()
     print(json.dumps(result))
 
 
