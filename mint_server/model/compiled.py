@@ -334,10 +334,14 @@ class DecodeGraph:
                     torch._dynamo.mark_dynamic(t, 0)
             torch._dynamo.mark_dynamic(read_idx, 1)
             torch._dynamo.mark_dynamic(visible, 1)
-            for i, w in enumerate(self._weights):
-                lora = self._lora[i] if use_lora and self._lora is not None else None
-                k_pool, v_pool = self._pools[i]
-                x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx, visible, skinny)
+            # Once every variant is compiled, nothing compiles again, so the per-call guards need only
+            # tell the variants apart (each layer call checks ~40 tensors' guards otherwise).
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
+                for i, w in enumerate(self._weights):
+                    lora = self._lora[i] if use_lora and self._lora is not None else None
+                    k_pool, v_pool = self._pools[i]
+                    x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx,
+                                 visible, skinny)
             return model.norm(x[:n])
 
 
