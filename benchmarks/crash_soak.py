@@ -348,6 +348,7 @@ class Soak:
             busy_now = sorted(k for k, v in in_flight.items() if v > 0)
         stop.set()  # first: what fails from here on is the kill's doing
         server.kill(signal.SIGKILL)
+        killed_at = time.monotonic() - t0
         for t in threads:  # a thread still waiting on the dead server is left behind (a daemon)
             t.join(timeout=5)
         with acks.lock:
@@ -364,7 +365,7 @@ class Soak:
         lost, half = self.check(n, acks_now)
         self.figures.cycles += 1
         self.log(
-            f"cycle {n}: killed at {time.monotonic() - t0:.1f}s ({moment}; in flight: {', '.join(busy_now) or '-'}); "
+            f"cycle {n}: killed at {killed_at:.1f}s ({moment}; in flight: {', '.join(busy_now) or '-'}); "
             f"acknowledged {acks_now.count()}; ready again in {self.figures.restart_s[-1]:.1f}s; "
             f"lost {lost}, half-visible {half}"
         )

@@ -16,6 +16,7 @@ after a crash is skipped when read).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -29,6 +30,9 @@ from tinker import types
 
 from mint_server.api.runs import RunStore
 from mint_server.api.validate import InvalidInput
+from mint_server.fsutil import DiskFull, full_disk_named
+
+log = logging.getLogger(__name__)
 
 MAX_READ = 10_000  # records per read
 MAX_REPORTED = 64  # metrics in one reported record
@@ -113,7 +117,13 @@ class RunMetrics:
                         if isinstance(v, int | float) and math.isfinite(v)})
         record = {"step": step, "time": time.time(), "tokens": pending.tokens, "loss_fn": pending.loss_fn,
                   "metrics": metrics}
-        self._append(run_id, record)
+        try:
+            with full_disk_named(f"the metrics of run {run_id}"):
+                self._append(run_id, record)
+        except DiskFull as e:
+            # The step is applied already: a full or read-only data dir costs its curve a point, not
+            # the step (failing it would tell the client an applied step did not happen).
+            log.warning("step %d of %s not recorded: %s", step, run_id, e)
         return record
 
     def report(self, run_id: str, step: int, metrics: Any) -> dict[str, Any]:
@@ -130,7 +140,8 @@ class RunMetrics:
                 raise InvalidInput(f"metrics[{name!r}]: must be a finite number")
             clean[name] = float(value)
         record = {"step": step, "time": time.time(), "reported": clean}
-        self._append(run_id, record)
+        with full_disk_named(f"the metrics of run {run_id}"):  # nothing applied yet: a 507 says it all
+            self._append(run_id, record)
         return record
 
     def forget(self, run_id: str) -> None:

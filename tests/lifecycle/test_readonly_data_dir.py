@@ -29,6 +29,7 @@ from tests.service.live import KEY_A, ServeProcess, train
 HEADERS = {"X-API-Key": KEY_A}
 PARAMS = types.SamplingParams(max_tokens=2, temperature=0.0, stop=[])
 PROMPT = types.ModelInput.from_ints([5, 6])
+READY_S = 900.0  # a bound on start-up, not a wait: generous for a shared 2-core machine
 
 
 def _mount(*args: str) -> None:
@@ -118,7 +119,15 @@ def test_read_only_data_dir_refuses_saves_and_keeps_serving(tiny_dir: Path, tmp_
         # read-only while a process holds a file in it open for writing (EBUSY), as SQLite does.
         db_url = f"sqlite:///{tmp_path / 'catalog.db'}"
         with ServeProcess(
-            "--base-model", str(tiny_dir), "--data-dir", str(data), "--db-url", db_url, "--device-slots", "4"
+            "--base-model",
+            str(tiny_dir),
+            "--data-dir",
+            str(data),
+            "--db-url",
+            db_url,
+            "--device-slots",
+            "4",
+            ready_timeout_s=READY_S,
         ) as server:
             _saves_fail_cleanly_then_work(
                 server, data,
@@ -140,21 +149,17 @@ def test_full_device_refuses_saves_and_keeps_serving(tiny_dir: Path, tmp_path: P
             f.truncate(0)
             f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - 64 * 1024))
 
-    with _mounted("-t", "tmpfs", "-o", "size=48m", "tmpfs", at=data):
-        # The catalog database elsewhere (as on PostgreSQL): a bind mount cannot be remounted
-        # read-only while a process holds a file in it open for writing (EBUSY), as SQLite does.
-        db_url = f"sqlite:///{tmp_path / 'catalog.db'}"
-        with ServeProcess(
-            "--base-model", str(tiny_dir), "--data-dir", str(data), "--db-url", db_url, "--device-slots", "4"
-        ) as server:
-            _saves_fail_cleanly_then_work(
-                server,
-                data,
-                cut=fill,
-                restore=lambda: filler.unlink(),
-                why=r"not enough room to write checkpoint \w+/{name}: .*; nothing of it was kept",
-            )
-            server.stop()
+    serve = ServeProcess("--base-model", str(tiny_dir), "--data-dir", str(data), "--device-slots", "4",
+                         ready_timeout_s=READY_S)  # fmt: skip
+    with _mounted("-t", "tmpfs", "-o", "size=48m", "tmpfs", at=data), serve as server:  # the catalog too
+        _saves_fail_cleanly_then_work(
+            server,
+            data,
+            cut=fill,
+            restore=lambda: filler.unlink(),
+            why=r"not enough room to write checkpoint \w+/{name}: .*; nothing of it was kept",
+        )
+        server.stop()
 
 
 def test_read_only_errors_are_a_507_that_says_so() -> None:
@@ -165,7 +170,9 @@ def test_read_only_errors_are_a_507_that_says_so() -> None:
     from mint_server.api.statuses import status_for
     from mint_server.fsutil import DiskFull, ReadOnlyStorage, full_disk_named
 
-    refused = pytest.raises(ReadOnlyStorage, match=r"cannot write checkpoint weights/w0: the data dir is read-only")
+    refused = pytest.raises(
+        ReadOnlyStorage, match=r"cannot write checkpoint weights/w0: the data dir is read-only"
+    )
     with refused as e, full_disk_named("checkpoint weights/w0"), full_disk_named("a blob"):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     assert isinstance(e.value, DiskFull) and status_for(e.value) == 507
