@@ -141,8 +141,8 @@ class Trainer:
         Each request gets its own result or exception. A request that fails validation fails
         alone; adapter gradients are committed only after the whole pass succeeded.
         between: called after every micro-batch but the last (the engine runs sampler steps there,
-        so a long pass does not stall decoding); micro-batches are then at most slice_tokens padded
-        tokens. The gradients accumulate over them, equal to one pass's up to float rounding (not
+        so a long pass does not stall decoding); micro-batches are then at most slice_tokens tokens
+        (real ones when packed, rows × longest row when padded). The gradients accumulate over them, equal to one pass's up to float rounding (not
         bitwise, so batch-invariant mode keeps its own split).
         """
         budget = self.max_tokens_per_pass

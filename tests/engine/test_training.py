@@ -204,7 +204,8 @@ def test_fused_step_isolates_adapters(model):
 
 def test_micro_batches_and_checkpointing_give_the_same_gradients(model):
     plain = new_trainer(model)
-    split = new_trainer(model, max_tokens_per_pass=40, checkpoint_from_tokens=1, logits_chunk=320 * 8)
+    # the padded path's micro-batches (the packed path's: tests/engine/test_packing.py)
+    split = new_trainer(model, max_tokens_per_pass=40, checkpoint_from_tokens=1, logits_chunk=320 * 8, pack=False)
     datums = sft_datums([21, 14, 9, 3, 17], seed=9)
     calls = []
     split_once = split._micro_batch
@@ -232,7 +233,7 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
     peak), with no threshold set, and gives the losses and gradients of each request run alone."""
     plain = new_trainer(model, checkpoint_from_tokens=None)
     lengths = [13, 9, 11, 6]
-    # 3 adapters × 4 rows × 13 = 156 padded tokens fused; each request alone holds 4 × 13 = 52
+    # 3 adapters × 39 tokens = 117 fused (156 padded: 3 × 4 rows × 13); each request alone holds 39 (52 padded)
     chunk = 12 * 320 * 3
     budget = new_trainer(model, checkpoint_from_tokens=None, logits_chunk=chunk)
     g = torch.Generator().manual_seed(4)
@@ -242,9 +243,11 @@ def test_fused_pass_under_a_memory_budget_is_exact(model, monkeypatch):
             "target_tokens": d.loss_fn_inputs["target_tokens"], "logprobs": -3 * torch.rand(d.model_input.length, generator=g),
             "advantages": torch.randn(d.model_input.length, generator=g)}) for d in sft_datums(lengths, seed=20 + k)])
     checkpointed = []
-    hidden_states = model.hidden_states
+    hidden_states, packed = model.hidden_states, model.packed_hidden_states
     monkeypatch.setattr(model, "hidden_states",
                         lambda *a, **kw: checkpointed.append(kw.get("recomputed_blocks")) or hidden_states(*a, **kw))
+    monkeypatch.setattr(model, "packed_hidden_states",
+                        lambda *a, **kw: checkpointed.append(kw.get("recomputed_blocks")) or packed(*a, **kw))
     results = []
     for tr in (plain, budget):
         ids = [tr.create_adapter(types.LoraConfig(rank=4, seed=k)) for k in range(3)]
