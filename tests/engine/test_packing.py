@@ -133,13 +133,16 @@ def test_forward_only_packs_adapters_and_base_rows(model):
     assert all(g == {} for g in packed[1])
 
 
-def test_positions_restart_per_datum(llama):
+def test_positions_restart_per_datum(llama, monkeypatch):
     """A datum packed after others gives the logprobs it gives trained alone: positions restart at 0
-    and it attends to nothing of its neighbours."""
+    (RoPE's positions, seen by the model) and it attends to nothing of its neighbours."""
     tr = new_trainer(llama, pack=True)
     aid = tr.create_adapter(types.LoraConfig(rank=4, seed=1))
     datums = loss_datums("cross_entropy", [17, 5, 12], seed=9)
+    seen, rope = [], llama.rope
+    monkeypatch.setattr(llama, "rope", lambda positions: seen.append(positions.tolist()) or rope(positions))
     (together,) = tr.run([TrainRequest(aid, datums, "cross_entropy", backward=False)])
+    assert seen == [[list(range(17)) + list(range(5)) + list(range(12))]]
     for i, d in enumerate(datums):
         (alone,) = tr.run([TrainRequest(aid, [d], "cross_entropy", backward=False)])
         for key in ("logprobs", "elementwise_loss"):
