@@ -314,7 +314,7 @@ def test_recomputing_the_first_k_blocks_gives_the_same_gradients(deep_model):
     real forward), the rest once, and the logprobs and gradients are those of k = 0."""
     L = deep_model.config.num_layers
     datums = sft_datums([21, 14, 9, 3, 17], seed=9)
-    padded = len(datums) * 21
+    padded = sum(d.model_input.length for d in datums)  # the tokens the (packed) pass computes
     calls = [0] * L
 
     def count(layer: int):
@@ -362,7 +362,9 @@ def test_logits_chunks_are_even_and_the_last_is_not_recomputed(model, monkeypatc
 
     grads = []
     for chunk in (None, rows * model.config.vocab_size * 8):
-        tr = new_trainer(model, checkpoint_from_tokens=None, **({} if chunk is None else {"logits_chunk": chunk}))
+        # the padded path's chunks over rows × positions (the packed path's: tests/engine/test_packing.py)
+        tr = new_trainer(model, checkpoint_from_tokens=None, pack=False,
+                         **({} if chunk is None else {"logits_chunk": chunk}))
         aid = tr.create_adapter(types.LoraConfig(rank=4, seed=5))
         tr.run([TrainRequest(aid, datums, "cross_entropy")])
         tr.optim_step(aid, ADAM)
@@ -641,8 +643,8 @@ def test_a_pass_in_slices_lets_sampler_steps_run_between_with_the_same_gradients
         job = tr.validate(TrainRequest(aid, datums, "cross_entropy"))
         outs.append(Trainer.__mro__[1].run(tr, [job], cb, slice_tokens=64)[0])
         ids.append(aid)
-    # slices of ≤ 64 padded tokens: [30, 30], [30, 30], [20, 20, 10], [10]
-    assert len(steps_between) == 3 and steps_between[-1] > steps_between[0]
+    # packed slices of ≤ 64 tokens, in request order: [30, 30], [30, 30], [20, 20, 10, 10]
+    assert len(steps_between) == 2 and steps_between[-1] > steps_between[0]
     assert not stream.done()
     for x, y in zip(outs[0].loss_fn_outputs, outs[1].loss_fn_outputs, strict=True):
         assert float((x["logprobs"].to_torch() - y["logprobs"].to_torch()).abs().max()) <= 1e-6
