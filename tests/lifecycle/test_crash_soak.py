@@ -18,6 +18,10 @@ import pytest
 from benchmarks.crash_soak import Figures, run
 from tests.pg import fresh_pg_schema
 
+# The restart bound the suite holds the server to: generous, as the suite runs on busy shared
+# machines (the soak's own default, and the figures in docs/security.md, are for a quiet one).
+READY_S = 600.0
+
 
 def _check(figures: Figures, cycles: int) -> None:
     summary = json.dumps(figures.summary(), indent=1)
@@ -28,14 +32,14 @@ def _check(figures: Figures, cycles: int) -> None:
 
 
 def test_crash_soak_short(tiny_dir: Path, tmp_path: Path) -> None:
-    _check(run(tiny_dir, tmp_path, 2, seed=1, window_s=2.0, log=lambda _: None), 2)
+    _check(run(tiny_dir, tmp_path, 2, seed=1, window_s=2.0, ready_s=READY_S, log=lambda _: None), 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("catalog", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_crash_soak_50_cycles(catalog: str, tiny_dir: Path, tmp_path: Path) -> None:
     if catalog == "sqlite":
-        _check(run(tiny_dir, tmp_path, 50, seed=0, window_s=3.0), 50)
+        _check(run(tiny_dir, tmp_path, 50, seed=0, window_s=3.0, ready_s=READY_S), 50)
         return
     with fresh_pg_schema() as url:
-        _check(run(tiny_dir, tmp_path, 50, seed=0, window_s=3.0, db_url=url), 50)
+        _check(run(tiny_dir, tmp_path, 50, seed=0, window_s=3.0, db_url=url, ready_s=READY_S), 50)
