@@ -88,6 +88,9 @@ class Metrics:
         self.compile = Counter("mint_compile", "The compiled decode step (docs/engine.md): compiled_steps, "
                                "eager_steps, graphs, recompiles, graph_breaks, failures, compile_seconds",
                                ["event"], registry=self.registry)
+        self.training = Counter("mint_training", "Training passes: packed_passes, padded_passes (families or modes "
+                                "that pad), tokens (real), padding_tokens (computed on padding)", ["kind"],
+                                registry=self.registry)
         self._engine: Engine | None = None
         self._seen: dict[tuple[str, str], float] = {}
 
@@ -126,6 +129,8 @@ class Metrics:
             self.key_tokens.labels(key[:12] or "-").set(tokens)
         self.waiting_for_adapter.set(r["waiting_for_adapter"])
         self.kv_blocks.set(r["kv_blocks_in_use"])
+        for kind, total in r.get("training", {}).items():
+            self._advance(self.training, "training", kind, total)
         for event, total in r.get("compile", {}).items():
             self._advance(self.compile, "compile", event, total)
         for quantity, value in r.get("calibration", {}).items():

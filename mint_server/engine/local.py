@@ -297,7 +297,8 @@ class LocalEngine(JobParsing):
                 "step_tokens": {"decode": float(self.sampler.stats.decode_tokens),
                                 "prefill": float(self.sampler.stats.prefill_tokens),
                                 "training": float(self.stats["train_tokens"])},
-                "calibration": self.calibration(), "compile": self.sampler.executor.compile_stats.totals()}
+                "calibration": self.calibration(), "compile": self.sampler.executor.compile_stats.totals(),
+                "training": {k: float(v) for k, v in self.trainer.stats.items()}}
 
     def calibration(self) -> dict[str, float]:
         """What start-up measured on this machine (the skinny-product rule, the scheduler's cost model)."""

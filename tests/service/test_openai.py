@@ -606,11 +606,15 @@ def test_metrics_show_what_the_engine_calibrated(live: LiveServer) -> None:
     assert values["max_step_tokens"] >= 1 and values["max_slowdown"] >= 1 and values["skinny_rows"] >= 0
 
 
-def test_metrics_count_eager_and_compiled_steps(live: LiveServer, oai: openai.OpenAI) -> None:
-    """/metrics counts the decode steps by how they ran: this suite's server runs with compile off
-    (tests/conftest.py), so every step it ran is an eager one and none compiled."""
+def test_metrics_count_how_steps_and_passes_ran(live: LiveServer, oai: openai.OpenAI) -> None:
+    """/metrics counts the decode steps by how they ran (this suite's server runs with compile off,
+    tests/conftest.py: every step eager, none compiled) and the training passes (the fixture's four
+    steps packed, no padding computed)."""
     oai.completions.create(model=BASE, prompt="hello", max_tokens=3, temperature=0)
     text = httpx.get(f"{live.url}/metrics").text
     values = {line.split('event="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
               for line in text.splitlines() if line.startswith("mint_compile_total{")}
     assert values["eager_steps"] >= 3 and values.get("compiled_steps", 0) == 0 and values.get("graphs", 0) == 0
+    training = {line.split('kind="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("mint_training_total{")}
+    assert training["packed_passes"] >= 4 and training["tokens"] > 0 and training.get("padding_tokens", 0) == 0
