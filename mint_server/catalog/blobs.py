@@ -413,6 +413,10 @@ class LocalBlobStore(PackedStore):
         self._tmp = self.root / "tmp"
         for directory in (self._blobs, self._packs, self._tmp):
             directory.mkdir(parents=True, exist_ok=True)
+        # The start's sweep: partial writes a killed process left (no lock holds them any more) go
+        # now, not at the next `mint catalog gc`. Writes in progress elsewhere hold their lock and stay.
+        with contextlib.suppress(OSError):  # a read-only store keeps them until it is writable
+            self.remove_stale_temp(time.time() + 1)
 
     def __repr__(self) -> str:
         return f"LocalBlobStore({str(self.root)!r})"

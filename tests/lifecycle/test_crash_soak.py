@@ -43,3 +43,24 @@ def test_crash_soak_50_cycles(catalog: str, tiny_dir: Path, tmp_path: Path) -> N
         return
     with fresh_pg_schema() as url:
         _check(run(tiny_dir, tmp_path, 50, seed=0, window_s=3.0, db_url=url, ready_s=READY_S), 50)
+
+
+def test_opening_the_blob_store_sweeps_what_killed_writers_left(tmp_path: Path) -> None:
+    """A temp file whose writer died (its lock died with it) is gone once the store is opened again,
+    as `mint serve` does at start; one still being written (locked) stays."""
+    import fcntl
+    import os
+
+    from mint_server.catalog.blobs import LocalBlobStore
+
+    store = LocalBlobStore(tmp_path / "blobs")
+    blob = store.put_bytes(b"kept")
+    (tmp_path / "blobs" / "tmp" / "put-killed").write_bytes(b"half a blob")
+    fd = os.open(tmp_path / "blobs" / "tmp" / "put-live", os.O_CREAT | os.O_WRONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        reopened = LocalBlobStore(tmp_path / "blobs")
+        assert sorted(p.name for p in (tmp_path / "blobs" / "tmp").iterdir()) == ["put-live"]
+        assert reopened.read(blob.sha256) == b"kept"
+    finally:
+        os.close(fd)
