@@ -26,7 +26,8 @@ dir and must be ready (healthz 200) within --ready-bound (READY_S, 120 s). Then:
   is the payload of a revision; the revisions and checkpoints new in this cycle load and sample,
   and its newest saved states load into a training client;
 * no orphans after the start's sweep: nothing in the blob store's tmp, the server's ephemeral dir
-  or its TMPDIR, and no blob that no revision references.
+  or its TMPDIR, no record temp file in the run dirs; blobs no revision references (a publish killed
+  between its puts and its transaction) are counted, left to `mint catalog gc`.
 
 Prints a line per cycle and, last, one JSON line with the figures (restart times: median and max).
 """
@@ -109,6 +110,7 @@ class Figures:
     samples: int = 0
     problems: list[str] = field(default_factory=list)
     ready_bound_s: float = READY_S
+    unreferenced_blobs: int = 0  # at the last check: left to `mint catalog gc`, not a failure
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -118,6 +120,7 @@ class Figures:
             "lost": self.lost,
             "half_visible": self.half_visible,
             "orphans": self.orphans,
+            "unreferenced_blobs_left_to_gc": self.unreferenced_blobs,
             "restart_s_median": round(statistics.median(self.restart_s), 2) if self.restart_s else None,
             "restart_s_max": round(max(self.restart_s), 2) if self.restart_s else None,
             "ready_bound_s": self.ready_bound_s,
@@ -372,7 +375,8 @@ class Soak:
         self.log(
             f"cycle {n}: killed at {killed_at:.1f}s ({moment}; in flight: {', '.join(busy_now) or '-'}); "
             f"acknowledged {acks_now.count()}; ready again in {self.figures.restart_s[-1]:.1f}s; "
-            f"lost {lost}, half-visible {half}"
+            f"lost {lost}, half-visible {half}, orphans {self.figures.orphans}, unreferenced blobs "
+            f"{self.figures.unreferenced_blobs}"
         )
 
     def _mint_import(self, url: str, reason: str, stop: threading.Event, acks: Acks) -> None:
@@ -573,8 +577,10 @@ class Soak:
             with catalog.engine.connect() as conn:
                 referenced = set(conn.scalars(select(ManifestEntryRow.blob_sha256).distinct()))
             stored = {b.sha256 for b in catalog.blobs.iter()}
-        for sha in sorted(stored - referenced):
-            self.problem("orphan", f"blob {sha[:12]}… is referenced by no revision")
+        # Whole blobs of a publish killed between its puts and its transaction: not swept at start
+        # (a publisher in another process may be about to commit them); `mint catalog gc` takes them
+        # after its grace period, and a retried publish of the same content reuses them. Counted.
+        self.figures.unreferenced_blobs = len(stored - referenced)
 
 
 class _Serve(ServeProcess):

@@ -126,6 +126,10 @@ class RunStore:
 
     def _load_checkpoints(self, run: RunRecord, kind: Kind) -> None:
         run_dir = self.run_dir(run.run_id)
+        # A record's temp copy (atomic_write_json) a kill left half-written: its checkpoint never
+        # existed, and the data without a record goes below.
+        for partial in (run_dir / "checkpoints" / kind).glob(".*.tmp"):
+            partial.unlink(missing_ok=True)
         for rec_json in sorted((run_dir / "checkpoints" / kind).glob("*.json")):
             try:
                 rec = CheckpointRecord(**read_json(rec_json))

@@ -64,3 +64,32 @@ def test_opening_the_blob_store_sweeps_what_killed_writers_left(tmp_path: Path) 
         assert reopened.read(blob.sha256) == b"kept"
     finally:
         os.close(fd)
+
+
+def test_a_record_cut_mid_write_is_swept_at_start(tmp_path: Path) -> None:
+    """Found by the soak (PostgreSQL run, a kill mid-save): the temp copy of a checkpoint record
+    that a kill left stayed in checkpoints/<kind>/ for good. The next start removes it, with the
+    data that never got its record."""
+    from mint_server.api.paths import CheckpointRef
+    from mint_server.api.runs import CheckpointRecord, RunRecord, RunStore
+
+    run_id = "0" * 32 + ":train:0"
+    store = RunStore(tmp_path / "runs")
+    store.create_run(RunRecord(run_id, "owner", "base", {"rank": 4}, {}, "s", 0.0, 0.0))
+    kept = CheckpointRef(run_id, "sampler_weights", "s0")
+    staged = store.staging_dir(run_id, "sampler_weights")
+    (staged / "adapter_model.safetensors").write_bytes(b"s0")
+    size = store.publish_data(kept, staged)
+    store.register_checkpoint(CheckpointRecord(run_id, "sampler_weights", "s0", "owner", 1.0, size))
+    # What the kill left: s1's data in place, its record only as a half-written temp file.
+    cut = CheckpointRef(run_id, "sampler_weights", "s1")
+    staged = store.staging_dir(run_id, "sampler_weights")
+    (staged / "adapter_model.safetensors").write_bytes(b"s1")
+    store.publish_data(cut, staged)
+    records = store.run_dir(run_id) / "checkpoints" / "sampler_weights"
+    (records / ".s1.json.abc123.tmp").write_text('{"run_id": ')
+
+    reopened = RunStore(tmp_path / "runs")
+    assert [r.ref for r in reopened.list_checkpoints(run_id)] == [kept]
+    assert sorted(p.name for p in records.iterdir()) == ["s0.json"]
+    assert sorted(p.name for p in (store.run_dir(run_id) / "sampler_weights").iterdir()) == ["s0"]
