@@ -25,9 +25,10 @@ GREEDY = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment without MinT/Tinker settings, so a developer's own keys and URLs never leak in."""
+    """This environment without MinT/Tinker settings, so a developer's own keys and URLs never leak in;
+    servers run eagerly (MINT_COMPILE=off, as tests/conftest.py sets) unless `extra` says otherwise."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
-    return {**env, **extra}
+    return {**env, "MINT_COMPILE": "off", **extra}
 
 
 def mint(*args: str, expect: int = 0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
