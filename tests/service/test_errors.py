@@ -83,7 +83,7 @@ def test_bad_training_input(client_a: tinker.ServiceClient, server: LiveServer) 
         model_input=types.ModelInput.from_ints([1, 2]),
         loss_fn_inputs={"target_tokens": [2, 3], "logprobs": [-1.0, -1.0], "advantages": [math.nan, 1.0]},
     )
-    assert "advantages: contains NaN" in _bad(tc, [rl], "importance_sampling")
+    assert "loss_fn_inputs.advantages.data': contains NaN" in _bad(tc, [rl], "importance_sampling")
     assert "unknown loss function 'nope'" in _bad(tc, [datum([1, 2])], "nope")
     targets_only = types.Datum(model_input=types.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [2, 3]})
     assert "logprobs is required for loss 'ppo'" in _bad(tc, [targets_only], "ppo")
