@@ -81,6 +81,7 @@ def engine_settings(
     compile: str | None = None,
     compile_cache_dir: Path | None = None,
     prefix_cache: bool | None = None,
+    quantize: str | None = None,
 ) -> EngineSettings:
     """The engine's settings from the flags (unset flags keep EngineSettings' defaults); a bad value is
     a usage error naming the flag, not a traceback from the engine."""
@@ -97,7 +98,7 @@ def engine_settings(
              "step_overhead_tokens": step_overhead_tokens, "train_slice_tokens": train_slice_tokens,
              "sample_steps_per_slice": sample_steps_per_slice, "max_chunk_tokens": max_chunk_tokens,
              "keep_freed_memory": keep_freed_memory, "compile": compile, "compile_cache_dir": compile_cache_dir,
-             "prefix_cache": prefix_cache}
+             "prefix_cache": prefix_cache, "quantize": quantize}
     settings = EngineSettings(store_dir=store_dir, **{k: v for k, v in given.items() if v is not None})
     try:
         settings.check()
@@ -275,6 +276,12 @@ def register(app: typer.Typer) -> None:
             f"{_default('prefix_cache')}]: a chat's next turn prefills only what is new. Per owner, adapter "
             "revision and base; evicted least recently used. See docs/engine.md.",
         ),
+        quantize: str = typer.Option(
+            None, "--quantize",
+            help=f"none, int8 or int4 [default: {_default('quantize')}]: quantize the frozen base's linear "
+            "weights at load (weight-only; int8 per channel, int4 in groups); LoRA adapters train and serve on "
+            "top in full precision (QLoRA). Less memory and, on CPU, faster decode. See docs/quantization.md.",
+        ),
         log_level: str = typer.Option("info", help="Log level."),
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
@@ -307,7 +314,8 @@ def register(app: typer.Typer) -> None:
                                      step_overhead_tokens=step_overhead_tokens, train_slice_tokens=train_slice_tokens,
                                      sample_steps_per_slice=sample_steps_per_slice, max_chunk_tokens=max_chunk_tokens,
                                      keep_freed_memory=keep_freed_memory, compile=compile,
-                                     compile_cache_dir=root / "compile-cache", prefix_cache=prefix_cache)
+                                     compile_cache_dir=root / "compile-cache", prefix_cache=prefix_cache,
+                                     quantize=quantize)
         if not keys and not no_auth:
             keys = (server_key(root / "api_key"),)
         try:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from mint_server.engine.scheduler import StepCost
 
+# Values of EngineSettings.quantize: the base's weight precision after load.
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -110,6 +113,10 @@ class EngineSettings:
     prefix_cache: bool = True
     # Where inductor keeps compiled kernels and graphs (a restart then compiles warm); None: its own default.
     compile_cache_dir: Path | None = None
+    # Weight-only quantization of the frozen base at load (model/quantize.py, docs/quantization.md):
+    # "int8" (per-channel) or "int4" (grouped); LoRA adapters train and serve on top in full precision
+    # (QLoRA). A decode step reads a quarter (int8) or about an eighth (int4) of the base's fp32 bytes.
+    quantize: str = "none"
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -152,6 +159,8 @@ class EngineSettings:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.batch_invariant and self.tp != 1:
             raise ValueError("batch_invariant is supported on one rank only (tp=1)")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
         if self.compile not in ("auto", "off"):
             raise ValueError(f"compile must be auto or off, got {self.compile!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
