@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.soak import free_port, rss_mb
-from mint_server.api.server import ConnectionLimits
+from mint_server.api.http.server import ConnectionLimits
 
 KEY = "tml-churn-key-0001"
 

@@ -58,7 +58,7 @@ import tinker
 from sqlalchemy import select
 from tinker import types
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from mint_server.catalog import Catalog, payload
 from mint_server.catalog.schema import ManifestEntryRow
 from mint_server.cli.catalog_client import HttpClient

@@ -180,7 +180,7 @@ def main() -> None:
     if args.client:
         return client_main(args.client)
 
-    from mint_server.api.auth import owner_id
+    from mint_server.api.auth.keys import owner_id
     from mint_server.engine.local import LocalEngine
     from mint_server.engine.settings import EngineSettings
 

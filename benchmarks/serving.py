@@ -594,7 +594,7 @@ CASES: dict[str, Callable[[Ctx], Awaitable[tuple[dict, list[Row]]]]] = {
 def seed_policies(data: Path, model_dir: Path, flood: int, cold: int) -> tuple[str, list[str], list[str]]:
     """Distinct servable rank-1 adapters, published as NAME@prod: one for key B, `flood` and `cold`
     for key A (their payload indices apart, so no two share bytes)."""
-    from mint_server.api.auth import owner_id
+    from mint_server.api.auth.keys import owner_id
     from mint_server.catalog.catalog import Catalog
     from mint_server.catalog.seed import seed
     from mint_server.cli.sweep import servable_payloads

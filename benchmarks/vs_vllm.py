@@ -136,7 +136,7 @@ class Server:
 
 
 def start_mint(model_dir: Path, adapters: list[Path], work: Path, args: argparse.Namespace) -> tuple[Server, str, list[str]]:
-    from mint_server.api.auth import owner_id
+    from mint_server.api.auth.keys import owner_id
     from mint_server.catalog.catalog import Catalog
     from mint_server.cli.serve import base_model_name
 

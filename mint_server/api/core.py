@@ -19,18 +19,18 @@ from typing import Any, TypeVar
 from tinker import types
 
 from mint_server.api.admission import Admission
-from mint_server.api.futures import CompletionLog, FutureStore
-from mint_server.api.metrics import Metrics
-from mint_server.api.ordering import Sequencer
-from mint_server.api.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
-from mint_server.api.policies import Policies
-from mint_server.api.recorded import RecordedSequences
-from mint_server.api.run_metrics import RunMetrics
-from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, RunStore
-from mint_server.api.sessions import SessionRegistry
+from mint_server.api.catalog.policies import Policies
+from mint_server.api.http.metrics import Metrics
 from mint_server.api.settings import Settings
-from mint_server.api.usage import PREFILL, SAMPLE, Meter
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.futures import CompletionLog, FutureStore
+from mint_server.api.state.recorded import RecordedSequences
+from mint_server.api.state.run_metrics import RunMetrics
+from mint_server.api.state.runs import CheckpointRecord, NotFound, RunRecord, RunStore
+from mint_server.api.state.sessions import SessionRegistry
+from mint_server.api.state.usage import PREFILL, SAMPLE, Meter
+from mint_server.api.tinker.ordering import Sequencer
+from mint_server.api.tinker.paths import CheckpointRef, parse_checkpoint_path, parse_policy_ref
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.ledger import Ledger
 from mint_server.catalog.records import Revision

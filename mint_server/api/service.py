@@ -8,18 +8,18 @@ import asyncio
 import logging
 from typing import Any
 
-from mint_server.api.admin import AdminService, EvalService
-from mint_server.api.auth import Principal
-from mint_server.api.checkpoints import CheckpointService
+from mint_server.api.admin.service import AdminService, EvalService
+from mint_server.api.auth.keys import Principal
 from mint_server.api.core import Core
-from mint_server.api.extensions import MintService
-from mint_server.api.metrics import Metrics
+from mint_server.api.http.metrics import Metrics
 from mint_server.api.openai.service import OpenAIService
-from mint_server.api.runs import check_project
-from mint_server.api.sampling import SamplingService
-from mint_server.api.sessions import Session
 from mint_server.api.settings import Settings
-from mint_server.api.training import TrainingService
+from mint_server.api.state.runs import check_project
+from mint_server.api.state.sessions import Session
+from mint_server.api.tinker.checkpoints import CheckpointService
+from mint_server.api.tinker.extensions import MintService
+from mint_server.api.tinker.sampling import SamplingService
+from mint_server.api.tinker.training import TrainingService
 from mint_server.catalog.catalog import Catalog
 from mint_server.engine.interface import Engine
 

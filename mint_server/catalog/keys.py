@@ -2,7 +2,7 @@
 server see the same keys: a key created or revoked by either holds for the other on its next request.
 
 The store keeps what identifies and limits a key, never the key: its public id, the sha256 of the
-key, the owner it acts as, a name and its scopes. Making keys and checking them is api/auth.py's job.
+key, the owner it acts as, a name and its scopes. Making keys and checking them is api/auth/keys.py's job.
 """
 
 from __future__ import annotations

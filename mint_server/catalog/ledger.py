@@ -2,7 +2,7 @@
 same figures (tinker 0.38's `AdminClient`: billing usage events and the audit log).
 
 Usage arrives already summed by hour (the service meters in memory and flushes every few
-seconds, see api/usage.py) and is added to its bucket's row (one per hour, kind and attribution);
+seconds, see api/state/usage.py) and is added to its bucket's row (one per hour, kind and attribution);
 a read sums a window's rows by bucket and attribution. Nothing
 here knows prices: this is self-hosted usage, not billing.
 """

@@ -74,9 +74,9 @@ class CatalogLocation:
         return client
 
     def local_owner(self) -> str:
-        """Who local mode acts as: --owner, else the data dir's owner (api/auth.py's data_dir_owner:
+        """Who local mode acts as: --owner, else the data dir's owner (api/auth/keys.py's data_dir_owner:
         the owner of the key `mint serve` keeps there, made now if no command made it yet)."""
-        from mint_server.api.auth import data_dir_owner  # stdlib only
+        from mint_server.api.auth.keys import data_dir_owner  # stdlib only
         from mint_server.paths import data_dir
 
         return self.owner or data_dir_owner(data_dir(self.data_dir))

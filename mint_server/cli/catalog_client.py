@@ -117,7 +117,7 @@ class LocalClient:
         self.keys = KeyStore(catalog.engine)
 
     def create_key(self, name: str, scopes: list[str]) -> tuple[ApiKey, str]:
-        from mint_server.api.auth import issue_key  # stdlib only
+        from mint_server.api.auth.keys import issue_key  # stdlib only
 
         return issue_key(self.keys, self.owner, name, scopes)
 

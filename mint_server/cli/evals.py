@@ -1,5 +1,5 @@
 """`mint eval NAME@A NAME@B … --dataset FILE.jsonl --metric exact_match|contains|regex|logprob`: an eval
-comparing revisions (api/evals.py says what each metric measures), printed side by side and stored
+comparing revisions (api/catalog/evals.py says what each metric measures), printed side by side and stored
 as eval records on each revision (`mint eval list REF` shows them; so does the dashboard).
 
 Local mode runs the revisions through an engine of its own on the data dir's catalog (every example
@@ -62,8 +62,8 @@ def _remote(target: CatalogLocation, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _local(target: CatalogLocation, body: dict[str, Any], base_model: str | None) -> dict[str, Any]:
-    from mint_server.api.evals import Evaluation, dataset_id, examples_from, resolve_targets
-    from mint_server.api.validate import InvalidInput
+    from mint_server.api.catalog.evals import Evaluation, dataset_id, examples_from, resolve_targets
+    from mint_server.api.tinker.validate import InvalidInput
     from mint_server.catalog.catalog import Catalog
     from mint_server.cli.serve import base_model_name
     from mint_server.engine.local import LocalEngine
@@ -133,8 +133,8 @@ def register(eval_app: typer.Typer) -> None:
             "--base-model", help="Local mode: HF checkpoint dir (default: the embedded model).")] = None,
     ) -> None:
         """Evaluate revisions side by side on a dataset; store the scores as eval records."""
-        from mint_server.api.evals import check_metric, parse_jsonl
-        from mint_server.api.validate import InvalidInput
+        from mint_server.api.catalog.evals import check_metric, parse_jsonl
+        from mint_server.api.tinker.validate import InvalidInput
 
         try:
             check_metric(metric)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from mint_server.api.auth import load_or_create_key_file  # stdlib only: cheap for every `mint` command
+from mint_server.api.auth.keys import load_or_create_key_file  # stdlib only: cheap for every `mint` command
 
 if TYPE_CHECKING:  # the engine (torch) is imported only when `serve` runs, not for every CLI call
     from mint_server.engine.settings import EngineSettings
@@ -286,9 +286,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Serve LoRA training and sampling behind the Tinker API."""
 
-        from mint_server.api.app import create_app
-        from mint_server.api.auth import check_key_form
-        from mint_server.api.server import ConnectionLimits, Server, uvicorn_config
+        from mint_server.api.auth.keys import check_key_form
+        from mint_server.api.http.app import create_app
+        from mint_server.api.http.server import ConnectionLimits, Server, uvicorn_config
         from mint_server.api.settings import Settings
         from mint_server.engine.interface import NotSupportedError
         from mint_server.engine.local import LocalEngine
@@ -345,7 +345,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"cannot open the policy catalog: {detail}", param_hint=hint) from None
         auth = "no auth" if no_auth else f"{len(keys)} API key(s)"
         typer.echo(f"MinT serving {name} on http://{host}:{port} (data dir {root}; {auth})")
-        # Bounded request heads (431), slow heads and bodies timed out (408): see api/server.py.
+        # Bounded request heads (431), slow heads and bodies timed out (408): see api/http/server.py.
         config = uvicorn_config(
             app, ConnectionLimits(), host=host, port=port, log_level=log_level,
             timeout_graceful_shutdown=settings.drain_timeout_s,

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(str(e), param_hint="--prompts") from None
         if not lines:
             raise typer.BadParameter("no prompts in the file", param_hint="--prompts")
-        from mint_server.api.auth import data_dir_owner
+        from mint_server.api.auth.keys import data_dir_owner
         from mint_server.catalog.catalog import Catalog
         from mint_server.cli.serve import base_model_name
         from mint_server.engine.local import LocalEngine

@@ -15,8 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Header, HTTPException
 
 from mint_server.api import CATALOG_PREFIX as API_PREFIX
-from mint_server.api.http import install_error_handlers
-from mint_server.api.routes_catalog import make_catalog_router
+from mint_server.api.catalog.routes import make_catalog_router
+from mint_server.api.http.plumbing import install_error_handlers
 from mint_server.catalog import Catalog
 from tests.pg import fresh_pg_schema
 

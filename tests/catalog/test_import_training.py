@@ -124,9 +124,9 @@ def test_a_revision_becomes_a_training_start_on_a_live_server(base: Path, tmp_pa
 
     import tinker
 
-    from mint_server.api import revision_state
-    from mint_server.api.auth import owner_id
-    from mint_server.api.validate import InvalidInput
+    from mint_server.api.auth.keys import owner_id
+    from mint_server.api.tinker import revision_state
+    from mint_server.api.tinker.validate import InvalidInput
     from mint_server.engine import state_io
     from mint_server.model.peft_io import load_peft
     from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine

@@ -7,7 +7,15 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from mint_server.api.auth import Authenticator, AuthError, Signer, granted, issue_key, owner_id, parse_scopes
+from mint_server.api.auth.keys import (
+    Authenticator,
+    AuthError,
+    Signer,
+    granted,
+    issue_key,
+    owner_id,
+    parse_scopes,
+)
 from mint_server.catalog import Catalog, InvalidArgument, KeyStore, NotFound
 from mint_server.catalog import keys as keys_module
 from mint_server.catalog.schema import ApiKeyRow

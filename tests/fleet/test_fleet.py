@@ -19,7 +19,7 @@ import pytest
 import tinker
 from tinker import types
 
-from mint_server.api.metrics import Metrics
+from mint_server.api.http.metrics import Metrics
 from mint_server.engine.interface import EngineError
 from mint_server.engine.settings import FleetSettings
 from mint_server.engine.values import AdapterSource

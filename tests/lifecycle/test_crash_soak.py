@@ -70,8 +70,8 @@ def test_a_record_cut_mid_write_is_swept_at_start(tmp_path: Path) -> None:
     """Found by the soak (PostgreSQL run, a kill mid-save): the temp copy of a checkpoint record
     that a kill left stayed in checkpoints/<kind>/ for good. The next start removes it, with the
     data that never got its record."""
-    from mint_server.api.paths import CheckpointRef
-    from mint_server.api.runs import CheckpointRecord, RunRecord, RunStore
+    from mint_server.api.state.runs import CheckpointRecord, RunRecord, RunStore
+    from mint_server.api.tinker.paths import CheckpointRef
 
     run_id = "0" * 32 + ":train:0"
     store = RunStore(tmp_path / "runs")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import tinker
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from mint_server.catalog import Catalog, Revision
 from tests.lifecycle.helpers import ServeProcess, clean_env, greedy, mint
 

@@ -34,9 +34,9 @@ import pytest
 import tinker
 from tinker import types
 
-from mint_server.api.auth import owner_id
-from mint_server.api.paths import CheckpointRef
-from mint_server.api.runs import CheckpointRecord, RunRecord, RunStore
+from mint_server.api.auth.keys import owner_id
+from mint_server.api.state.runs import CheckpointRecord, RunRecord, RunStore
+from mint_server.api.tinker.paths import CheckpointRef
 from mint_server.catalog import Catalog, payload
 from mint_server.catalog.records import Revision
 from mint_server.cli.catalog_client import HttpClient

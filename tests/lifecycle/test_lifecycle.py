@@ -13,7 +13,7 @@ import tinker
 import torch
 from tinker import types
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from tests.lifecycle.helpers import PROMPT, RemoteCli, greedy
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, tiny_engine, train
 from tests.tiny import TINY_VOCAB

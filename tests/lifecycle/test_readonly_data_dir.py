@@ -167,7 +167,7 @@ def test_read_only_errors_are_a_507_that_says_so() -> None:
     clean-up), naming what was being written; other errors pass through."""
     import errno
 
-    from mint_server.api.statuses import status_for
+    from mint_server.api.http.statuses import status_for
     from mint_server.fsutil import DiskFull, ReadOnlyStorage, full_disk_named
 
     refused = pytest.raises(

@@ -10,7 +10,7 @@ import httpx
 import tinker
 from tinker import types
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from mint_server.catalog import Catalog
 from tests.lifecycle.helpers import ServeProcess, clean_env
 from tests.service.live import batch

@@ -17,8 +17,8 @@ import httpx
 import torch
 from tinker import types
 
-from mint_server.api.app import create_app
-from mint_server.api.server import ConnectionLimits, Server, uvicorn_config
+from mint_server.api.http.app import create_app
+from mint_server.api.http.server import ConnectionLimits, Server, uvicorn_config
 from mint_server.api.settings import Settings
 from mint_server.engine.local import LocalEngine
 from mint_server.engine.settings import EngineSettings

@@ -26,7 +26,7 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
 from mint_server.api import CATALOG_PREFIX
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, tiny_engine, train
 
 BIG = 2**70  # beyond int64

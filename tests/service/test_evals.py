@@ -12,8 +12,8 @@ import pytest
 import tinker
 from typer.testing import CliRunner
 
-from mint_server.api.evals import Example, correct, dataset_id, examples_from
-from mint_server.api.validate import InvalidInput
+from mint_server.api.catalog.evals import Example, correct, dataset_id, examples_from
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog import Catalog
 from mint_server.catalog.seed import DIGITS
 from mint_server.cli import app as mint_app

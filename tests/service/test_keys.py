@@ -117,7 +117,7 @@ def test_revocation_holds_on_the_next_request(server: LiveServer, client_a: tink
 
 def test_keys_made_on_the_data_dir_work_on_a_running_server(server: LiveServer) -> None:
     """`mint key` in another process, on the server's data dir, while it serves."""
-    from mint_server.api.auth import owner_id
+    from mint_server.api.auth.keys import owner_id
 
     data = str(server.settings.data_dir)
     mint = [shutil.which("mint", path=os.path.dirname(sys.executable)) or "mint"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_server.api.server import ConnectionLimits
+from mint_server.api.http.server import ConnectionLimits
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, tiny_engine
 
 LIMITS = ConnectionLimits(max_header_bytes=8 * 1024, header_timeout_s=0.5, body_timeout_s=0.5, keep_alive_s=5)
@@ -103,7 +103,7 @@ def test_stalled_body_408(server: LiveServer) -> None:
 
 
 def test_client_leaving_mid_body_is_no_server_error(server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="mint_server.api.http")
+    caplog.set_level(logging.DEBUG, logger="mint_server.api.http.plumbing")
     head = (
         f"POST /api/v1/create_session HTTP/1.1\r\nHost: x\r\nX-API-Key: {KEY_A}\r\n"
         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
@@ -194,7 +194,7 @@ def test_the_tinker_sdk_retries_past_the_per_key_limit_and_finishes(server: Live
     import tinker
     from tinker import types
 
-    from mint_server.api.auth import owner_id
+    from mint_server.api.auth.keys import owner_id
 
     core = server.app.state.service.core
     client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)

@@ -17,7 +17,7 @@ import pytest
 import tinker
 from tinker import types
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer, datum, tiny_engine, train
 from tests.tiny import make_tiny_checkpoint
 

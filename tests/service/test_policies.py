@@ -12,7 +12,7 @@ import httpx
 import pytest
 import tinker
 
-from mint_server.api.auth import load_or_create_key_file, owner_id
+from mint_server.api.auth.keys import load_or_create_key_file, owner_id
 from tests.service.live import BASE, KEY_A, LiveServer, train
 
 

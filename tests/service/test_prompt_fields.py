@@ -18,8 +18,8 @@ from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 from tinker.proto.response_conv import deserialize_sample_response
 
-from mint_server.api.codec import encode_prompt_extras
-from mint_server.api.mint_types import EXTENSIONS_HEADER
+from mint_server.api.tinker.codec import encode_prompt_extras
+from mint_server.api.tinker.mint_types import EXTENSIONS_HEADER
 from mint_server.engine.local import LocalEngine
 from tests.service.live import BASE, ENGINE_SETTINGS, KEY_A, LiveServer
 

@@ -14,7 +14,7 @@ import pytest
 import tinker
 from tinker import types
 
-from mint_server.api.mint_types import EXTENSIONS_HEADER
+from mint_server.api.tinker.mint_types import EXTENSIONS_HEADER
 from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
 
 CYCLES = {

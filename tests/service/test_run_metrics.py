@@ -1,4 +1,4 @@
-"""Per-step run records (api/run_metrics.py): chunks reduced as the SDK reduces them, the
+"""Per-step run records (api/state/run_metrics.py): chunks reduced as the SDK reduces them, the
 sampler/trainer KL as the cookbook computes it, client reports checked, torn lines survived."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from tinker import types
 
-from mint_server.api.run_metrics import RunMetrics, sample_train_kl
-from mint_server.api.runs import RunRecord, RunStore
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.run_metrics import RunMetrics, sample_train_kl
+from mint_server.api.state.runs import RunRecord, RunStore
+from mint_server.api.tinker.validate import InvalidInput
 
 RUN = "0123456789abcdef0123456789abcdef:train:0"
 

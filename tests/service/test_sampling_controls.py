@@ -18,7 +18,7 @@ import tinker
 import torch
 from tinker import types
 
-from mint_server.api.mint_types import EXTENSIONS_HEADER
+from mint_server.api.tinker.mint_types import EXTENSIONS_HEADER
 from mint_server.engine.local import LocalEngine
 from tests.service.live import BASE, ENGINE_SETTINGS, KEY_A, LiveServer
 from tests.tiny import make_tiny_checkpoint

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mint_server.api.auth import owner_id
+from mint_server.api.auth.keys import owner_id
 from tests.service.live import BASE, KEY_A, LiveServer, ServeProcess, tiny_engine
 
 

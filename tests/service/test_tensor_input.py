@@ -22,7 +22,7 @@ import tinker
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
-from mint_server.api.codec import DecodeError, _RawTensor, check_tensor
+from mint_server.api.tinker.codec import DecodeError, _RawTensor, check_tensor
 from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
 
 PROTO = {"content-type": "application/x-protobuf", "X-API-Key": KEY_A}

@@ -22,9 +22,9 @@ from pydantic import BaseModel, ValidationError
 
 from mint_server.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mint_server.api.anthropic.service import AnthropicService
-from mint_server.api.auth import SERVE, AuthError, Principal, ScopeError
-from mint_server.api.codec import describe_validation_error
-from mint_server.api.http import (
+from mint_server.api.auth.keys import SERVE, AuthError, Principal, ScopeError
+from mint_server.api.http.openapi import body_doc
+from mint_server.api.http.plumbing import (
     API_KEY_HEADER,
     API_KEY_SCHEME,
     authorized,
@@ -34,8 +34,8 @@ from mint_server.api.http import (
 )
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.routes import EventStream, unless_disconnected
-from mint_server.api.openapi import body_doc
-from mint_server.api.runs import NotFound
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.codec import describe_validation_error
 from mint_server.engine.interface import EngineError
 
 PREFIX = "/anthropic/api"

@@ -18,14 +18,14 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer, SecurityS
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from mint_server.api.auth import SERVE, AuthError, Principal, ScopeError
-from mint_server.api.codec import describe_validation_error
-from mint_server.api.http import API_KEY_HEADER, authorized, json_body, service
+from mint_server.api.auth.keys import SERVE, AuthError, Principal, ScopeError
+from mint_server.api.http.openapi import body_doc
+from mint_server.api.http.plumbing import API_KEY_HEADER, authorized, json_body, service
 from mint_server.api.openai.errors import PREFIXES, OpenAIError, error_body
 from mint_server.api.openai.schemas import ChatRequest, CompletionRequest
 from mint_server.api.openai.service import OpenAIService
-from mint_server.api.openapi import body_doc
-from mint_server.api.runs import NotFound
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.codec import describe_validation_error
 from mint_server.engine.interface import EngineError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -30,9 +30,9 @@ from tinker import types
 from mint_server.api.core import Core, same_base_model
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.schemas import MAX_CHOICES, ChatRequest, CompletionRequest, NamedTool, _Sampling
-from mint_server.api.paths import PathError, is_checkpoint_path, parse_policy_ref
-from mint_server.api.runs import NotFound
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.paths import PathError, is_checkpoint_path, parse_policy_ref
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog.errors import CatalogError
 from mint_server.engine.interface import (
     AdapterSource,

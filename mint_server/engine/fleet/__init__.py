@@ -27,7 +27,7 @@ Faults: replicas are Ray actors with `max_restarts`, so Ray replaces one that di
 in flight on it is re-dispatched to another replica (same job, same seed: same tokens; a stream
 passes on only the tokens its caller has not seen). A training adapter's live state dies with its
 replica: ops on it fail with `AdapterLost` (retryable), and the service resumes the model from its
-last saved state (see api/training.py). Replicas share nothing but the store: checkpoints and
+last saved state (see api/tinker/training.py). Replicas share nothing but the store: checkpoints and
 catalog blobs on a path every node mounts.
 """
 

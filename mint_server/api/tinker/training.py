@@ -21,18 +21,18 @@ from typing import Any
 from pydantic import ValidationError
 from tinker import types
 
-from mint_server.api import revision_state
-from mint_server.api.auth import Principal
-from mint_server.api.codec import FwdBwdCall, describe_validation_error
+from mint_server.api.auth.keys import Principal
+from mint_server.api.catalog.policies import policy_name
 from mint_server.api.core import Core, CustomLoss, TrainingModel, waits_on_engine
-from mint_server.api.ordering import SeqError, Sequencer
-from mint_server.api.paths import CheckpointRef, Kind, check_name
-from mint_server.api.policies import policy_name
-from mint_server.api.runs import CheckpointRecord, RunRecord
-from mint_server.api.sessions import Session
-from mint_server.api.statuses import status_for
-from mint_server.api.usage import CHECKPOINT, TRAINING
-from mint_server.api.validate import InvalidInput, check_lora
+from mint_server.api.http.statuses import status_for
+from mint_server.api.state.runs import CheckpointRecord, RunRecord
+from mint_server.api.state.sessions import Session
+from mint_server.api.state.usage import CHECKPOINT, TRAINING
+from mint_server.api.tinker import revision_state
+from mint_server.api.tinker.codec import FwdBwdCall, describe_validation_error
+from mint_server.api.tinker.ordering import SeqError, Sequencer
+from mint_server.api.tinker.paths import CheckpointRef, Kind, check_name
+from mint_server.api.tinker.validate import InvalidInput, check_lora
 from mint_server.engine.interface import AdapterLost, EngineError, compile_loss
 from mint_server.fsutil import full_disk_named
 from mint_server.model.peft_archive import write_archive_dir

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mint_server.api.auth import random_id
-from mint_server.api.runs import NotFound
+from mint_server.api.auth.keys import random_id
+from mint_server.api.state.runs import NotFound
 
 
 class SessionGone(Exception):

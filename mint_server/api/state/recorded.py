@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tinker import types
 
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.validate import InvalidInput
 
 MAX_RECORDED = 1_000_000  # sample requests whose recorded sequences are tracked for scoping
 

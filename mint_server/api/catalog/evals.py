@@ -28,7 +28,7 @@ from typing import Any
 
 from tinker import types
 
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource, Engine, EngineError, Priority
 
 METRICS = ("exact_match", "contains", "regex", "logprob")
@@ -170,7 +170,7 @@ class Evaluation:
 
     def run(self, targets: Sequence[Target], progress: Callable[[int], None] = lambda n: None) -> list[Score]:
         """Every revision's jobs parsed, then all submitted at once, then scored in order (blocking:
-        for the CLI; the server awaits the same futures instead, see api/admin.py)."""
+        for the CLI; the server awaits the same futures instead, see api/admin/service.py)."""
         submitted = self.submit(targets)
         scores = []
         try:

@@ -11,11 +11,11 @@ from pydantic import BaseModel
 from tinker import types
 from tinker.types.try_again_response import TryAgainResponse
 
-from mint_server.api import codec
-from mint_server.api.auth import SERVE, Principal
-from mint_server.api.http import json_body, needs, parse, service
-from mint_server.api.jsonsafe import SafeJSONResponse as JSONResponse
-from mint_server.api.openapi import CancelFutureBody, body_doc
+from mint_server.api.auth.keys import SERVE, Principal
+from mint_server.api.http.jsonsafe import SafeJSONResponse as JSONResponse
+from mint_server.api.http.openapi import CancelFutureBody, body_doc
+from mint_server.api.http.plumbing import json_body, needs, parse, service
+from mint_server.api.tinker import codec
 from mint_server.engine.interface import EngineError, SampleCancelled
 
 router = APIRouter(prefix="/api/v1")

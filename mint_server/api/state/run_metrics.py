@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.api.runs import RunStore
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.runs import RunStore
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.fsutil import DiskFull, full_disk_named
 
 log = logging.getLogger(__name__)

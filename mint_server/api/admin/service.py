@@ -2,7 +2,7 @@
 `AdminClient` (audit log, usage events, current checkpoint storage), session search and project
 moves, per-step run metrics, and evals comparing revisions. No HTTP here and no tensors.
 
-A tenant is an owner id (every key of one owner sees the same data; see api/auth.py). Usage is
+A tenant is an owner id (every key of one owner sees the same data; see api/auth/keys.py). Usage is
 self-hosted usage, not billing: every cost and rate field is null.
 """
 
@@ -17,15 +17,15 @@ from typing import Any
 from pydantic import ValidationError
 from tinker import types
 
-from mint_server.api.auth import Principal
-from mint_server.api.codec import describe_validation_error
+from mint_server.api.auth.keys import Principal
+from mint_server.api.catalog.evals import Evaluation, dataset_id, examples_from, resolve_targets
 from mint_server.api.core import Core
-from mint_server.api.evals import Evaluation, dataset_id, examples_from, resolve_targets
-from mint_server.api.mint_types import EvalRequest, EvalResponse, EvalRevisionResult, RunMetricsReport
-from mint_server.api.runs import check_project
-from mint_server.api.sessions import Session
-from mint_server.api.usage import CHECKPOINT, PREFILL, SAMPLE, TRAINING
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.runs import check_project
+from mint_server.api.state.sessions import Session
+from mint_server.api.state.usage import CHECKPOINT, PREFILL, SAMPLE, TRAINING
+from mint_server.api.tinker.codec import describe_validation_error
+from mint_server.api.tinker.mint_types import EvalRequest, EvalResponse, EvalRevisionResult, RunMetricsReport
+from mint_server.api.tinker.validate import InvalidInput
 
 # tinker's audit event types → the event name prefixes they cover (events are `<resource>_<action>`)
 AUDIT_TYPES: dict[str, tuple[str, ...] | None] = {
@@ -239,7 +239,7 @@ class AdminService:
 
 
 class EvalService:
-    """`POST /api/v1/mint/evals`: an eval comparing revisions, run as a future (api/evals.py)."""
+    """`POST /api/v1/mint/evals`: an eval comparing revisions, run as a future (api/catalog/evals.py)."""
 
     def __init__(self, core: Core, tokenizer: Any) -> None:
         self.core = core

@@ -1,6 +1,6 @@
 """The dashboard's pages as HTML strings: plain server-rendered markup, one small script
 (static/dashboard.js) for the live parts and the vendored uPlot for curves. Every value that comes
-from data is escaped here; the routes (api/dashboard.py) only gather what a page shows.
+from data is escaped here; the routes (api/admin/dashboard.py) only gather what a page shows.
 """
 
 from __future__ import annotations

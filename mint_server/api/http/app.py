@@ -8,25 +8,21 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from mint_server.api import (
-    CATALOG_PREFIX,
-    dashboard,
-    openapi,
-    routes_admin,
-    routes_keys,
-    routes_rest,
-    routes_service,
-    routes_training,
-)
+from mint_server.api import CATALOG_PREFIX
+from mint_server.api.admin import dashboard
+from mint_server.api.admin import routes as admin_routes
 from mint_server.api.anthropic import routes as anthropic_routes
-from mint_server.api.auth import TRAIN, Authenticator, Principal, Signer
-from mint_server.api.http import BodyLimit, install_error_handlers, needs
-from mint_server.api.jsonsafe import SafeJSONResponse
-from mint_server.api.metrics import Metrics
+from mint_server.api.auth import routes as key_routes
+from mint_server.api.auth.keys import TRAIN, Authenticator, Principal, Signer
+from mint_server.api.catalog.routes import make_catalog_router
+from mint_server.api.http import openapi
+from mint_server.api.http.jsonsafe import SafeJSONResponse
+from mint_server.api.http.metrics import Metrics
+from mint_server.api.http.plumbing import BodyLimit, install_error_handlers, needs
 from mint_server.api.openai import routes as openai_routes
-from mint_server.api.routes_catalog import make_catalog_router
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
+from mint_server.api.tinker import rest_routes, session_routes, training_routes
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.keys import KeyStore
 from mint_server.engine.interface import Engine
@@ -64,12 +60,12 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.state.authenticator = authenticator
     install_error_handlers(app)
     openapi.install(app)
-    app.include_router(routes_service.router)
-    app.include_router(routes_service.metrics_router)
-    app.include_router(routes_training.router)
-    app.include_router(routes_rest.router)
-    app.include_router(routes_keys.router)
-    app.include_router(routes_admin.router)
+    app.include_router(session_routes.router)
+    app.include_router(session_routes.metrics_router)
+    app.include_router(training_routes.router)
+    app.include_router(rest_routes.router)
+    app.include_router(key_routes.router)
+    app.include_router(admin_routes.router)
     dashboard.install(app)
     for router in openai_routes.routers:
         app.include_router(router)

@@ -16,8 +16,8 @@ from typing import Any
 
 from tinker import types
 
-from mint_server.api.runs import NotFound
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.validate import InvalidInput
 
 
 @dataclass

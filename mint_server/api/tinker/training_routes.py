@@ -13,16 +13,16 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from tinker import types
 
-from mint_server.api import codec
-from mint_server.api.auth import SERVE, TRAIN, Principal
-from mint_server.api.http import decompress, json_body, needs, ordered_ids, parse, service
-from mint_server.api.mint_types import (
+from mint_server.api.auth.keys import SERVE, TRAIN, Principal
+from mint_server.api.http.openapi import ForwardBackwardBody, ForwardBody, body_doc
+from mint_server.api.http.plumbing import decompress, json_body, needs, ordered_ids, parse, service
+from mint_server.api.tinker import codec
+from mint_server.api.tinker.mint_types import (
     EXTENSIONS_HEADER,
     ForwardBackwardReverseKLRequest,
     InterpolateCheckpointsRequest,
     MintSampleRequest,
 )
-from mint_server.api.openapi import ForwardBackwardBody, ForwardBody, body_doc
 
 router = APIRouter(prefix="/api/v1")
 T = TypeVar("T")

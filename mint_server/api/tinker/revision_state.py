@@ -11,7 +11,7 @@ base and refuses what it cannot compute exactly), and turned once into a weights
 dir under the ephemeral root, keyed by its content (sha256): the engine's own `load_state` then
 starts the new model from it, and a model whose replica dies resumes from it like from any state.
 
-Used by api/training.py (`create_from_state`, `load_weights`): `resolve(core, path, owner)` returns
+Used by api/tinker/training.py (`create_from_state`, `load_weights`): `resolve(core, path, owner)` returns
 None for a checkpoint path, else the revision's LoRA config and state dir; `await
 ensure_state(core, state)` before the engine's `load_state(None | adapter, state.state_dir, False, …)`.
 """
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from tinker import types
 
-from mint_server.api.paths import parse_policy_ref
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.paths import parse_policy_ref
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog.records import Revision
 from mint_server.engine.interface import AdapterSource
 

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, ConfigDict
 
 from mint_server.api import KEYS_PREFIX
-from mint_server.api.auth import ADMIN, SCOPES, Principal, issue_key
-from mint_server.api.http import needs, parse, service
-from mint_server.api.openapi import body_doc
+from mint_server.api.auth.keys import ADMIN, SCOPES, Principal, issue_key
+from mint_server.api.http.openapi import body_doc
+from mint_server.api.http.plumbing import needs, parse, service
 from mint_server.catalog.keys import KeyStore
 from mint_server.catalog.records import to_dict
 

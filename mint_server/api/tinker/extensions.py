@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 from tinker import types
 
-from mint_server.api.auth import Principal
-from mint_server.api.codec import check_tensor, tensor_json
+from mint_server.api.auth.keys import Principal
 from mint_server.api.core import Core, TrainingModel
-from mint_server.api.mint_types import (
+from mint_server.api.tinker.codec import check_tensor, tensor_json
+from mint_server.api.tinker.mint_types import (
     ForwardBackwardReverseKLRequest,
     ForwardBackwardReverseKLResponse,
     InterpolateCheckpointsRequest,
@@ -23,9 +23,9 @@ from mint_server.api.mint_types import (
     ReverseKLItemOutput,
     WireTensor,
 )
-from mint_server.api.paths import CheckpointRef, check_name, is_checkpoint_path, parse_policy_ref
-from mint_server.api.training import TrainingService
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.paths import CheckpointRef, check_name, is_checkpoint_path, parse_policy_ref
+from mint_server.api.tinker.training import TrainingService
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource, ReverseKLDatum
 
 

@@ -17,19 +17,21 @@ from typing import Any
 from pydantic import ValidationError
 from tinker import types
 
-from mint_server.api.auth import Principal
-from mint_server.api.codec import describe_validation_error
-from mint_server.api.codec import encode_prompt_extras as encode_prompt_extras  # moved to codec; re-exported
+from mint_server.api.auth.keys import Principal
 from mint_server.api.core import Core, SamplingSession, TrainingModel, waits_on_engine
-from mint_server.api.futures import CompletionLog
-from mint_server.api.mint_types import (
+from mint_server.api.state.futures import CompletionLog
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.codec import describe_validation_error
+from mint_server.api.tinker.codec import (
+    encode_prompt_extras as encode_prompt_extras,  # moved to codec; re-exported
+)
+from mint_server.api.tinker.mint_types import (
     EXTENSIONS_HEADER,
     MintSampleRequest,
     MintSamplingParams,
     SamplingExtensions,
 )
-from mint_server.api.runs import NotFound
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource
 
 

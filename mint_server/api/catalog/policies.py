@@ -20,8 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mint_server.api.runs import NotFound
-from mint_server.api.validate import InvalidInput
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.errors import IntegrityError, InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound

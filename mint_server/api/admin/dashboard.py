@@ -10,7 +10,7 @@ still log in). Every form that changes something also carries a token derived fr
 Everything shown is looked up by the key's owner: another tenant's policies, runs and revisions are
 404s, and of the engine's per-key figures only the caller's own and the total appear.
 
-HTML is rendered by api/dashboard_html.py; catalog reads run off the event loop.
+HTML is rendered by api/admin/dashboard_html.py; catalog reads run off the event loop.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from fastapi import APIRouter, FastAPI, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from mint_server.api import dashboard_html as html
-from mint_server.api.auth import TRAIN, AuthError, Principal, ScopeError
-from mint_server.api.http import BodyTooLarge, service
-from mint_server.api.runs import NotFound
+from mint_server.api.admin import dashboard_html as html
+from mint_server.api.auth.keys import TRAIN, AuthError, Principal, ScopeError
+from mint_server.api.http.plumbing import BodyTooLarge, service
+from mint_server.api.state.runs import NotFound
 from mint_server.catalog.errors import InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound
 

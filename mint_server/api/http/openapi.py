@@ -57,7 +57,7 @@ class CancelFutureBody(BaseModel):
     request_id: str
 
 
-# What any route may answer besides its success, and why (api/http.py's STATUS_OF and the body
+# What any route may answer besides its success, and why (api/http/plumbing.py's STATUS_OF and the body
 # limits apply to every route). Routes that take no credential (no `security` entry) never answer
 # 401 or 403.
 ERROR_STATUSES = {

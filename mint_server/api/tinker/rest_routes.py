@@ -17,12 +17,12 @@ from fastapi.responses import FileResponse
 from starlette.background import BackgroundTask
 from tinker import types
 
-from mint_server.api.auth import SERVE, TRAIN, Principal
-from mint_server.api.codec import DecodeError
-from mint_server.api.http import json_body, needs, parse, service
-from mint_server.api.openapi import TtlBody, WeightsInfoBody, body_doc
-from mint_server.api.paths import CheckpointRef
-from mint_server.api.runs import NotFound
+from mint_server.api.auth.keys import SERVE, TRAIN, Principal
+from mint_server.api.http.openapi import TtlBody, WeightsInfoBody, body_doc
+from mint_server.api.http.plumbing import json_body, needs, parse, service
+from mint_server.api.state.runs import NotFound
+from mint_server.api.tinker.codec import DecodeError
+from mint_server.api.tinker.paths import CheckpointRef
 from mint_server.model.peft_archive import write_archive_dir
 
 router = APIRouter(prefix="/api/v1")

@@ -9,13 +9,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.requests import ClientDisconnect
 
 from mint_server.api.admission import Busy, ShuttingDown
-from mint_server.api.auth import AuthError, ScopeError
-from mint_server.api.codec import DecodeError
-from mint_server.api.jsonsafe import JSONInputError
-from mint_server.api.ordering import SeqError
-from mint_server.api.paths import PathError
-from mint_server.api.runs import NotFound
-from mint_server.api.sessions import SessionGone
+from mint_server.api.auth.keys import AuthError, ScopeError
+from mint_server.api.http.jsonsafe import JSONInputError
+from mint_server.api.state.runs import NotFound
+from mint_server.api.state.sessions import SessionGone
+from mint_server.api.tinker.codec import DecodeError
+from mint_server.api.tinker.ordering import SeqError
+from mint_server.api.tinker.paths import PathError
 from mint_server.catalog.errors import AlreadyExists, IntegrityError, InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound
 from mint_server.engine.interface import EngineError, EngineFailed

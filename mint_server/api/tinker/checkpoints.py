@@ -13,9 +13,10 @@ from pathlib import Path
 
 from tinker import types
 
-from mint_server.api.auth import Principal, random_id
+from mint_server.api.auth.keys import Principal, random_id
 from mint_server.api.core import Core
-from mint_server.api.paths import (
+from mint_server.api.state.runs import CheckpointRecord, NotFound, RunRecord, check_project
+from mint_server.api.tinker.paths import (
     CHECKPOINT_TYPE,
     CheckpointRef,
     check_name,
@@ -23,10 +24,9 @@ from mint_server.api.paths import (
     parse_kind,
     parse_policy_ref,
 )
-from mint_server.api.revision_state import lora_of
-from mint_server.api.runs import CheckpointRecord, NotFound, RunRecord, check_project
-from mint_server.api.training import check_ttl
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.revision_state import lora_of
+from mint_server.api.tinker.training import check_ttl
+from mint_server.api.tinker.validate import InvalidInput
 
 
 def _time(ts: float) -> datetime:

@@ -104,7 +104,7 @@ class _Strict(BaseModel):
 
 
 class EvalRequest(_Strict):
-    """`POST /api/v1/mint/evals` (see api/evals.py)."""
+    """`POST /api/v1/mint/evals` (see api/catalog/evals.py)."""
 
     revisions: list[str] = Field(min_length=1, max_length=32)  # NAME@N, NAME@ALIAS, NAME@<sha prefix>
     metric: Literal["exact_match", "contains", "regex", "logprob"]

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mint_server.api.paths import KINDS, CheckpointRef, Kind, check_name, check_run_id
-from mint_server.api.validate import InvalidInput
+from mint_server.api.tinker.paths import KINDS, CheckpointRef, Kind, check_name, check_run_id
+from mint_server.api.tinker.validate import InvalidInput
 from mint_server.fsutil import (
     atomic_write_json,
     dir_size,

@@ -25,13 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mint_server.api import jsonsafe
-from mint_server.api.auth import Principal
-from mint_server.api.codec import DecodeError, describe_validation_error
-from mint_server.api.jsonsafe import JSONInputError, SafeJSONResponse
+from mint_server.api.auth.keys import Principal
+from mint_server.api.http import jsonsafe
+from mint_server.api.http.jsonsafe import JSONInputError, SafeJSONResponse
+from mint_server.api.http.statuses import STATUS_OF, BodyTooLarge, RequestTimeout, status_for
 from mint_server.api.openai.errors import OpenAIError, is_openai_path, openai_error_response
 from mint_server.api.service import Service
-from mint_server.api.statuses import STATUS_OF, BodyTooLarge, RequestTimeout, status_for
+from mint_server.api.tinker.codec import DecodeError, describe_validation_error
 from mint_server.catalog.errors import IntegrityError
 
 log = logging.getLogger(__name__)

@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import APIRouter, Query, Request, Response
 from tinker import types
 
-from mint_server.api.auth import ADMIN, SERVE, TRAIN, Principal
-from mint_server.api.http import json_body, needs, parse, service
-from mint_server.api.mint_types import EvalRequest, RunMetricsReport
-from mint_server.api.openapi import ProjectBody, body_doc
-from mint_server.api.validate import InvalidInput
+from mint_server.api.auth.keys import ADMIN, SERVE, TRAIN, Principal
+from mint_server.api.http.openapi import ProjectBody, body_doc
+from mint_server.api.http.plumbing import json_body, needs, parse, service
+from mint_server.api.tinker.mint_types import EvalRequest, RunMetricsReport
+from mint_server.api.tinker.validate import InvalidInput
 
 router = APIRouter(prefix="/api/v1")
 CONFIGURED_KEY_NAME = "configured key"  # keys given to `mint serve` have no name of their own

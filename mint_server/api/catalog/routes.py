@@ -20,8 +20,8 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from mint_server.api.http import BodyTooLarge, CheckedRoute
-from mint_server.api.jsonsafe import INT64_MAX
+from mint_server.api.http.jsonsafe import INT64_MAX
+from mint_server.api.http.plumbing import BodyTooLarge, CheckedRoute
 from mint_server.catalog import archive
 from mint_server.catalog import seed as seeding
 from mint_server.catalog.catalog import Catalog

@@ -1,0 +1,1 @@
+"""API keys, scopes and signed tokens, and the routes that manage keys."""

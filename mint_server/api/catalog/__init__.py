@@ -1,0 +1,1 @@
+"""The policy catalog over HTTP: policies, revisions, aliases and evals (MLflow-registry style)."""

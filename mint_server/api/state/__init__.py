@@ -1,0 +1,1 @@
+"""The service's state stores: training runs and checkpoints, sessions, futures, usage, per-run metrics."""
