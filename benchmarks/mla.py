@@ -21,9 +21,9 @@ import torch
 from benchmarks.common import median_seconds
 from mint_server.model.config import ModelConfig
 from mint_server.model.deepseek import DeepseekTransformer, MLAttention
+from mint_server.model.kv_cache import CacheView, KVCache
 from mint_server.model.lora import LoraBank
 from mint_server.model.plan import kv_elems_per_token
-from mint_server.model.transformer import CacheView, KVCache
 
 CONFIGS = Path(__file__).resolve().parent.parent / "docs" / "configs"
 V3 = {  # DeepSeek-V3's attention dims (the MoE does not change the KV cache)

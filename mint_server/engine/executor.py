@@ -27,10 +27,11 @@ from torch import Tensor
 from mint_server.engine.sampler_ops import score_targets
 from mint_server.model.compiled import CompileStats, DecodeGraph, configure_cache, unsupported
 from mint_server.model.images import PromptImages
+from mint_server.model.kv_cache import CacheView, KVCache, RaggedView
 from mint_server.model.lora import LoraBank, LoraBatch
 from mint_server.model.qwen3_vl import FeatureCache
 from mint_server.model.recurrent_state import StateCache, StateView
-from mint_server.model.transformer import CacheView, KVCache, RaggedView, Transformer
+from mint_server.model.transformer import Transformer
 
 
 @dataclass

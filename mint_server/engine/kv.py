@@ -1,7 +1,7 @@
 """Block bookkeeping for the paged KV cache: which blocks are free, how many tables use each, and
 which full blocks the prefix cache keeps for later requests.
 
-The tensors live in `mint_server.model.transformer.KVCache`; this is only the allocator the sampler
+The tensors live in `mint_server.model.kv_cache.KVCache`; this is only the allocator the sampler
 uses to hand blocks out, share a prompt's full blocks between the samples forked from it, and take
 them back when the last sequence using them finishes.
 
@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from mint_server.model.transformer import KVCache
+from mint_server.model.kv_cache import KVCache
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -44,8 +44,8 @@ from mint_server.engine.optim import STEP_OF, Pairs, family_of, step_or_rollback
 from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
 from mint_server.engine.values import AdamState, EngineError, EngineFailed
 from mint_server.model import tp as tpmod
+from mint_server.model.kv_cache import KVCache
 from mint_server.model.lora import LoraBank
-from mint_server.model.transformer import KVCache
 
 log = logging.getLogger(__name__)
 OPS: dict[str, Callable[..., Any]] = {}

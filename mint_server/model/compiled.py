@@ -44,8 +44,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mint_server.model import invariant, kernels
+from mint_server.model.kv_cache import KVCache
 from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBank
-from mint_server.model.transformer import MLP, Block, KVCache, Transformer, signed_sin
+from mint_server.model.transformer import MLP, Block, Transformer, signed_sin
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,11 @@ from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.deepseek_v4 import DeepseekV4Transformer
+from mint_server.model.kv_cache import CacheView
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
 from mint_server.model.tp_group import TP
-from mint_server.model.transformer import MLP, CacheView, RMSNorm, Transformer, apply_rope, project
+from mint_server.model.transformer import MLP, RMSNorm, Transformer, apply_rope, project
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: HF builds them with the default eps
 

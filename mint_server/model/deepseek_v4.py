@@ -37,10 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.kv_cache import CacheView
 from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import rope_attention_factor
 from mint_server.model.moe import SparseMoE
-from mint_server.model.transformer import CacheView, Transformer, project, yarn_inv_freq
+from mint_server.model.transformer import Transformer, project, yarn_inv_freq
 from mint_server.model.v4_spec import CSA, SLIDING, V4Spec
 
 

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.deepseek import DeepseekBlock, DeepseekTransformer
+from mint_server.model.kv_cache import CacheView
 from mint_server.model.lora import LoraBatch
-from mint_server.model.transformer import CacheView
 
 
 class GlmMoeDsaBlock(DeepseekBlock):

@@ -3,8 +3,8 @@
 Attention is the shared `transformer.Attention` with this family's switches (config.py): biases on
 q/k/v/o; a learned logit per head (`sinks`) that joins every softmax as a key with no value; and on
 the `sliding_attention` layers (every other one) a window of the last `sliding_window` positions,
-the query's own included — in training, prefill and the paged decode alike (`transformer.attend`,
-`transformer.visible`). RoPE is YaRN, rotate-half.
+the query's own included — in training, prefill and the paged decode alike (`kv_cache.attend`,
+`kv_cache.visible`). RoPE is YaRN, rotate-half.
 
 Every layer's MLP is routed experts (`GptOssMoE`, on `moe.SparseMoE`'s pair grouping and expert
 LoRA): the router is a linear with a bias; a token keeps its top-k router logits and softmaxes only

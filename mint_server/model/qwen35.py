@@ -27,10 +27,11 @@ from torch import Tensor, nn
 
 from mint_server.model import kernels
 from mint_server.model.config import ModelConfig
+from mint_server.model.kv_cache import CacheView
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
 from mint_server.model.recurrent_state import StateView
-from mint_server.model.transformer import MLP, CacheView, Transformer, apply_rope, project
+from mint_server.model.transformer import MLP, Transformer, apply_rope, project
 
 CHUNK = 64  # the chunked form's chunk length (transformers' default)
 L2NORM_EPS = 1e-6

@@ -10,10 +10,10 @@ from tinker import types
 
 from mint_server.model.config import ModelConfig, ModelError, UnsupportedModelError
 from mint_server.model.deepseek_v4 import V4Attention
+from mint_server.model.kv_cache import CacheView, KVCache, kv_bytes_per_token
 from mint_server.model.loader import load_model
 from mint_server.model.lora import COMPRESSOR_TARGETS, V4_TARGETS, LoraBank, target_layers
 from mint_server.model.peft_io import load_peft, save_peft
-from mint_server.model.transformer import CacheView, KVCache, kv_bytes_per_token
 from mint_server.model.v4_spec import CSA, HCA, SLIDING
 from tests.deepseek_v4.helpers import merged_logits
 from tests.deepseek_v4.tiny_v4 import LAYER_TYPES

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 from mint_server.cli import app
 from mint_server.model.config import ModelConfig
 from mint_server.model.deepseek_v4 import DeepseekV4Transformer
+from mint_server.model.kv_cache import kv_bytes_per_token
 from mint_server.model.plan import count_params, plan
-from mint_server.model.transformer import kv_bytes_per_token
 
 CONFIGS = Path(__file__).resolve().parents[2] / "docs" / "configs"
 

@@ -7,9 +7,9 @@ import torch
 from tinker import types
 
 from mint_server.engine.records import SamplingRecords
+from mint_server.model.kv_cache import KVCache, RaggedView
 from mint_server.model.loader import load_model
 from mint_server.model.lora import LoraBank
-from mint_server.model.transformer import KVCache, RaggedView
 from tests.engine.helpers import AdapterRegistry
 from tests.engine.helpers import SamplerHarness as Sampler
 from tests.families.helpers import merge_in_place

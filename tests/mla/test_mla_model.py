@@ -7,9 +7,9 @@ from tinker import types
 
 from mint_server.model.config import ModelConfig
 from mint_server.model.deepseek import MLAttention
+from mint_server.model.kv_cache import CacheView, KVCache, kv_bytes_per_token
 from mint_server.model.loader import load_model
 from mint_server.model.lora import ALL_TARGETS, MLA_TARGETS, SHARED_TARGETS, LoraBank, target_layers
-from mint_server.model.transformer import CacheView, KVCache, kv_bytes_per_token
 from tests.engine.helpers import AdapterRegistry, TrainRequest
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.mla.helpers import merged_logits

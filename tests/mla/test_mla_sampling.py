@@ -8,8 +8,8 @@ from tinker import types
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.settings import EngineSettings
 from mint_server.model.config import ModelConfig
+from mint_server.model.kv_cache import kv_bytes_per_token
 from mint_server.model.loader import load_model
-from mint_server.model.transformer import kv_bytes_per_token
 from tests.engine.helpers import AdapterRegistry
 from tests.engine.helpers import SamplerHarness as Sampler
 from tests.mla.helpers import merge_in_place

@@ -8,13 +8,13 @@ from transformers import AutoModelForCausalLM
 
 from mint_server.model import invariant
 from mint_server.model.config import ModelConfig, UnsupportedModelError
+from mint_server.model.kv_cache import CacheView, KVCache, kv_bytes_per_token
 from mint_server.model.loader import load_model
 from mint_server.model.lora import LINEAR_TARGETS, LoraBank, target_layers
 from mint_server.model.peft_io import load_peft, save_peft
 from mint_server.model.qwen35 import chunk_delta_rule, recurrent_delta_step
 from mint_server.model.recurrent_state import StateCache, StateView
 from mint_server.model.tp import TPNotSupportedError, check_supported
-from mint_server.model.transformer import CacheView, KVCache, kv_bytes_per_token
 from tests.engine.helpers import AdapterRegistry, TrainRequest
 from tests.engine.helpers import TrainerHarness as Trainer
 from tests.model.test_parity import random_adapter

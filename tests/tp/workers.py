@@ -8,9 +8,9 @@ import torch
 
 from mint_server.model import kernels
 from mint_server.model import tp as tpmod
+from mint_server.model.kv_cache import CacheView, KVCache
 from mint_server.model.loader import load_model
 from mint_server.model.lora import LoraBank, LoraBatch, init_lora_weights, select_targets, target_experts
-from mint_server.model.transformer import CacheView, KVCache
 
 
 def random_adapters(cfg, n: int, rank: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
