@@ -11,12 +11,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
 from mint_server.model.v4_spec import V4Spec, parse_v4
 from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
+
+if TYPE_CHECKING:
+    from mint_server.model.prequant import Prequantized
 
 
 class ModelError(ValueError):
@@ -122,6 +125,9 @@ class ModelConfig:
     # DeepSeek-V4 (family.compressed): head_dim is the one shared K=V head's, num_kv_heads 1, every
     # layer's MLP a MoE (intermediate_size = moe_intermediate_size: the shared expert's width).
     v4: V4Spec | None = None
+    # A pre-quantized checkpoint (`quantization_config`: fp8 block-scaled, MXFP4): how its weights are
+    # stored; the loader dequantizes them (prequant.py). None: plain float weights.
+    prequantized: Prequantized | None = None
 
     @property
     def family(self) -> Family:
@@ -158,6 +164,9 @@ class ModelConfig:
     def from_hf_dict(cls, hf: dict[str, Any]) -> ModelConfig:
         archs = hf.get("architectures") or [MODEL_TYPES.get(hf.get("model_type", ""), "")]
         arch = archs[0] if archs else ""
+        text_cfg = hf.get("text_config")
+        quantization = hf.get("quantization_config") or (
+            text_cfg.get("quantization_config") if isinstance(text_cfg, dict) else None)
         if arch in TEXT_MODEL_OF and isinstance(text := hf.get("text_config"), dict):
             tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
             arch = TEXT_MODEL_OF[arch]
@@ -167,6 +176,10 @@ class ModelConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
             )
         family = FAMILIES[arch]
+        # Imported here: prequant raises this module's errors.
+        from mint_server.model.prequant import parse_quantization
+
+        prequantized = parse_quantization(quantization, family.name)
         top = hf
         try:
             if family.vision:
@@ -229,6 +242,7 @@ class ModelConfig:
                 rope_scaling=dict(rope) if rope_type in ("llama3", "yarn") else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                prequantized=prequantized,
                 **moe,
             )
         except KeyError as e:
@@ -290,9 +304,6 @@ def _moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss: every layer's MLP is routed experts of `intermediate_size`; sliding / full layers."""
-    quant = (hf.get("quantization_config") or {}).get("quant_method")
-    if quant:
-        raise UnsupportedModelError(f"quantized checkpoints ({quant}) are not supported: dequantize to bf16 first")
     layers = int(hf["num_hidden_layers"])
     types = tuple(hf.get("layer_types") or ("sliding_attention" if i % 2 == 0 else "full_attention"
                                             for i in range(layers)))

@@ -6,6 +6,9 @@ fused layout (`mlp.experts.gate_up_proj` [E, 2·I, H], gate rows first, and `mlp
 [E, H, I]). Qwen3-VL-MoE checkpoints on the Hub hold the fused tensors transposed ([E, H, 2·I],
 [E, I, H]); like transformers, a fused tensor whose shape is the transpose of ours is transposed
 (when H = 2·I the two cannot be told apart and ours is assumed, as transformers assumes).
+
+Pre-quantized checkpoints (fp8 block-scaled, MXFP4: `ModelConfig.prequantized`) are dequantized as
+their tensors are read (prequant.DequantizingReader), on every device, to the engine's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.deepseek import model_class
 from mint_server.model.glm_moe_dsa import GlmMoeDsaTransformer
 from mint_server.model.gpt_oss import GptOssTransformer
+from mint_server.model.prequant import DequantizingReader
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
 from mint_server.model.transformer import Transformer, mrope_axes, rope_inv_freq
 
@@ -109,7 +113,8 @@ def load_model(
     convert = getattr(model, "convert_checkpoint", None)  # a family's own checkpoint layout (gpt-oss experts)
     rename = deepseek_v4.checkpoint_name if cfg.v4 is not None else our_name
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            sf = DequantizingReader(handle, cfg.prequantized, files)  # pre-quantized weights read as floats
             for name in sf.keys():
                 ours = rename(name)
                 if ours is None:

@@ -252,9 +252,11 @@ def test_unsupported_modes_are_refused_by_name(fixture, request):
     assert not invariant.enabled()
 
 
-def test_quantized_gpt_oss_is_refused(gpt_oss_dir):
+def test_quantized_gpt_oss_reads_mxfp4_and_refuses_other_methods(gpt_oss_dir):
+    """MXFP4 is read (dequantized at load: tests/model/test_prequantized.py); other methods are refused by name."""
     import json
 
     hf = json.loads((gpt_oss_dir / "config.json").read_text())
-    with pytest.raises(ModelError, match="mxfp4.*dequantize"):
-        ModelConfig.from_hf_dict({**hf, "quantization_config": {"quant_method": "mxfp4"}})
+    assert ModelConfig.from_hf_dict({**hf, "quantization_config": {"quant_method": "mxfp4"}}).prequantized.method == "mxfp4"
+    with pytest.raises(ModelError, match="quantization_config.quant_method 'gptq'"):
+        ModelConfig.from_hf_dict({**hf, "quantization_config": {"quant_method": "gptq"}})

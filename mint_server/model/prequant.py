@@ -1,0 +1,222 @@
+"""Pre-quantized checkpoints: read their `quantization_config` and dequantize their weights at load.
+
+Two layouts are read, both dequantized on every device to the engine's dtype (fp32 on CPU, bf16 on
+CUDA) as the tensors are read, so the model, LoRA and every kernel see plain float weights:
+
+- **fp8 block-scaled** (`quant_method: "fp8"`, DeepSeek-V3/V3.2, GLM-5, Qwen3 FP8 checkpoints): a
+  quantized weight `W` [..., out, in] is float8_e4m3fn, with a companion `W_scale_inv`
+  [..., ceil(out/b0), ceil(in/b1)] for `weight_block_size: [b0, b1]`; the weight is
+  `W.float() · scale_inv` with each scale repeated over its b0 × b1 block (the last block of a row
+  or column may be partial when b does not divide the shape, as transformers' and vLLM's
+  dequantization crop it). Scales are float32 (or bf16), or powers of two stored as e8m0
+  (`float8_e8m0fnu`, or uint8 with bias 127). Weights without a scale (embeddings, norms, the
+  router, whatever `modules_to_not_convert` lists) are stored unquantized and read as they are.
+- **MXFP4** (`quant_method: "mxfp4"`, gpt-oss): an expert stack `P` is stored as `P_blocks` [E, R,
+  G, 16] uint8 — two fp4 e2m1 values per byte, the low nibble first — and `P_scales` [E, R, G] uint8,
+  one e8m0 exponent (2^(s − 127)) per group of 32 values; dequantized it is [E, R, 32·G],
+  transposed to transformers' [E, 32·G, R] (transformers' `convert_moe_packed_tensors`).
+
+A config we cannot read is refused naming its field (`quantization_config.<key>`); a checkpoint
+whose tensors disagree with it (a quantized weight without its scale, a scale of the wrong shape,
+quantized tensors without a quantization_config) is refused naming the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+from mint_server.model.config import ModelError, UnsupportedModelError
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+# Per-tensor activation scales of "static" checkpoints: not weights, never read.
+FP8_SKIPPED_SUFFIXES = ("_scale_inv", ".activation_scale", ".input_scale")
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+# fp4 e2m1 codes 0..15: sign bit 3, then a 2-bit exponent and a 1-bit mantissa.
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+METHODS = ("fp8", "mxfp4")
+
+
+@dataclass(frozen=True)
+class Prequantized:
+    """How a checkpoint's weights are stored: `method` fp8 (with its block) or mxfp4."""
+
+    method: str
+    block: tuple[int, int] = (0, 0)  # fp8: weight_block_size (rows, columns)
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}-dequantized"
+
+
+def _refuse(key: str, value: object, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"quantization_config.{key} {value!r}: {why}")
+
+
+def parse_quantization(raw: object, family: str) -> Prequantized | None:
+    """The checkpoint's storage from config.json's `quantization_config` (None: plain weights);
+    UnsupportedModelError naming the field for anything we cannot dequantize exactly."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise UnsupportedModelError(f"quantization_config must be an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method == "fp8":
+        if family == "deepseek_v4":  # its checkpoints name scales and fp4 experts their own way
+            raise _refuse("quant_method", method, "not read for DeepSeek-V4 yet: dequantize to bf16 first")
+        fmt = raw.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise _refuse("fmt", fmt, "only e4m3 fp8 weights are read")
+        block = raw.get("weight_block_size")
+        if block is None:
+            raise _refuse("weight_block_size", block, "per-tensor fp8 is not read; a block-scaled checkpoint "
+                          "names its [rows, columns] block here")
+        if not (isinstance(block, list | tuple) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise _refuse("weight_block_size", block, "expected two positive integers [rows, columns]")
+        scheme = raw.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise _refuse("activation_scheme", scheme, "only dynamic activation scaling is read")
+        scale_fmt = raw.get("scale_fmt", "float")
+        if scale_fmt not in ("float", "ue8m0"):
+            raise _refuse("scale_fmt", scale_fmt, "expected 'float' or 'ue8m0'")
+        expert_dtype = raw.get("expert_dtype", "fp8")
+        if expert_dtype != "fp8":
+            raise _refuse("expert_dtype", expert_dtype, "only fp8 experts are read")
+        return Prequantized("fp8", (block[0], block[1]))
+    if method == "mxfp4":
+        if family != "gpt_oss":
+            raise _refuse("quant_method", method, f"MXFP4 is read for gpt-oss checkpoints only, not {family}")
+        return Prequantized("mxfp4")
+    if method is None:
+        raise UnsupportedModelError(f"quantization_config.quant_method is missing; supported: {list(METHODS)}")
+    raise _refuse("quant_method", method, f"not supported; supported: {list(METHODS)}")
+
+
+def scale_values(scales: Tensor) -> Tensor:
+    """float32 multipliers of stored scales: floats as they are; e8m0 exponents (uint8 or
+    float8_e8m0fnu) as 2^(s − 127)."""
+    if scales.dtype == torch.uint8:
+        return torch.exp2(scales.float() - 127.0)
+    return scales.float()  # float32 / bf16, and float8_e8m0fnu (torch casts it to its power of two)
+
+
+def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, int], name: str = "weight") -> Tensor:
+    """float32 weight · its block scales ([..., out, in] with scales [..., ceil(out/b0), ceil(in/b1)])."""
+    if weight.dim() < 2:
+        raise ModelError(f"fp8 tensor {name!r} has shape {tuple(weight.shape)}: block scaling needs a matrix")
+    rows, cols = weight.shape[-2:]
+    want = (*weight.shape[:-2], math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    if tuple(scale_inv.shape) != want:
+        raise ModelError(f"{name}{FP8_SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; weight {name!r} "
+                         f"{tuple(weight.shape)} in blocks of {list(block)} needs {want}")
+    scale = scale_values(scale_inv)
+    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
+    return weight.float() * scale
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor, name: str = "weight") -> Tensor:
+    """float32 [..., R, 32·G] of MXFP4 `blocks` [..., R, G, 16] and `scales` [..., R, G], with the
+    last two dims swapped as transformers keeps gpt-oss experts ([E, 32·G, R])."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 3:
+        raise ModelError(f"MXFP4 tensors of {name!r}: expected uint8 blocks [..., groups, 16] and uint8 scales, "
+                         f"got {blocks.dtype} {tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    if tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ModelError(f"{name}{MXFP4_SCALES} has shape {tuple(scales.shape)}; {name}{MXFP4_BLOCKS} "
+                         f"{tuple(blocks.shape)} needs {tuple(blocks.shape[:-1])}")
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
+    values = values.flatten(-2) * scale_values(scales).unsqueeze(-1)  # [..., R, G, 32]
+    return values.flatten(-2).transpose(-2, -1).contiguous()
+
+
+class _Sliceable:
+    """A dequantized tensor behind safetensors' `get_slice` interface (the tensor-parallel reads)."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: Any) -> Tensor:
+        return self.tensor[index]
+
+
+class DequantizingReader:
+    """A safetensors handle whose quantized weights read as float32: `keys()` lists the checkpoint's
+    weights without their scales (an MXFP4 stack `P` in place of `P_blocks` / `P_scales`), and
+    `get_tensor` / `get_slice` dequantize. A companion stored in another shard is found through the
+    checkpoint's other files."""
+
+    def __init__(self, handle: Any, spec: Prequantized | None, files: list[Path]) -> None:
+        self.handle, self.spec, self.files = handle, spec, files
+        self.names = set(handle.keys())
+        self._elsewhere: dict[str, Path] | None = None
+        if spec is None:
+            packed = [n for n in self.names if n.endswith(FP8_SCALE_SUFFIX)
+                      or (n.endswith(MXFP4_BLOCKS) and n.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES in self.names)]
+            if packed:
+                raise ModelError(f"the checkpoint holds quantized tensors ({sorted(packed)[0]!r}) but config.json "
+                                 "has no quantization_config")
+
+    def keys(self) -> Iterator[str]:
+        for name in sorted(self.names):
+            if self.spec is not None and self.spec.method == "fp8" and name.endswith(FP8_SKIPPED_SUFFIXES):
+                continue
+            if self.spec is not None and self.spec.method == "mxfp4":
+                if name.endswith(MXFP4_SCALES) and name.removesuffix(MXFP4_SCALES) + MXFP4_BLOCKS in self.names:
+                    continue
+                if name.endswith(MXFP4_BLOCKS):
+                    yield name.removesuffix(MXFP4_BLOCKS)
+                    continue
+            yield name
+
+    def get_tensor(self, name: str) -> Tensor:
+        if self.spec is not None and self.spec.method == "mxfp4" and name + MXFP4_BLOCKS in self.names:
+            return dequantize_mxfp4(self.handle.get_tensor(name + MXFP4_BLOCKS), self._companion(name, MXFP4_SCALES),
+                                    name)
+        tensor = self.handle.get_tensor(name)
+        if tensor.dtype in _FLOAT8:
+            if self.spec is None or self.spec.method != "fp8":
+                raise ModelError(f"tensor {name!r} is {tensor.dtype} but config.json's quantization_config "
+                                 "does not say fp8")
+            return dequantize_fp8_blocks(tensor, self._companion(name, FP8_SCALE_SUFFIX), self.spec.block, name)
+        return tensor
+
+    def get_slice(self, name: str) -> Any:
+        if self.spec is None:
+            return self.handle.get_slice(name)
+        return _Sliceable(self.get_tensor(name))  # scales follow whole blocks: dequantize, then split
+
+    def _companion(self, name: str, suffix: str) -> Tensor:
+        """`name + suffix` from this shard, or from whichever shard of the checkpoint holds it."""
+        want = name + suffix
+        if want in self.names:
+            return self.handle.get_tensor(want)
+        if self._elsewhere is None:
+            self._elsewhere = _tensor_files(self.files)
+        if want not in self._elsewhere:
+            raise ModelError(f"quantized tensor {name!r} has no {want!r} in the checkpoint")
+        with safe_open(str(self._elsewhere[want]), framework="pt", device="cpu") as other:
+            return other.get_tensor(want)
+
+
+def _tensor_files(files: list[Path]) -> dict[str, Path]:
+    index = files[0].parent / "model.safetensors.index.json" if files else None
+    if index is not None and index.is_file():
+        return {k: index.parent / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+    out: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            out.update(dict.fromkeys(sf.keys(), f))
+    return out
