@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from mint_server.model.config import ModelConfig, ModelError, UnsupportedModelError
 from mint_server.model.loader import load_model
 from mint_server.model.prequant import FP4_E2M1_VALUES, dequantize_fp8_blocks, dequantize_mxfp4
-from tests.families.tiny_families import make_tiny_gpt_oss
+from tests.families.tiny_families import make_tiny_glm, make_tiny_gpt_oss
 from tests.mla.test_mla_model import tokens_of
 from tests.mla.tiny_deepseek import make_tiny_deepseek
 from tests.moe.helpers import load_hf
@@ -207,14 +207,28 @@ def test_fp8_dense_checkpoint_loads_dequantized_and_matches_transformers(qwen3_d
     check_loads_as_dequantized(*fp8_pair(qwen3_dir, tmp_path))
 
 
+def test_fp8_fused_expert_stacks_load_with_their_3d_scales(tmp_path):
+    """transformers' fused expert layout ([E, 2I, H] gate_up_proj): one scale grid per expert."""
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3_moe", tie=False, fused_experts=True)
+    quantized, dequantized = fp8_pair(src, tmp_path)
+    stacks = [k for k in load_file(str(quantized / "model.safetensors")) if k.endswith("experts.gate_up_proj_scale_inv")]
+    assert stacks, "the fused stacks were not quantized"
+    check_loads_as_dequantized(quantized, dequantized)
+
+
 def test_fp8_scales_in_another_shard_are_found(qwen3_dir, tmp_path):
     quantized, dequantized = fp8_pair(qwen3_dir, tmp_path, scales_apart=True)
     assert len(list(quantized.glob("model-*.safetensors"))) == 2
     check_loads_as_dequantized(quantized, dequantized)
 
 
-def test_fp8_deepseek_v3_mla_checkpoint_matches_transformers(tmp_path):
-    src = make_tiny_deepseek(tmp_path / "src", "v3")
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa"])
+def test_fp8_mla_checkpoint_matches_transformers(family, tmp_path):
+    """DeepSeek's own FP8 families, the V3.2 / GLM-5 indexer's projections quantized too."""
+    if family == "glm_moe_dsa":
+        src = make_tiny_glm(tmp_path / "src")
+    else:
+        src = make_tiny_deepseek(tmp_path / "src", "v3" if family == "deepseek_v3" else "v32")
     check_loads_as_dequantized(*fp8_pair(src, tmp_path))
 
 
