@@ -11,15 +11,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
+from mint_server.model.prequant_spec import Prequantized, parse_quantization
 from mint_server.model.v4_spec import V4Spec, parse_v4
 from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
-
-if TYPE_CHECKING:
-    from mint_server.model.prequant import Prequantized
 
 
 class ModelError(ValueError):
@@ -176,10 +174,10 @@ class ModelConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
             )
         family = FAMILIES[arch]
-        # Imported here: prequant raises this module's errors.
-        from mint_server.model.prequant import parse_quantization
-
-        prequantized = parse_quantization(quantization, family.name)
+        try:
+            prequantized = parse_quantization(quantization, family.name)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
         top = hf
         try:
             if family.vision:

@@ -16,7 +16,7 @@ CUDA) as the tensors are read, so the model, LoRA and every kernel see plain flo
   one e8m0 exponent (2^(s − 127)) per group of 32 values; dequantized it is [E, R, 32·G],
   transposed to transformers' [E, 32·G, R] (transformers' `convert_moe_packed_tensors`).
 
-A config we cannot read is refused naming its field (`quantization_config.<key>`); a checkpoint
+A config we cannot read is refused naming its field (`quantization_config.<key>`, prequant_spec.py); a checkpoint
 whose tensors disagree with it (a quantized weight without its scale, a scale of the wrong shape,
 quantized tensors without a quantization_config) is refused naming the tensor.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
-from mint_server.model.config import ModelError, UnsupportedModelError
+from mint_server.model.config import ModelError
+from mint_server.model.prequant_spec import Prequantized
 
 FP8_SCALE_SUFFIX = "_scale_inv"
 # Per-tensor activation scales of "static" checkpoints: not weights, never read.
@@ -43,63 +43,6 @@ MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # fp4 e2m1 codes 0..15: sign bit 3, then a 2-bit exponent and a 1-bit mantissa.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-METHODS = ("fp8", "mxfp4")
-
-
-@dataclass(frozen=True)
-class Prequantized:
-    """How a checkpoint's weights are stored: `method` fp8 (with its block) or mxfp4."""
-
-    method: str
-    block: tuple[int, int] = (0, 0)  # fp8: weight_block_size (rows, columns)
-
-    @property
-    def label(self) -> str:
-        return f"{self.method}-dequantized"
-
-
-def _refuse(key: str, value: object, why: str) -> UnsupportedModelError:
-    return UnsupportedModelError(f"quantization_config.{key} {value!r}: {why}")
-
-
-def parse_quantization(raw: object, family: str) -> Prequantized | None:
-    """The checkpoint's storage from config.json's `quantization_config` (None: plain weights);
-    UnsupportedModelError naming the field for anything we cannot dequantize exactly."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise UnsupportedModelError(f"quantization_config must be an object, got {raw!r}")
-    method = raw.get("quant_method")
-    if method == "fp8":
-        if family == "deepseek_v4":  # its checkpoints name scales and fp4 experts their own way
-            raise _refuse("quant_method", method, "not read for DeepSeek-V4 yet: dequantize to bf16 first")
-        fmt = raw.get("fmt", "e4m3")
-        if fmt != "e4m3":
-            raise _refuse("fmt", fmt, "only e4m3 fp8 weights are read")
-        block = raw.get("weight_block_size")
-        if block is None:
-            raise _refuse("weight_block_size", block, "per-tensor fp8 is not read; a block-scaled checkpoint "
-                          "names its [rows, columns] block here")
-        if not (isinstance(block, list | tuple) and len(block) == 2
-                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            raise _refuse("weight_block_size", block, "expected two positive integers [rows, columns]")
-        scheme = raw.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise _refuse("activation_scheme", scheme, "only dynamic activation scaling is read")
-        scale_fmt = raw.get("scale_fmt", "float")
-        if scale_fmt not in ("float", "ue8m0"):
-            raise _refuse("scale_fmt", scale_fmt, "expected 'float' or 'ue8m0'")
-        expert_dtype = raw.get("expert_dtype", "fp8")
-        if expert_dtype != "fp8":
-            raise _refuse("expert_dtype", expert_dtype, "only fp8 experts are read")
-        return Prequantized("fp8", (block[0], block[1]))
-    if method == "mxfp4":
-        if family != "gpt_oss":
-            raise _refuse("quant_method", method, f"MXFP4 is read for gpt-oss checkpoints only, not {family}")
-        return Prequantized("mxfp4")
-    if method is None:
-        raise UnsupportedModelError(f"quantization_config.quant_method is missing; supported: {list(METHODS)}")
-    raise _refuse("quant_method", method, f"not supported; supported: {list(METHODS)}")
 
 
 def scale_values(scales: Tensor) -> Tensor:
