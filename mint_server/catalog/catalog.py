@@ -239,17 +239,20 @@ class Catalog:
         training_run: str | None = None,
         step: int | None = None,
         note: str | None = None,
+        base_precision: str | None = None,
     ) -> Revision:
         """Store a PEFT LoRA directory as the next revision of `policy_name` (created if missing).
 
         Blobs are written (durably) first, then one transaction inserts the revision, so a revision
         row exists only once all its files do. `parent` is a Revision or a reference of this owner.
-        `lora_config` is used when the policy is created; the revision records the adapter's rank.
+        `lora_config` is used when the policy is created; the revision records the adapter's rank,
+        and `base_precision` the precision of the base it was trained on (serving warns on another).
         """
         scanned = payload.scan_peft_dir(peft_dir)
         new_policy = self._new_policy_row(owner, policy_name, base_model, lora_config, None)
         training_run = _text(training_run, "training_run", 256)
         note = _text(note, "note", 10_000)
+        base_precision = _text(base_precision, "base_precision", 32)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise InvalidArgument(f"step must be a non-negative integer, got {step!r}", field="step")
 
@@ -281,6 +284,7 @@ class Catalog:
                     step=step,
                     note=note,
                     created_at=_now(),
+                    base_precision=base_precision,
                 )
                 s.add(row)
                 s.flush()
@@ -789,6 +793,7 @@ def _revision_from_row(row: RevisionRow, policy: str, parent: str | None) -> Rev
         step=row.step,
         note=row.note,
         created_at=row.created_at,
+        base_precision=row.base_precision,
     )
 
 

@@ -27,7 +27,7 @@ MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 VERSION_TABLE = "catalog_alembic_version"  # also named in migrations/env.py
 # The newest migration. Opening an up-to-date catalog compares against this instead of loading
 # Alembic and its scripts (a test keeps it equal to the real head).
-HEAD = "0003"
+HEAD = "0004"
 WRITE = "mint_catalog_write"  # execution option marking a write transaction
 BUSY_TIMEOUT_MS = 30_000
 

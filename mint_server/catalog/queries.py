@@ -35,6 +35,7 @@ def revisions() -> Select:
             RevisionRow.step,
             RevisionRow.note,
             RevisionRow.created_at,
+            RevisionRow.base_precision,
         )
         .join(PolicyRow, PolicyRow.id == RevisionRow.policy_id)
         .outerjoin(_ParentRev, _ParentRev.id == RevisionRow.parent_id)
