@@ -18,6 +18,9 @@ ratio = loaded / quiet (medians unless named otherwise):
 * flood — key A keeps --flood (200) sample requests in flight on the tinker wire (32–64 tokens
   each, on --flood-policies policies of its own), while key B sends --probes (≥ 20) sequential
   8-token greedy requests on its own policy. B's latency p50 and p99, flood / quiet. Goal ≤ 2×.
+* own — fairness inside a key: the same flood, while key A itself sends the probes, on a policy of
+  its own outside the flood's (the last cold one, warmed first). A's latency p50 and p99, flood /
+  quiet. Goal ≤ 2×.
 * storm — key B's hot closed loop (the same 8-token request, one adapter) while key A samples
   --storm cold adapters once each in one burst (default 1000 on --tiny, 200 on SmolLM2), far more
   than the device slots. Hot p50/p99, storm / quiet. Goal p50 ≤ 1.25×.
@@ -440,8 +443,17 @@ def row(metric: str, quiet: float, loaded: float, goal: str = "") -> Row:
 
 
 async def case_flood(c: Ctx) -> tuple[dict, list[Row]]:
-    b = Wire(c.url, KEY_B)
-    sampler = await b.sampler(await b.session(), c.base, c.b_policy)
+    return await probe_beside_flood(c, KEY_B, c.b_policy, "B")
+
+
+async def case_own(c: Ctx) -> tuple[dict, list[Row]]:
+    """Fairness inside a key: key A's own probe, on a policy of A's outside the flood."""
+    return await probe_beside_flood(c, KEY_A, c.cold_policies[-1], "A")
+
+
+async def probe_beside_flood(c: Ctx, key: str, policy: str, who: str) -> tuple[dict, list[Row]]:
+    b = Wire(c.url, key)
+    sampler = await b.sampler(await b.session(), c.base, policy)
     for _ in range(3):  # warm-up: B's adapter in a slot, first-call paths
         await b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)
     quiet = [await timed(b.sample(sampler, PROBE_PROMPT, PROBE_TOKENS)) for _ in range(c.args.probes)]
@@ -458,8 +470,8 @@ async def case_flood(c: Ctx) -> tuple[dict, list[Row]]:
            "flood_refused": flood["refused"]}  # fmt: skip
     out["p50_ratio"] = ratio(out["flood_p50_s"], out["quiet_p50_s"])
     out["p99_ratio"] = ratio(out["flood_p99_s"], out["quiet_p99_s"])
-    return out, [row("B 8-token p50 s", out["quiet_p50_s"], out["flood_p50_s"], "<= 2"),
-                 row("B 8-token p99 s", out["quiet_p99_s"], out["flood_p99_s"], "<= 2")]  # fmt: skip
+    return out, [row(f"{who} 8-token p50 s", out["quiet_p50_s"], out["flood_p50_s"], "<= 2"),
+                 row(f"{who} 8-token p99 s", out["quiet_p99_s"], out["flood_p99_s"], "<= 2")]  # fmt: skip
 
 
 async def case_storm(c: Ctx) -> tuple[dict, list[Row]]:
@@ -581,6 +593,7 @@ async def case_single(c: Ctx) -> tuple[dict, list[Row]]:
 
 CASES: dict[str, Callable[[Ctx], Awaitable[tuple[dict, list[Row]]]]] = {
     "flood": case_flood,
+    "own": case_own,
     "storm": case_storm,
     "train": case_train,
     "long": case_long,

@@ -16,9 +16,10 @@ Policy, in order:
    so no active key skips a step and none of those forced items crowds out the work the step is
    capped for; then the key with the fewest tokens
    served goes next, one item at a time, counting the tokens planned in this step, so a key with one
-   request gets its turn whatever another key queues. Within a key: decode rows, then prompts being
-   prefilled, then waiting requests; among those the policy (adapter) served least, then arrival. A
-   key that becomes active starts at the least count among the active keys (no credit hoarded while
+   request gets its turn whatever another key queues. Within a key its policies (adapters; a flow
+   each) share its turns the same way: the policy served least goes next, so one application's
+   request to a quiet policy does not queue behind its own flood to others; within a policy, decode
+   rows, then prompts being prefilled, then waiting requests, then arrival. A key that becomes active starts at the least count among the active keys (no credit hoarded while
    idle). A key whose ready work no step has taken for `starve_steps` steps in a row (the latency
    cap below left no room for it) gets one item forced into the next: a light key's closed loop
    never starves the others.
@@ -31,15 +32,17 @@ Policy, in order:
    curve, since a few tokens cost more per token than many, plus a prefill chunk's and the adapters'
    own cost). While a light key (cheaper work than the heaviest) or a higher priority class has work
    in the step, the step is capped so it costs at most `max_slowdown` × what that work alone would
-   cost: a quiet key's 8-token request is not stuck in 200-row steps of a flood; the flood gets the
+   cost: a quiet key's 8-token request is not stuck in 200-row steps of a flood (nor a key's request
+   to a policy lighter than its heaviest one in that key's own flood); the flood gets the
    rest of the budget, and all of it when the quiet key is gone — `linger_s` after it is gone, since
    a closed-loop client's next request is usually on its way. In such a capped step a key's next item
    is, within its turn's stage, one on an adapter already in the step where it has one (a further
    adapter costs the step its own products). A protected key that usually comes back within a step
    of its own is waited for, briefly, before a step without it starts (`hold`: anticipation).
 5. **Admission and preemption.** Waiting work is admitted when its KV blocks and rows fit. When they
-   do not and running items of more-served keys (or of a lower class) hold KV, the most-served of
-   those are preempted until it fits. The first waiting item that cannot be admitted even so stops
+   do not and running items of more-served keys (or of a lower class; or, for a policy of the key
+   that holds no KV yet, of the key's more-served policies) hold KV, the most-served of those are
+   preempted until it fits. The first waiting item that cannot be admitted even so stops
    admission for the step, so a large request is never starved by a stream of small ones.
 """
 
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -223,32 +226,47 @@ class Scheduler:
         if not candidates:
             return plan
         tokens_left = self.step_budget
-        allowed, protected = self._cap(candidates, now)  # the step's cost bound (StepCost units)
+        allowed, protected, light_flows = self._cap(candidates, now)  # the step's cost bound (StepCost units)
         capped = not math.isinf(allowed)
         rows = tokens = chunks = 0  # decode rows, prefill tokens and prefill chunks planned so far
         policies: set[str] = set()  # distinct adapters planned so far
         planned: dict[str, float] = {}
+        planned_flow: dict[tuple[str, str], float] = {}
         preempted: set[int] = set()
         admitting = True
         for cls in sorted({w.priority for w in candidates}):
             queues = self._queues(w for w in candidates if w.priority == cls)
-            # First one item of each protected key (the step is capped for its work: it must not be
-            # crowded out by the forced items below), then one running item of every other key (least
-            # served first): no active key skips a step.
-            first = deque(sorted((k for k, q in queues.items() if (cls, k) in protected or q[0].running
+            # First one item of each protected key and of each light flow inside a key (the step is
+            # capped for their work: it must not be crowded out by the forced items below), then one
+            # running item of every other key (least served first): no active key skips a step.
+            forced_keys = sorted((k for k, flows in queues.items() if (cls, k) in protected
+                                  or any(q[0].running for q in flows.values())
                                   or self._untaken.get(k, 0) >= self.starve_steps),
-                                 key=lambda k: ((cls, k) not in protected, self.served.get(k, 0.0), k)))
+                                 key=lambda k: ((cls, k) not in protected, self.served.get(k, 0.0), k))
+            first: deque[tuple[str, str | None]] = deque(
+                [(k, None) for k in forced_keys if (cls, k) in protected]
+                + sorted(((k, p) for c, k, p in light_flows if c == cls and (cls, k) not in protected),
+                         key=lambda kp: (self.served_policy.get(kp, 0.0), kp))  # type: ignore[arg-type]
+                + [(k, None) for k in forced_keys if (cls, k) not in protected
+                   and not any(f[:2] == (cls, k) for f in light_flows)])
             share = max(1, tokens_left // len(queues))  # a forced item's most: the others' turns must fit too
             while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
                                                    or self._room(rows, tokens, chunks, len(policies), allowed, False) >= 1):
                 forced = bool(first)  # a running key's one item per step: within the budget, past the latency cap
                 if first:
-                    key = first.popleft()
+                    key, flow = first.popleft()
+                    if key not in queues or (flow is not None and flow not in queues[key]):
+                        continue  # its light flow's one item was already taken
                 else:
-                    key = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k))
-                item = self._take(queues[key], policies) if capped else queues[key].pop(0)
-                if not queues[key]:
-                    del queues[key]
+                    key, flow = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k)), None
+                flows = queues[key]
+                if flow is None:
+                    flow = self._flow(key, flows, planned_flow, policies if capped else None)
+                item = flows[flow].pop(0)
+                if not flows[flow]:
+                    del flows[flow]
+                    if not flows:
+                        del queues[key]
                 adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
                 room = max(self._room(rows, tokens, chunks, adapters, allowed, item.decoding), int(forced))
                 if id(item) in preempted or room < 1 or (item.decoding and rows >= self.max_step_tokens):
@@ -273,6 +291,7 @@ class Scheduler:
                                     (rows, tokens - n, chunks - 1)
                                 tokens_left += n
                                 planned[w.key] -= n
+                                planned_flow[w.key, w.policy] -= n
                         plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
                         policies = {w.policy for w, _ in plan.run if w.policy}
                         adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
@@ -288,6 +307,7 @@ class Scheduler:
                 rows, tokens, chunks = (rows + 1, tokens, chunks) if item.decoding else (rows, tokens + n, chunks + 1)
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
+                planned_flow[key, item.policy] = planned_flow.get((key, item.policy), 0.0) + n
         self._untaken = {k: 0 if k in planned else self._untaken.get(k, 0) + 1 for k in {w.key for w in candidates}}
         return plan
 
@@ -317,31 +337,29 @@ class Scheduler:
             self.served = {k: v for k, v in self.served.items() if k in keys}
             self.served_policy = {kp: v for kp, v in self.served_policy.items() if kp in policies}
 
-    def _queues(self, items: Iterable[Work]) -> dict[str, list[Work]]:
-        """Per key, its items in order: decode rows, then prompts being prefilled (both hold KV; a
-        running stream's next token before a new request's first), then waiting work; within each the
-        policy served least, then arrival."""
-        out: dict[str, list[Work]] = {}
+    @staticmethod
+    def _queues(items: Iterable[Work]) -> dict[str, dict[str, list[Work]]]:
+        """Per key, per policy (a flow), its items in order: decode rows, then prompts being
+        prefilled (both hold KV; a running stream's next token before a new request's first), then
+        waiting work; within each, arrival."""
+        out: dict[str, dict[str, list[Work]]] = {}
         for w in items:
-            out.setdefault(w.key, []).append(w)
-        for key, q in out.items():
-            q.sort(key=lambda w: (not w.running, not w.decoding, self.served_policy.get((key, w.policy), 0.0),
-                                  w.arrival))
+            out.setdefault(w.key, {}).setdefault(w.policy, []).append(w)
+        for flows in out.values():
+            for q in flows.values():
+                q.sort(key=lambda w: (not w.running, not w.decoding, w.arrival))
         return out
 
-    @staticmethod
-    def _take(queue: list[Work], policies: set[str]) -> Work:
-        """A key's next item in a capped step: among the items of its turn's stage (decode rows, prompts
-        being prefilled, waiting work), the first on the base or on an adapter already in the step, else
-        the first. Every further adapter costs the step its own products — on CPUs its launches, ~5 ms an
-        adapter on SmolLM2 — which the protected key's steps would pay."""
-        stage = (queue[0].running, queue[0].decoding)
-        for i, w in enumerate(queue):
-            if (w.running, w.decoding) != stage:
-                break
-            if not w.policy or w.policy in policies:
-                return queue.pop(i)
-        return queue.pop(0)
+    def _flow(self, key: str, flows: dict[str, list[Work]], planned: dict[tuple[str, str], float],
+              in_step: set[str] | None) -> str:
+        """A key's next flow (policy): the one served least, counting what this step planned, so a
+        key's policies share its turns as keys share the step — a request to one policy does not
+        queue behind the same key's flood to others. In a capped step (`in_step`: the adapters
+        already in it) the least served of the flows on the base or on those adapters, if any: every
+        further adapter costs the step its own products — on CPUs its launches, ~5 ms an adapter on
+        SmolLM2 — which the protected work's steps would pay."""
+        names = [p for p in flows if in_step is not None and (not p or p in in_step)] or list(flows)
+        return min(names, key=lambda p: (self.served_policy.get((key, p), 0.0) + planned.get((key, p), 0.0), p))
 
     def _room(self, rows: int, tokens: int, chunks: int, adapters: int, allowed: float, decoding: bool) -> int:
         """How many tokens one more item may run within `allowed` (with `adapters` distinct adapters
@@ -354,31 +372,46 @@ class Scheduler:
         budget = allowed - self.cost.lora(adapters) - self.cost.chunk * (chunks + 1)
         return max(0, self.cost.tokens_within(budget) - rows - tokens)
 
-    def _cap(self, items: Sequence[Work], now: float | None = None) -> tuple[float, set[tuple[int, str]]]:
+    def _cap(self, items: Sequence[Work], now: float | None = None
+             ) -> tuple[float, set[tuple[int, str]], set[tuple[int, str, str]]]:
         """The latency bound (4. above): the most a step may cost given who is in it (and who just
-        left, within linger_s); and the (class, key)s it protects."""
-        # (class, key) → (decode rows, prefill tokens, prefill chunks)
-        demand: dict[tuple[int, str], tuple[int, int, int]] = {}
-        adapters: dict[tuple[int, str], set[str]] = {}
+        left, within linger_s); the (class, key)s it protects; and the light flows it protects inside
+        a key — a (class, key, policy) whose work costs less than the heaviest of its key's policies,
+        so one application's request to a quiet policy is not held in the steps of its own flood."""
+        demand: dict[tuple[int, str, str], tuple[int, int, int]] = {}  # flow → (rows, prefill tokens, chunks)
         for w in items:
-            r, t, c = demand.get((w.priority, w.key), (0, 0, 0))
-            demand[w.priority, w.key] = (r + 1, t, c) if w.decoding else (r, t + min(w.pending, self.step_budget), c + 1)
-            if w.policy:
-                adapters.setdefault((w.priority, w.key), set()).add(w.policy)
+            r, t, c = demand.get((w.priority, w.key, w.policy), (0, 0, 0))
+            demand[w.priority, w.key, w.policy] = (r + 1, t, c) if w.decoding else \
+                (r, t + min(w.pending, self.step_budget), c + 1)
+        by_key: dict[tuple[int, str], list[tuple[int, str, str]]] = {}
+        for flow in demand:
+            by_key.setdefault(flow[:2], []).append(flow)
         assert self.cost is not None
-        costs = {k: self.cost(*d, len(adapters.get(k, ()))) for k, d in demand.items()}
-        top = min(p for p, _ in demand)
+
+        def cost_of(flows: Iterable[tuple[int, str, str]]) -> float:
+            flows = list(flows)
+            total = [sum(demand[f][i] for f in flows) for i in range(3)]
+            return self.cost(*total, len({f[2] for f in flows if f[2]}))  # type: ignore[misc]
+
+        costs = {k: cost_of(flows) for k, flows in by_key.items()}
+        top = min(p for p, _ in costs)
         heaviest = max(costs.values())
-        lower_classes = any(p > top for p, _ in demand)
+        lower_classes = any(p > top for p, _ in costs)
         protected = [k for k, c in costs.items() if c < heaviest or (lower_classes and k[0] == top)]
-        lingering = self._linger(now, demand, {k: costs[k] for k in protected})
-        bounds = [self.max_slowdown * costs[k] for k in protected]
+        light: dict[tuple[int, str, str], float] = {}
+        for k, flows in by_key.items():
+            if k in protected or len(flows) < 2:
+                continue
+            flow_costs = {f: cost_of([f]) for f in flows}
+            own_heaviest = max(flow_costs.values())
+            light.update({f: c for f, c in flow_costs.items() if c < own_heaviest})
+        lingering = self._linger(now, costs, {k: costs[k] for k in protected})
+        bounds = [self.max_slowdown * costs[k] for k in protected] + [self.max_slowdown * c for c in light.values()]
         bounds += [self.max_slowdown * c for k, c in lingering.items() if k[0] <= top and c < heaviest]
         if not bounds:
-            return math.inf, set()
-        shared = set().union(*(adapters.get(k, set()) for k in protected))
-        together = self.cost(*(sum(demand[k][i] for k in protected) for i in range(3)), len(shared))
-        return max(min(bounds), together), set(protected)
+            return math.inf, set(), set()
+        together = cost_of([f for k in protected for f in by_key[k]] + list(light))
+        return max(min(bounds), together), set(protected), set(light)
 
     def note_end(self, key: str, now: float) -> None:
         """A request of `key` ended (its response is on its way)."""
@@ -421,7 +454,7 @@ class Scheduler:
         return {key for _, key in self._protected} | {key for (_, key), (until, _) in self._lingering.items()
                                                        if until > now}
 
-    def _linger(self, now: float | None, demand: dict[tuple[int, str], tuple[int, int, int]],
+    def _linger(self, now: float | None, demand: Collection[tuple[int, str]],
                 protected: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
         """Keys protected last step whose work is gone now linger, with their cost alone, until
         linger_s has passed (or they come back); returns the ones still lingering."""
@@ -437,22 +470,28 @@ class Scheduler:
 
     def _victims(self, item: Work, work: Sequence[Work], preempted: set[int], free_blocks: int,
                  free_rows: int) -> list[Work] | None:
-        """Running items to preempt so `item` fits: of lower classes or of more-served keys, the least
+        """Running items to preempt so `item` fits: of lower classes, of more-served keys, or — for a
+        policy of its key that holds no KV yet — of the same key's more-served policies; the least
         entitled first (lowest class, most served, latest arrival); None if that cannot make room."""
         mine = self.served.get(item.key, 0.0)
         rows: dict[str, int] = {}  # batch rows each key holds (a prompt being prefilled: its samples')
         for w in work:
             if w.running:
                 rows[w.key] = rows.get(w.key, 0) + max(1, w.held_rows)
+        flow = (item.key, item.policy)
+        new_flow = not any(w.running and (w.key, w.policy) == flow for w in work)
+        mine_flow = self.served_policy.get(flow, 0.0)
 
-        def ahead(key: str) -> bool:  # served more, or as much (a key that just arrived) with more rows
-            theirs = self.served.get(key, 0.0)
-            return theirs > mine or (theirs == mine and rows.get(key, 0) > rows.get(item.key, 0) + 1)
+        def ahead(w: Work) -> bool:  # served more, or as much (a key that just arrived) with more rows
+            if w.key == item.key:
+                return new_flow and w.policy != item.policy and self.served_policy.get((w.key, w.policy), 0.0) > mine_flow
+            theirs = self.served.get(w.key, 0.0)
+            return theirs > mine or (theirs == mine and rows.get(w.key, 0) > rows.get(item.key, 0) + 1)
 
         pool = [w for w in work if w.running and w.preemptible and id(w) not in preempted
-                and (w.priority > item.priority or (w.priority == item.priority and w.key != item.key
-                                                     and ahead(w.key)))]
-        pool.sort(key=lambda w: (-w.priority, -self.served.get(w.key, 0.0), -rows.get(w.key, 0), -w.arrival))
+                and (w.priority > item.priority or (w.priority == item.priority and ahead(w)))]
+        pool.sort(key=lambda w: (-w.priority, -self.served.get(w.key, 0.0),
+                                 -self.served_policy.get((w.key, w.policy), 0.0), -rows.get(w.key, 0), -w.arrival))
         chosen: list[Work] = []
         for w in pool:
             chosen.append(w)

@@ -292,3 +292,49 @@ def test_the_worker_waits_briefly_for_a_protected_key_that_comes_back_quickly():
     assert s.hold(3.998, busy={"quiet"}) == 0.0
     s.note_arrival("quiet", 3.999)
     assert s.hold(3.999, busy=set()) == 0.0  # it is back
+
+
+def test_a_keys_policies_share_its_turns():
+    """Within one key, the policy served least goes next (counting what the step planned), as keys
+    do between themselves: two policies of 10 rows each in a 4-row step get 2 rows each."""
+    s = Scheduler(max_step_tokens=4, overhead_tokens=100)  # the latency cap does not bind
+    a = [Item("k", decoding=True, policy="a") for _ in range(10)]
+    b = [Item("k", decoding=True, policy="b") for _ in range(10)]
+    assert sorted(w.policy for w, _ in s.plan([*a, *b], 100, 100).run) == ["a", "a", "b", "b"]
+    s.charge("k", "a", 8)
+    assert [w.policy for w, _ in s.plan([*a, *b], 100, 100).run] == ["b"] * 4  # b catches up first
+
+
+def test_a_request_to_a_quiet_policy_is_not_held_behind_its_own_keys_flood():
+    """One application floods 8 of its policies (25 decode rows each, every batch row taken, no KV
+    free) and sends one request to a ninth: the request is admitted in the next step — a row of the
+    key's most-served policy is preempted for it — and the step is capped at max_slowdown × its own
+    cost, as it would be for a quiet key."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0))
+    flood = [Item("app", decoding=True, policy=f"p{i % 8}") for i in range(200)]
+    s.plan(flood, 0, 0)
+    for i in range(8):
+        s.charge("app", f"p{i}", 100 + i)
+    probe = Item("app", pending=8, running=False, policy="quiet")
+    plan = s.plan([*flood, probe], 0, 0)
+    assert plan.run[0] == (probe, 8) and id(probe) in plan.admit
+    assert [w.policy for w in plan.preempt] == ["p7"]  # the most served policy's latest row
+    # the probe alone: 10 + 8 = 18, cap 36; its own adapter and the step's rows: 10 + 8 + k ≤ 36
+    assert plan.tokens <= 36 and len(plan.run) > 1
+    assert s.plan(flood, 0, 0).tokens == 200  # without it, the flood gets the whole budget
+
+
+def test_a_key_spreading_its_flood_over_policies_gains_no_protection():
+    """The flows inside a key are judged against that key's heaviest flow only: a flood spread over
+    40 policies, one row each, is not 40 light flows (each as heavy as the other), so a quiet key
+    still caps the step and the flood is not protected against it."""
+    from mint_server.engine.scheduler import StepCost
+
+    s = Scheduler(max_step_tokens=256, max_slowdown=2.0, cost=StepCost.linear(10.0, 1.0))
+    spread = [Item("flood", decoding=True, policy=f"p{i}") for i in range(40)]
+    quiet = Item("quiet", decoding=True, policy="q")
+    plan = s.plan([*spread, quiet], 1000, 1000)
+    assert plan.run[0][0] is quiet and plan.tokens == 12  # quiet alone costs 11: the step at most 22
+    assert s.plan(spread, 1000, 1000).tokens == 40
