@@ -49,8 +49,10 @@ from mint_server.engine.optim import family_named
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.reverse_kl import ReverseKL
-from mint_server.engine.sampling import SampleFuture, Sampler
+from mint_server.engine.sample_request import SampleFuture
+from mint_server.engine.sampling import Sampler
 from mint_server.engine.settings import EngineLimits, EngineSettings
+from mint_server.engine.step_costs import measure_chunk_tokens, measure_step_cost
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
 from mint_server.engine.values import AdamState, AdapterSource, EngineError, EngineReport, NotSupportedError
@@ -395,11 +397,11 @@ class LocalEngine(JobParsing):
                                            if isinstance(m, torch.nn.Linear) and m.weight.dim() == 2])
         sc = self.sampler.scheduler
         if s.step_overhead_tokens is None:
-            cost = self.sampler.measure_costs()
+            cost = measure_step_cost(self.sampler)
             sc.cost = cost
             sc.max_step_tokens = s.step_tokens_for(cost)
         sc.max_chunk_tokens = s.max_chunk_tokens or (
-            self.sampler.measure_chunk_tokens(sc.max_step_tokens) if s.step_overhead_tokens is None else 0)
+            measure_chunk_tokens(self.sampler, sc.max_step_tokens) if s.step_overhead_tokens is None else 0)
         log.info("calibrated: %s", {k: round(v, 4) for k, v in self.calibration().items()})
 
     def _loop(self) -> None:

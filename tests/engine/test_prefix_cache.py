@@ -1,4 +1,4 @@
-"""The prefix cache across requests (engine/kv.py, Sampler._prefix): a later request with the same
+"""The prefix cache across requests (engine/kv.py, prefix_keys.py): a later request with the same
 prefix takes its full KV blocks instead of computing them, and gets what it gets with the cache off.
 Counted in prefill tokens and hit tokens (never in seconds)."""
 
@@ -138,9 +138,9 @@ def test_another_adapter_or_revision_gets_no_hit(model, residency, tmp_path):
             self.trainable, self.id, self.source = False, id_, AdapterSource(key)
 
     def root(adapter):
-        from mint_server.engine.sampling import _Request
+        from mint_server.engine.sample_request import SampleRequest
 
-        return s._prefix(_Request(None, adapter, req, 0, 0.0))[0]
+        return s.prefix.prefix(SampleRequest(None, adapter, req, 0, 0.0))[0]
 
     assert root(Rev("rev:abc", "s1")) == root(Rev("rev:abc", "s2")) != root(Rev("rev:abd", "s1"))
     assert root(Rev("/peft/dir", "s1")) != root(Rev("/peft/dir", "s2")) != root(None)
@@ -203,8 +203,8 @@ def test_cache_off_and_hybrid_bases_cache_nothing(model, residency, tmp_path, ca
     from tests.qwen35.tiny_qwen35 import make_tiny_qwen35
 
     q35 = load_model(make_tiny_qwen35(tmp_path / "q35"), device="cpu")
-    with caplog.at_level("INFO", logger="mint_server.engine.sampling"):
+    with caplog.at_level("INFO", logger="mint_server.engine.prefix_keys"):
         hybrid = make_sampler(q35, make_residency(q35.config, num_slots=2, max_rank=8))
-    assert not hybrid.prefix_cache and "hybrid" in caplog.text
+    assert not hybrid.prefix.on and "hybrid" in caplog.text
     run(hybrid, None, prompt, params(max_tokens=2))
     assert run(hybrid, None, prompt, params(max_tokens=2)).prompt_cache_hit_tokens == 0

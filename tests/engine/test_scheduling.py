@@ -12,6 +12,7 @@ import torch
 from mint_server.engine.executor import Executor, StepBatch
 from mint_server.engine.interface import EngineError, Priority
 from mint_server.engine.kv import BlockPool, blocks_for
+from mint_server.engine.step_costs import measure_chunk_tokens, measure_step_cost
 from mint_server.model import invariant
 from tests.engine.test_sampling import drain, install, make_sampler, params, prompt_of, solo
 from tests.tolerance import for_model
@@ -204,12 +205,12 @@ def test_a_quiet_key_finishes_in_its_own_steps_under_another_keys_flood(model, r
 
 
 def test_the_measured_cost_model_is_a_curve_and_leaves_the_pool_as_it_was(model, residency):
-    """measure_costs (the scheduler's cost model, taken at start-up) runs real steps on scratch
+    """measure_step_cost (the scheduler's cost model, taken at start-up) runs real steps on scratch
     blocks: the curve rises with the tokens, the adapter and chunk costs are not negative, every block
     it took is back, and the probed bank slots are empty again."""
     sampler = make_sampler(model, residency, kv_slots=20, max_seq_len=40)
     free = sampler.pool.available
-    cost = sampler.measure_costs(sizes=(1, 2, 4, 8), repeats=1)
+    cost = measure_step_cost(sampler, sizes=(1, 2, 4, 8), repeats=1)
     assert sampler.pool.available == free
     assert cost.tokens == (1, 2, 4, 8) and all(b > a for a, b in zip(cost.cost, cost.cost[1:], strict=False))
     assert cost.unit_s > 0 and min(cost.chunk, cost.adapter_first, cost.adapter_each) >= 0
@@ -222,10 +223,10 @@ def test_measured_chunk_tokens_double_from_the_step_budget_within_the_pool(model
     limit, and every block it took is back in the pool."""
     sampler = make_sampler(model, residency, kv_slots=4)  # 4 × 96 positions, blocks of 8
     free = sampler.pool.available
-    chosen = sampler.measure_chunk_tokens(12, limit=1000)
+    chosen = measure_chunk_tokens(sampler, 12, limit=1000)
     assert chosen in (12, 24, 48, 96, 192, 384, 768) and chosen <= free * 8
     assert sampler.pool.available == free
-    assert sampler.measure_chunk_tokens(4096) == 4096  # nothing fits: the start stands
+    assert measure_chunk_tokens(sampler, 4096) == 4096  # nothing fits: the start stands
 
 
 def test_a_lingering_keys_adapter_keeps_its_slot_through_a_storm_of_cold_adapters(model):

@@ -45,7 +45,7 @@ from mint_server.engine.jobs import (
 )
 from mint_server.engine.losses import LOSSES
 from mint_server.engine.records import SamplingRecord, SamplingRecords
-from mint_server.engine.sampling import SampleFuture
+from mint_server.engine.sample_request import SampleFuture
 from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
 from mint_server.engine.values import AdapterSource, EngineReport
 from mint_server.fsutil import write_content_dir
