@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from tinker import types
 
 from mint_server.api.admission import Admission
-from mint_server.api.catalog.policies import Policies
+from mint_server.api.catalog.policies import Policies, served_base_precision
 from mint_server.api.http.metrics import Metrics
 from mint_server.api.settings import Settings
 from mint_server.api.state.futures import CompletionLog, FutureStore
@@ -108,7 +108,7 @@ class Core:
         self.runs = RunStore(settings.data_dir / "runs")
         self.run_metrics = RunMetrics(self.runs)  # per-step training curves
         self.meter = Meter(Ledger(catalog.engine), engine.base_model)  # usage and audit, per tenant
-        self.policies = Policies(catalog, engine.base_model)
+        self.policies = Policies(catalog, engine.base_model, served_base_precision(engine))
         self.futures = FutureStore(settings.result_ttl_s)
         self.sessions = SessionRegistry(settings.session_ttl_s)
         metrics.watch_engine(engine)

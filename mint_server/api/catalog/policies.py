@@ -6,6 +6,10 @@
 * A policy reference given where a checkpoint is read for sampling (`tinker://NAME@prod`,
   `tinker://NAME@3`, `tinker://NAME@<sha prefix>`) resolves to one revision when it is given, so a
   sampling session keeps its revision however the alias moves afterwards.
+* A revision records the precision of the base it was trained on (`base_precision`: "fp32", "bf16",
+  "int8", "fp8-dequantized-bf16" …); resolving one on a server whose base runs in another precision
+  logs a warning, once per revision, and counts it (`Policies.precision_mismatches`): the adapter
+  was fitted to other base weights, so what it computes here may differ from what it did in training.
 
 Catalog calls block (SQL; blob copies with fsync). Publishing runs in a thread, revision reads on
 the engine's loader threads;
@@ -16,6 +20,7 @@ errors become the service's own here: NotFound → 404, bad names and references
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +32,11 @@ from mint_server.catalog.errors import IntegrityError, InvalidArgument
 from mint_server.catalog.errors import NotFound as CatalogNotFound
 from mint_server.catalog.records import Policy, Revision
 from mint_server.catalog.refs import check_policy_name
+from mint_server.engine.interface import Engine
+from mint_server.model.config import ModelConfig
+from mint_server.model.prequant_spec import base_precision
+
+log = logging.getLogger(__name__)
 
 POLICY_KEY = "policy"  # the user_metadata key naming the policy a run publishes to
 
@@ -50,10 +60,23 @@ def policy_name(run_id: str, user_metadata: dict[str, Any] | None) -> str:
         raise InvalidInput(str(e)) from None
 
 
+def served_base_precision(engine: Engine) -> str | None:
+    """The precision this engine's base runs in (prequant_spec.base_precision); None where the engine
+    does not hold one dtype (a fleet's replicas choose their own)."""
+    dtype = getattr(engine, "dtype", None)
+    if dtype is None:
+        return None
+    prequantized = ModelConfig.from_hf_dir(engine.model_dir).prequantized
+    return base_precision(dtype, engine.settings.quantize, prequantized)
+
+
 class Policies:
-    def __init__(self, catalog: Catalog, base_model: str) -> None:
+    def __init__(self, catalog: Catalog, base_model: str, base_precision: str | None = None) -> None:
         self.catalog = catalog
         self.base_model = base_model
+        self.base_precision = base_precision  # recorded on every revision published here
+        self.precision_mismatches = 0  # revisions resolved here that were trained on another precision
+        self._warned: set[int] = set()  # their ids: each is warned about once
 
     async def publish(
         self,
@@ -78,6 +101,7 @@ class Policies:
                 parent=parent,
                 training_run=training_run,
                 step=step,
+                base_precision=self.base_precision,
             )
         except InvalidArgument as e:  # e.g. a policy of that name exists for another base model
             raise InvalidInput(f"cannot publish to policy {policy!r}: {e}") from None
@@ -86,11 +110,22 @@ class Policies:
         """The revision `ref` (NAME@…) names now, and its policy; another owner's look absent."""
         try:
             revision = self.catalog.resolve(owner, ref)
+            self.check_precision(revision)
             return revision, self.catalog.get_policy(owner, revision.policy)
         except CatalogNotFound as e:
             raise NotFound(str(e)) from None
         except InvalidArgument as e:
             raise InvalidInput(str(e)) from None
+
+    def check_precision(self, revision: Revision) -> None:
+        """Warn, once per revision, when it was trained on a base of another precision than ours."""
+        trained, served = revision.base_precision, self.base_precision
+        if trained is None or served is None or trained == served or revision.id in self._warned:
+            return
+        self._warned.add(revision.id)
+        self.precision_mismatches += 1
+        log.warning("revision %s was trained on a %s base; this server's base runs in %s: its outputs may "
+                    "differ from what it computed in training", revision.ref, trained, served)
 
     def check_servable(self, ref: str, policy: Policy) -> None:
         if policy.base_model != self.base_model:
