@@ -42,6 +42,8 @@ FP8_SKIPPED_SUFFIXES = ("_scale_inv", ".activation_scale", ".input_scale")
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # fp4 e2m1 codes 0..15: sign bit 3, then a 2-bit exponent and a 1-bit mantissa.
 FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# byte → its two e2m1 values, the low nibble's first.
+_BYTE_PAIRS = torch.stack([torch.tensor(FP4_E2M1_VALUES).repeat(16), torch.tensor(FP4_E2M1_VALUES).repeat_interleave(16)], -1)
 _FLOAT8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 
 
@@ -62,9 +64,15 @@ def dequantize_fp8_blocks(weight: Tensor, scale_inv: Tensor, block: tuple[int, i
     if tuple(scale_inv.shape) != want:
         raise ModelError(f"{name}{FP8_SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}; weight {name!r} "
                          f"{tuple(weight.shape)} in blocks of {list(block)} needs {want}")
-    scale = scale_values(scale_inv)
-    scale = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
-    return weight.float() * scale
+    # Scales are expanded over rows only and broadcast over each row's column blocks through a view,
+    # so no second weight-sized tensor is made (as transformers' _dequantize_fp8_weight does).
+    row_scales = scale_values(scale_inv).repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    out = weight.float()
+    full, rest = divmod(cols, block[1])
+    out[..., : full * block[1]].unflatten(-1, (full, block[1])).mul_(row_scales[..., :full, None])
+    if rest:  # the partial last block of each row
+        out[..., full * block[1]:].mul_(row_scales[..., full:])
+    return out
 
 
 def dequantize_mxfp4(blocks: Tensor, scales: Tensor, name: str = "weight") -> Tensor:
@@ -76,9 +84,8 @@ def dequantize_mxfp4(blocks: Tensor, scales: Tensor, name: str = "weight") -> Te
     if tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ModelError(f"{name}{MXFP4_SCALES} has shape {tuple(scales.shape)}; {name}{MXFP4_BLOCKS} "
                          f"{tuple(blocks.shape)} needs {tuple(blocks.shape[:-1])}")
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)  # low nibble first
-    values = values.flatten(-2) * scale_values(scales).unsqueeze(-1)  # [..., R, G, 32]
+    values = _BYTE_PAIRS[blocks.int()].flatten(-2)  # [..., R, G, 32]: one lookup per byte
+    values.mul_(scale_values(scales).unsqueeze(-1))
     return values.flatten(-2).transpose(-2, -1).contiguous()
 
 
