@@ -114,7 +114,7 @@ def load_model(
     rename = deepseek_v4.checkpoint_name if cfg.v4 is not None else our_name
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as handle:
-            sf = DequantizingReader(handle, cfg.prequantized, files)  # pre-quantized weights read as floats
+            sf = DequantizingReader(handle, cfg.prequantized, files, dtype)  # pre-quantized weights read as floats
             for name in sf.keys():
                 ours = rename(name)
                 if ours is None:

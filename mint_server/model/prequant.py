@@ -103,13 +103,15 @@ class _Sliceable:
 
 
 class DequantizingReader:
-    """A safetensors handle whose quantized weights read as float32: `keys()` lists the checkpoint's
-    weights without their scales (an MXFP4 stack `P` in place of `P_blocks` / `P_scales`), and
-    `get_tensor` / `get_slice` dequantize. A companion stored in another shard is found through the
-    checkpoint's other files."""
+    """A safetensors handle whose quantized weights read as floats of `dtype`: `keys()` lists the
+    checkpoint's weights without their scales (an MXFP4 stack `P` in place of `P_blocks` / `P_scales`),
+    and `get_tensor` / `get_slice` dequantize (in float32, then cast: a bf16 engine's host copy of the
+    experts stays bf16-sized). A companion stored in another shard is found through the checkpoint's
+    other files."""
 
-    def __init__(self, handle: Any, spec: Prequantized | None, files: list[Path]) -> None:
-        self.handle, self.spec, self.files = handle, spec, files
+    def __init__(self, handle: Any, spec: Prequantized | None, files: list[Path],
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.handle, self.spec, self.files, self.dtype = handle, spec, files, dtype
         self.names = set(handle.keys())
         self._elsewhere: dict[str, Path] | None = None
         if spec is None:
@@ -134,13 +136,14 @@ class DequantizingReader:
     def get_tensor(self, name: str) -> Tensor:
         if self.spec is not None and self.spec.method == "mxfp4" and name + MXFP4_BLOCKS in self.names:
             return dequantize_mxfp4(self.handle.get_tensor(name + MXFP4_BLOCKS), self._companion(name, MXFP4_SCALES),
-                                    name)
+                                    name).to(self.dtype)
         tensor = self.handle.get_tensor(name)
         if tensor.dtype in _FLOAT8:
             if self.spec is None or self.spec.method != "fp8":
                 raise ModelError(f"tensor {name!r} is {tensor.dtype} but config.json's quantization_config "
                                  "does not say fp8")
-            return dequantize_fp8_blocks(tensor, self._companion(name, FP8_SCALE_SUFFIX), self.spec.block, name)
+            return dequantize_fp8_blocks(tensor, self._companion(name, FP8_SCALE_SUFFIX), self.spec.block,
+                                         name).to(self.dtype)
         return tensor
 
     def get_slice(self, name: str) -> Any:
