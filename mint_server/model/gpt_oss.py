@@ -16,7 +16,7 @@ Checkpoint layout: transformers keeps an expert stack as `gate_up_proj` [E, H, 2
 first, gate and up interleaved column by column), `gate_up_proj_bias` [E, 2I] (interleaved alike),
 `down_proj` [E, I, H] and `down_proj_bias` [E, H]; `GptOssTransformer.convert_checkpoint` turns them
 into our [E, out, in] gate / up / down stacks and their biases. MXFP4-quantized checkpoints (as the
-Hub ships gpt-oss) are refused by the config: dequantize to bf16 first.
+Hub ships gpt-oss: `*_blocks` / `*_scales`) are dequantized to that layout as they are read (prequant.py).
 """
 
 from __future__ import annotations
