@@ -15,11 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mint_server.model.config import ModelConfig, ModelError, UnsupportedModelError
 from mint_server.model.loader import load_model
-from mint_server.model.prequant import FP4_E2M1_VALUES, dequantize_fp8_blocks, dequantize_mxfp4
+from mint_server.model.prequant import (
+    FP4_E2M1_VALUES,
+    DequantizingReader,
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+)
 from tests.families.tiny_families import make_tiny_glm, make_tiny_gpt_oss
 from tests.mla.test_mla_model import tokens_of
 from tests.mla.tiny_deepseek import make_tiny_deepseek
@@ -205,6 +211,29 @@ def test_mxfp4_dequantization_equals_transformers():
 # -- whole checkpoints ------------------------------------------------------------------------------
 def test_fp8_dense_checkpoint_loads_dequantized_and_matches_transformers(qwen3_dir, tmp_path):
     check_loads_as_dequantized(*fp8_pair(qwen3_dir, tmp_path))
+
+
+def test_fp8_loads_in_bf16_as_the_dequantized_weights_do(qwen3_dir, tmp_path):
+    """A bf16 engine (CUDA's default) gets the bf16 rounding of the dequantized weights, as from a plain checkpoint."""
+    quantized, dequantized = fp8_pair(qwen3_dir, tmp_path)
+    ours = load_model(quantized, device="cpu", dtype=torch.bfloat16).state_dict()
+    for name, t in load_model(dequantized, device="cpu", dtype=torch.bfloat16).state_dict().items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
+
+
+def test_tensor_parallel_slices_of_a_quantized_weight_are_slices_of_its_dequantization(qwen3_dir, tmp_path):
+    """Scales follow whole blocks, so a rank's slice is cut from the dequantized weight (loader.read's get_slice)."""
+    quantized, _ = fp8_pair(qwen3_dir, tmp_path)
+    spec = ModelConfig.from_hf_dir(quantized).prequantized
+    files = [quantized / "model.safetensors"]
+    with safe_open(str(files[0]), framework="pt", device="cpu") as handle:
+        reader = DequantizingReader(handle, spec, files)
+        assert not [n for n in reader.keys() if n.endswith("_scale_inv")]
+        name = "model.layers.0.mlp.down_proj.weight"
+        whole = reader.get_tensor(name)
+        part = reader.get_slice(name)
+        assert part.get_shape() == list(whole.shape)
+        assert torch.equal(part[:, 40:80], whole[:, 40:80]) and torch.equal(part[8:20], whole[8:20])
 
 
 def test_fp8_fused_expert_stacks_load_with_their_3d_scales(tmp_path):
