@@ -34,7 +34,9 @@ def plan_cmd(
     path = config / "config.json" if config.is_dir() else config
     try:
         hf = json.loads(path.read_text())
-        cfg = ModelConfig.from_hf_dict(hf)
+        # The plan prices weights by --weight-bytes, whatever the checkpoint's storage: a quantization
+        # the loader cannot read (compressed-tensors int4, …) still has a plan.
+        cfg = ModelConfig.from_hf_dict({k: v for k, v in hf.items() if k != "quantization_config"})
     except (OSError, json.JSONDecodeError, ModelError) as e:
         raise typer.BadParameter(str(e), param_hint="--config") from None
     p = plan(cfg, gpus=gpus, gpu_mem_gib=gpu_mem, rank=rank, tp=tp, ep=ep, weight_bytes=weight_bytes,

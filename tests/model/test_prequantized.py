@@ -308,3 +308,20 @@ def test_checkpoint_disagreeing_with_its_config_is_refused_naming_the_tensor(qwe
     unsaid = variant("no-config", state, None)
     with pytest.raises(ModelError, match="no quantization_config"):
         load_model(unsaid, device="cpu")
+
+
+def test_mint_plan_prices_a_checkpoint_whose_quantization_the_loader_cannot_read(tmp_path):
+    """`mint plan` reads only the shapes (weights are priced by --weight-bytes): Kimi-K2.5's config.json
+    ships compressed-tensors int4, which loading refuses, and still has a plan."""
+    from typer.testing import CliRunner
+
+    from mint_server.cli import app
+
+    config = json.loads((Path(__file__).resolve().parents[2] / "docs" / "configs" / "kimi-k2.json").read_text())
+    config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="quantization_config.quant_method 'compressed-tensors'"):
+        ModelConfig.from_hf_dict(config)
+    out = CliRunner().invoke(app, ["plan", "--config", str(path), "--gpus", "16", "--gpu-mem", "141", "--json"])
+    assert out.exit_code == 0, out.output
