@@ -62,6 +62,8 @@ def unsupported(model: Transformer) -> str | None:
         return "tensor parallel"
     if type(model) is not Transformer:
         return f"family {type(model).__name__} (its own layer kinds)"
+    if getattr(model, "quantized", None):  # its graphs read fp weights; model/quantize.py runs eagerly
+        return "quantized base"
     if cfg.mrope_section is not None:
         return "multimodal rope"
     for block in model.layers:

@@ -22,10 +22,14 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from mint_server.model.quantize import QuantizedWeight
 
 MODES = ("fast", "reference")
 
@@ -120,9 +124,12 @@ if os.environ.get("MINT_SKINNY_ROWS", "").strip():
     pin_skinny_rows(int(os.environ["MINT_SKINNY_ROWS"]))
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias); a product of at most `skinny_rows()` rows (outside autograd, fast
-    kernels) is taken as weight × xᵀ, which reads the weight once whatever the row count."""
+    kernels) is taken as weight × xᵀ, which reads the weight once whatever the row count. A quantized
+    base weight (model/quantize.py, `--quantize`) runs its own product."""
+    if not isinstance(weight, Tensor):
+        return weight.linear(x, bias)
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if (rows == 0 or rows > _skinny_rows or _mode != "fast"
