@@ -412,7 +412,7 @@ def revision_show(
     rows = [
         ("revision", r.ref), ("sha256", r.sha256), ("size", f"{_size(r.size)} ({r.size} bytes)"), ("rank", r.rank),
         ("parent", r.parent), ("training run", r.training_run), ("step", r.step), ("note", r.note),
-        ("created", _when(r.created_at)),
+        ("base precision", r.base_precision), ("created", _when(r.created_at)),
     ]  # fmt: skip
     _emit(target, to_dict(r), lambda: _kv(rows))
 
