@@ -329,7 +329,8 @@ def register(app: typer.Typer) -> None:
         except ModelError as e:
             raise typer.BadParameter(str(e), param_hint="--base-model") from None
         except NotSupportedError as e:  # e.g. a model whose heads do not split over --tp ranks
-            raise typer.BadParameter(str(e), param_hint="--tp") from None
+            hint = "--quantize" if str(e).startswith("--quantize") else "--tp"  # a family it cannot quantize
+            raise typer.BadParameter(str(e), param_hint=hint) from None
         settings = Settings(
             data_dir=root, api_keys=keys, no_auth=no_auth, db_url=db_url, store_url=store, max_body_bytes=max_body_mb * 1024 * 1024,
         )

@@ -59,6 +59,7 @@ from mint_server.engine.values import AdamState, AdapterSource, EngineError, Eng
 from mint_server.model import invariant, kernels
 from mint_server.model.invariant import enable_for_model as enable_invariant
 from mint_server.model.loader import default_device, default_dtype, load_model
+from mint_server.model.quantize import quantize_model
 from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config
 from mint_server.model.transformer import kv_bytes_per_token
 
@@ -109,6 +110,11 @@ class LocalEngine(JobParsing):
         try:
             # tp: this process is rank 0; it loads only its share and schedules for every rank
             self.model = load_model(self.model_dir, self.device, self.dtype, tp=tp)
+            if s.quantize != "none":  # QLoRA: the frozen base quantized in place (model/quantize.py)
+                try:
+                    quantize_model(self.model, s.quantize)
+                except ValueError as e:
+                    raise NotSupportedError(str(e)) from None
         except BaseException:
             for p in followers:  # they would wait for rank 0's ops forever
                 p.kill()

@@ -161,6 +161,9 @@ class EngineSettings:
             raise ValueError("batch_invariant is supported on one rank only (tp=1)")
         if self.quantize not in QUANTIZE_CHOICES:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+        if self.quantize != "none" and (self.tp != 1 or self.batch_invariant):
+            # the quantized products are neither split over ranks nor batch-invariant (model/quantize.py)
+            raise ValueError(f"quantize {self.quantize} is supported on one rank (tp=1) without batch_invariant")
         if self.compile not in ("auto", "off"):
             raise ValueError(f"compile must be auto or off, got {self.compile!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
