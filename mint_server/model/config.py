@@ -46,6 +46,9 @@ class Family:
     compressed: bool = False  # DeepSeek-V4: compressed sparse / heavily compressed attention, mHC (v4_spec.py)
 
 
+# rope_scaling types we implement (transformer.rope_inv_freq), for every family but multimodal RoPE's.
+ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+
 # HF `architectures[0]` → family switches.
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", qk_norm=False, attention_bias=False),
@@ -195,8 +198,10 @@ class ModelConfig:
                     raise UnsupportedModelError(str(e)) from None
                 rope_type, rope, rope_theta = "default", {}, v4.main_theta
                 hf = {**hf, "num_key_value_heads": 1, "intermediate_size": hf["moe_intermediate_size"]}
-            if rope_type not in ("default", "llama3") and not ((family.mla or family.yarn) and rope_type == "yarn"):
-                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}")
+            # dynamic NTK is refused: transformers derives its frequencies from each forward's length, so
+            # a position's keys would depend on the chunk that computed them (no cache can honour it).
+            if rope_type not in ROPE_TYPES:
+                raise UnsupportedModelError(f"unsupported rope_scaling type {rope_type!r}; supported: {sorted(ROPE_TYPES)}")
             if family.vision and rope_type != "default":
                 raise UnsupportedModelError(f"rope type {rope_type!r} with multimodal RoPE is not supported")
             eos = hf.get("eos_token_id")
@@ -237,7 +242,7 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                rope_scaling=dict(rope) if rope_type in ("llama3", "yarn") else None,
+                rope_scaling=dict(rope) if rope_type != "default" else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 prequantized=prequantized,

@@ -49,8 +49,11 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     dim = cfg.head_dim if cfg.hybrid is None else cfg.hybrid.rotary_dim  # Qwen3.5: partial rotary
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rs = cfg.rope_scaling
-    if rs and (rs.get("rope_type") or rs.get("type")) == "yarn":
+    kind = rs and (rs.get("rope_type") or rs.get("type"))
+    if kind == "yarn":
         return yarn_inv_freq(rs, dim, cfg.rope_theta)
+    if kind == "linear":  # positions interpolated: every frequency divided by `factor`
+        return (inv_freq / float(rs["factor"])).float()
     if rs:  # llama3: long wavelengths scaled down by `factor`, a smooth ramp between the two cut-offs
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old_ctx = rs["original_max_position_embeddings"]
