@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any, get_type_hints
 
 from mint_server.engine.scheduler import StepCost
 
@@ -19,104 +21,168 @@ from mint_server.engine.scheduler import StepCost
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
+def setting(default: Any = MISSING, *, help: str, flag: str | None = "", default_text: str | None = None,
+            doc: str = "", advertise: bool = False, deprecated_flags: tuple[str, ...] = (),
+            default_factory: Callable[[], Any] | None = None) -> Any:
+    """An EngineSettings field with what is said of it everywhere: `help` (the `mint serve` flag's help
+    and the docs table's meaning; no square brackets, which rich reads as markup), `flag` ("": --name
+    spelled with dashes; None: not a flag), `default_text` (the default in words where the value
+    alone does not say it), `doc` (more for the docs table only), `advertise` (listed in
+    /api/v1/get_server_capabilities) and `deprecated_flags` (old spellings still accepted)."""
+    metadata = {"help": help, "flag": flag, "default_text": default_text, "doc": doc, "advertise": advertise,
+                "deprecated_flags": deprecated_flags}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     # Residency: device slots are the LoRA bank (what one step can read); the host cache holds
     # decoded adapters (and training state) that are not in a slot; everything else is in the store.
-    device_slots: int = 16
-    host_cache_mb: float = 2048.0
-    max_rank: int = 32
-    # KV cache: a pool of this many token positions shared by all running sequences.
-    kv_budget_tokens: int = 65536
-    # KV cache in MiB instead: the pool holds this many bytes of the model's own cache entries, so a
-    # base whose entry is small (MLA's latent cache) holds more positions. Overrides kv_budget_tokens.
-    kv_budget_mb: float | None = None
-    # Longest sequence, for training and sampling alike; None: the model's own context.
-    max_context: int | None = None
+    device_slots: int = setting(
+        16, deprecated_flags=("--adapter-slots",),
+        help="LoRA adapters in device slots at once (training + sampling): what one step can read; more adapters "
+        "wait in the host cache and the store and are paged in as needed.")
+    host_cache_mb: float = setting(
+        2048.0, help="Host memory for adapters not in a slot (weights, fp32 masters, AdamW moments, pending "
+        "gradients), MiB; beyond it they are paged to the store.")
+    max_rank: int = setting(32, advertise=True, help="Largest LoRA rank a client may ask for.")
+    kv_budget_tokens: int = setting(
+        65536, help="KV cache size in token positions shared by running sequences.",
+        doc="SmolLM2 fp32: about 2.8 GiB.")
+    # The pool holds this many bytes of the model's own cache entries, so a base whose entry is small
+    # (MLA's latent cache) holds more positions. Overrides kv_budget_tokens.
+    kv_budget_mb: float | None = setting(
+        None, help="KV cache size in MiB instead of positions: the pool holds as many positions as the model's "
+        "cache entries fit (MLA's latent cache: several times more than full K/V).")
+    max_context: int | None = setting(
+        None, flag="--max-seq-len", default_text="the model's context", advertise=True,
+        help="Longest sequence, for training and sampling alike: a training datum, or prompt + max_tokens.")
     # Decode rows one engine step may run, and its tokens when no prompt chunk is in it (engine/scheduler.py).
-    # It bounds how long new work waits for the step in flight; None: step_tokens_for(the measured cost) below.
-    max_step_tokens: int | None = None
-    # Tokens a step may run when prompt chunks are in it (at least max_step_tokens): one chunk yields one
-    # row's logits and draw, so prompt tokens reach their best throughput in bigger steps than decode
-    # rows do (SmolLM2 on 2 CPU cores: 379 prompt tokens/s in chunks of 128, 442 in chunks of 256).
-    # None: measured at start-up (Sampler.measure_chunk_tokens).
-    max_chunk_tokens: int | None = None
+    # It bounds how long new work waits for the step in flight.
+    max_step_tokens: int | None = setting(
+        None, default_text="the fewest that reach 90% of the measured best throughput, within 16..8192",
+        help="Decode rows one engine step may run, and its tokens in all when no prompt chunk is in it; new "
+        "work waits at most one step.",
+        doc="Measured at start-up (SmolLM2 on this project's 2 CPU cores: 64-128).")
+    # One chunk yields one row's logits and draw, so prompt tokens reach their best throughput in bigger
+    # steps than decode rows do (SmolLM2 on 2 CPU cores: 379 prompt tokens/s in chunks of 128, 442 in
+    # chunks of 256). Measured at start-up by Sampler.measure_chunk_tokens.
+    max_chunk_tokens: int | None = setting(
+        None, default_text="measured, the fewest that reach 90% of the best prompt throughput",
+        help="Tokens a step with prompt chunks in it may run, at least --max-step-tokens; a longer prompt is "
+        "prefilled in chunks over several steps, beside running streams.",
+        doc="One chunk at `max_step_tokens`, twice that, … while a doubling gains ≥ 1 / 0.9 (SmolLM2 on 2 "
+        "cores: 379 prompt tokens/s in chunks of 128, 442 in 256, 448 in 512).")
     # Fair shares (engine/scheduler.py): while a key that is served less than the busiest one has rows
     # in a step, the step is sized so that it costs at most max_slowdown × what that key's own rows
     # alone would cost (a quiet key's request then takes at most about max_slowdown × its idle time,
     # plus the wait for the step in flight when it arrives). Step cost is measured at start-up (the
     # cost of a step by its tokens, StepCost), or modelled as step_overhead_tokens + tokens if set.
-    max_slowdown: float = 1.25
-    # A key protected so (a light one) stays protected this many seconds after its work ends: a
-    # closed-loop client's next request (a chat turn, an SDK loop) is on its way and would otherwise
-    # arrive to find a full step of the heavy key's in flight. 0: no lingering.
-    linger_s: float = 0.2
-    step_overhead_tokens: int | None = None
-    # Training beside serving: a forward_backward runs in slices of at most this many padded tokens
-    # (gradient accumulation: the result equals one pass) while sampling work waits, and the sampler
-    # gets sample_steps_per_slice steps between two slices.
-    train_slice_tokens: int = 512
-    sample_steps_per_slice: int = 4
-    # Padded tokens in one fused training pass (more are split into micro-batches).
-    max_fused_tokens: int = 32768
+    max_slowdown: float = setting(
+        1.25, help="While a lighter key (or a higher priority class) has work in a step, the step costs at most "
+        "this many times that work alone; see docs/engine.md (scheduler).")
+    # A closed-loop client's next request (a chat turn, an SDK loop) is on its way and would otherwise
+    # arrive to find a full step of the heavy key's in flight.
+    linger_s: float = setting(
+        0.2, help="Seconds a lighter key stays protected by --max-slowdown after its work ends, so its next "
+        "request does not arrive to a full step; 0: no lingering.")
+    step_overhead_tokens: int | None = setting(
+        None, default_text="measured at start-up",
+        help="A step's fixed cost in token-equivalents, for the scheduler's cost model of overhead + tokens.",
+        doc="Unset, a step's cost by its tokens (a curve), a prefill chunk's and the adapters' own costs are "
+        "measured at start-up (`Sampler.measure_costs`).")
+    # Training beside serving: a forward_backward runs in slices (gradient accumulation: the result
+    # equals one pass) while sampling work waits.
+    train_slice_tokens: int = setting(
+        512, help="While sampling work waits, a training pass runs in micro-batches of at most this many tokens "
+        "(packed: real tokens; padded otherwise) with sampler steps between them.")
+    sample_steps_per_slice: int = setting(4, help="Sampler steps between two training slices.")
+    max_fused_tokens: int = setting(
+        32768, help="Tokens in one fused training pass (real when packed, padded otherwise); more are split into "
+        "micro-batches. The peak training memory follows it: set it to one run's batch for no more peak "
+        "memory than one run alone.")
     # Training memory. A fused pass never holds more than its largest request would alone (it
     # recomputes blocks and chunks its logits to that size: Trainer.memory_plan); a request alone
-    # runs at full speed up to these bounds. Block activations a pass keeps, in padded tokens: a pass
-    # of T > B tokens recomputes its first ceil((1 - B/T) x layers) blocks in backward (activation
-    # checkpointing, that share of one more forward); 0: no bound. (docs/training-speed.md)
-    checkpoint_from_tokens: int = 2048
-    # The most fp32 logits a training pass materialises at once (MiB); above it the lm_head and
-    # log-softmax run in position chunks, recomputed in backward. The log-softmax and its backward
-    # run in the logits' own buffer, so this is the logits stage's whole peak (an 8 x 256 SmolLM2
-    # batch's 402 MB fit; chunked at 128 its step is ~9% slower).
-    logits_chunk_mb: float = 512.0
-    max_num_samples: int = 128
-    # Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).
-    max_top_logprobs: int = 20
-    max_batch_rows: int = 256  # running sequences at once
-    records_ttl_s: float = 3600.0
-    loader_threads: int = 2
-    # Niceness the loader threads add to the process's own (Linux; 0: none). A burst of cold loads
-    # reads and decodes on the cores the engine's steps run on; at equal priority it takes their
-    # share of the CPU and every running stream slows, while loads only need to land a step ahead.
-    loader_nice: int = 10
-    # Bytes copied host → device slots between two steps (at least one adapter per step).
-    load_bytes_per_step: int = 256 * 1024 * 1024
-    # Where paged-out training state lives; None: a private temporary dir.
-    store_dir: Path | None = None
-    # Intra-op threads of the engine's tensor math; None: the cores this process may run on.
-    threads: int | None = None
-    # On a CPU device, keep freed host memory for the next step instead of returning it to the kernel
+    # runs at full speed up to these bounds (docs/training-speed.md).
+    checkpoint_from_tokens: int = setting(
+        2048, help="Block activations a training pass keeps for backward, in tokens; 0: no bound. A pass of "
+        "T > B tokens recomputes its first ceil((1 - B/T) x layers) blocks in backward, so activation memory "
+        "stops growing with the batch, for that share of one more forward.",
+        doc="Whatever it is, a fused pass bigger than its largest request alone recomputes blocks until it keeps "
+        "no more block activations than that request alone (fusing never raises the peak).")
+    # The log-softmax and its backward run in the logits' own buffer, so this is the logits stage's
+    # whole peak (an 8 x 256 SmolLM2 batch's 402 MB fit; chunked at 128 its step is ~9% slower).
+    logits_chunk_mb: float = setting(
+        512.0, help="Most fp32 logits one training pass holds at once, MiB; bigger logits run in position "
+        "chunks recomputed in backward.",
+        doc="A fused pass bigger than its largest request alone chunks at that request's logits.")
+    max_num_samples: int = setting(128, flag=None, advertise=True, help="Samples per request.")
+    max_top_logprobs: int = setting(
+        20, flag=None, advertise=True,
+        help="Alternatives reported per sampled token (OpenAI's top_logprobs; each costs a top-k per step).")
+    max_batch_rows: int = setting(256, flag=None, help="Running sequences at once.")
+    records_ttl_s: float = setting(3600.0, flag=None, help="Seconds a sampled sequence's logprobs stay on record for losses that read them back (stable_reinforce).")
+    loader_threads: int = setting(2, flag=None, help="Store reads (adapter loads) in parallel.")
+    # A burst of cold loads reads and decodes on the cores the engine's steps run on; at equal priority
+    # it takes their share of the CPU and every running stream slows, while loads only need to land a
+    # step ahead.
+    loader_nice: int = setting(10, flag=None, help="Niceness the loader threads add to the process's own "
+                               "(Linux; 0: none).")
+    load_bytes_per_step: int = setting(
+        256 * 1024 * 1024, flag=None, default_text="256 MiB",
+        help="Bytes copied host to device slots between two steps (at least one adapter per step).")
+    store_dir: Path | None = setting(
+        None, flag=None, default_text="mint serve: the data dir's pages/; else a private temporary dir",
+        help="Where paged-out training state lives.")
+    threads: int | None = setting(
+        None, default_text="the cores this process may run on",
+        help="Intra-op threads of the engine's tensor math.")
     # (engine/host_memory.py: no page faults on every step's big blocks; RSS stays at its peak, and
-    # varied block sizes fragment the heap, so it is opt-in).
-    keep_freed_memory: bool = False
-    # Tensor-parallel ranks of the engine's model (1: one process). Rank 0 is the server process and
-    # schedules; ranks 1..tp-1 are spawned processes that run its tensor work on their share
-    # (engine/tp_runner.py). gloo on CPU, NCCL on CUDA (one GPU per rank).
-    tp: int = 1
-    # Seconds a tensor-parallel collective may wait for its peers: a rank that is alive but stuck
-    # (hung kernel, stopped process) fails the op it holds with EngineFailed after this, instead of
-    # rank 0 waiting forever. Idle ranks wait for their next op without a limit.
-    tp_timeout_s: float = 300.0
-    # Batch-invariant numerics (model/invariant.py): a row's logits, logprobs, sampled tokens and
-    # gradients are bitwise the same whatever else is in its batch, and the sampler's logprobs equal
-    # the training forward's. Dense families on one rank; costs padding and smaller kernels.
-    batch_invariant: bool = False
-    # The decode step as compiled graphs (model/compiled.py): "auto" compiles in the background after
-    # start-up (steps run eagerly meanwhile) where the family and device allow, "off" stays eager.
-    # MINT_COMPILE sets the default (the test suite runs eager unless a test asks).
-    compile: str = field(default_factory=lambda: os.environ.get("MINT_COMPILE", "auto"))
-    # Keep full KV blocks of earlier requests for later ones with the same prefix (a chat's next turn,
-    # a multi-turn environment's next step): keyed by base, adapter revision, owner and tokens, evicted
-    # least recently used when the pool needs the room (engine/kv.py, docs/engine.md "Prefix cache").
-    # Off by itself on hybrid (linear-attention) and vision bases.
-    prefix_cache: bool = True
-    # Where inductor keeps compiled kernels and graphs (a restart then compiles warm); None: its own default.
-    compile_cache_dir: Path | None = None
-    # Weight-only quantization of the frozen base at load (model/quantize.py, docs/quantization.md):
-    # "int8" (per-channel) or "int4" (grouped); LoRA adapters train and serve on top in full precision
-    # (QLoRA). A decode step reads a quarter (int8) or about an eighth (int4) of the base's fp32 bytes.
-    quantize: str = "none"
+    # varied block sizes fragment the heap, so it is opt-in.)
+    keep_freed_memory: bool = setting(
+        False, help="CPU: keep freed host memory for the next step instead of returning it to the kernel: no page "
+        "faults on every training step's big blocks (about 5% of an 8 x 256 SmolLM2 step), while the RSS stays at "
+        "its peak. See docs/training-speed.md.",
+        doc="Varied block sizes fragment the heap (a GRPO run's peak grew), so it is opt-in.")
+    # Rank 0 is the server process and schedules; ranks 1..tp-1 are spawned processes that run its
+    # tensor work on their share (engine/tp_runner.py).
+    tp: int = setting(
+        1, help="Tensor-parallel ranks of the engine's model: this process is rank 0 and schedules, tp-1 spawned "
+        "processes run their share (gloo on CPU, NCCL on CUDA: one GPU per rank). See docs/scale-up.md.")
+    # Idle ranks wait for their next op without a limit.
+    tp_timeout_s: float = setting(
+        300.0, flag=None, help="Seconds a tensor-parallel collective may wait for its peers: a rank that is alive "
+        "but stuck fails the op it holds with EngineFailed after this, instead of rank 0 waiting forever.")
+    # model/invariant.py. Dense families on one rank; costs padding and smaller kernels.
+    batch_invariant: bool = setting(
+        False, advertise=True,
+        help="Bitwise batch-invariant numerics: a row's logits, logprobs, tokens and gradients never depend on "
+        "its batch, and sampled logprobs equal the training forward's (true on-policy RL). Dense families, one "
+        "rank; slower. See docs/numerics.md.",
+        doc="Checked against the machine's kernels at start-up.")
+    # model/compiled.py. The test suite runs eager unless a test asks (MINT_COMPILE=off).
+    compile: str = setting(
+        default_factory=lambda: os.environ.get("MINT_COMPILE", "auto"), default_text="auto, or $MINT_COMPILE",
+        help="auto or off: decode steps as compiled graphs, compiled in the background after start-up (steps run "
+        "eagerly meanwhile), cached in the data dir's compile-cache; off: always eager. See docs/engine.md.")
+    # engine/kv.py, docs/engine.md "Prefix cache".
+    prefix_cache: bool = setting(
+        True, help="Keep full KV blocks of earlier requests for later ones with the same prefix: a chat's next "
+        "turn prefills only what is new. Per owner, adapter revision and base; evicted least recently used. "
+        "See docs/engine.md.",
+        doc="Off by itself on hybrid (linear-attention) and vision bases.")
+    compile_cache_dir: Path | None = setting(
+        None, flag=None, default_text="mint serve: the data dir's compile-cache/; else inductor's own",
+        help="Where inductor keeps compiled kernels and graphs, so a restart compiles warm.")
+    # model/quantize.py. A decode step reads a quarter (int8) or about an eighth (int4) of the base's
+    # fp32 bytes.
+    quantize: str = setting(
+        "none", advertise=True,
+        help="none, int8 or int4: quantize the frozen base's linear weights at load (weight-only; int8 per "
+        "channel, int4 in groups); LoRA adapters train and serve on top in full precision (QLoRA). Less memory "
+        "and, on CPU, faster decode. See docs/quantization.md.")
 
     def check(self) -> None:
         """ValueError naming the first field out of range."""
@@ -271,3 +337,99 @@ class FleetSettings:
             raise ValueError(f"cpus_per_replica must be > 0, got {self.cpus_per_replica!r}")
         if not isinstance(self.sample_retries, int) or self.sample_retries < 0:
             raise ValueError(f"sample_retries must be >= 0, got {self.sample_retries!r}")
+
+
+@dataclass(frozen=True)
+class SettingInfo:
+    """One EngineSettings field as the CLI, the capabilities and the docs present it."""
+
+    name: str
+    type: type  # the value's type without None (int, float, bool, str, Path)
+    default: Any  # a fresh EngineSettings' value (environment included)
+    flag: str | None  # `mint serve`'s option, e.g. "--max-seq-len"; None: not a flag
+    help: str
+    default_text: str  # the default in words: default_text, or the value written out
+    doc: str
+    advertise: bool
+    deprecated_flags: tuple[str, ...]
+
+    @property
+    def flag_decls(self) -> tuple[str, ...]:
+        """The option's declarations for click: a bool is an on/off pair."""
+        if self.flag is None:
+            return ()
+        return (f"{self.flag}/--no-{self.flag[2:]}",) if self.type is bool else (self.flag,)
+
+
+def _written(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def setting_infos() -> tuple[SettingInfo, ...]:
+    """Every EngineSettings field, in declaration order, with its help, flag, type and default."""
+    hints = get_type_hints(EngineSettings)
+    defaults = EngineSettings()
+    infos = []
+    for f in fields(EngineSettings):
+        m = f.metadata
+        kinds = [t for t in getattr(hints[f.name], "__args__", (hints[f.name],)) if t is not type(None)]
+        flag = "--" + f.name.replace("_", "-") if m["flag"] == "" else m["flag"]
+        default = getattr(defaults, f.name)
+        infos.append(SettingInfo(name=f.name, type=kinds[0], default=default, flag=flag, help=m["help"],
+                                 default_text=m["default_text"] or _written(default), doc=m["doc"],
+                                 advertise=m["advertise"], deprecated_flags=m["deprecated_flags"]))
+    return tuple(infos)
+
+
+def advertised_settings(settings: EngineSettings, limits: EngineLimits) -> dict[str, Any]:
+    """The settings marked `advertise`, as /api/v1/get_server_capabilities lists them: where the loaded
+    model bounds a setting (max_context by the model's own context), the bound that holds."""
+    return {i.name: getattr(limits, i.name) if hasattr(limits, i.name) else getattr(settings, i.name)
+            for i in setting_infos() if i.advertise}
+
+
+# The settings table in docs/engine.md sits between these markers; tests check it is what
+# settings_table() writes (`python -m mint_server.engine.settings --write docs/engine.md` updates it).
+TABLE_BEGIN = "<!-- settings:begin (generated by `python -m mint_server.engine.settings --write docs/engine.md`) -->"
+TABLE_END = "<!-- settings:end -->"
+
+
+def settings_table() -> str:
+    """The markdown table of every EngineSettings field: its flag, default and meaning."""
+    rows = ["| setting | `mint serve` flag | default | meaning |", "| --- | --- | --- | --- |"]
+    for i in setting_infos():
+        spelled = [" / ".join(f"`{d}`" for d in i.flag_decls[0].split("/"))] if i.flag else ["—"]
+        flags = "; ".join([*spelled, *(f"`{d}` (deprecated)" for d in i.deprecated_flags)])
+        meaning = f"{i.help} {i.doc}".strip().replace("|", "\\|")
+        advertised = " Advertised in `get_server_capabilities`." if i.advertise else ""
+        rows.append(f"| `{i.name}` | {flags} | {i.default_text} | {meaning}{advertised} |")
+    return "\n".join(rows) + "\n"
+
+
+def with_settings_table(text: str) -> str:
+    """`text` (a markdown document) with the part between TABLE_BEGIN and TABLE_END replaced by the table."""
+    head, begin, rest = text.partition(TABLE_BEGIN)
+    _, end, tail = rest.partition(TABLE_END)
+    if not (begin and end):
+        raise ValueError(f"the document has no {TABLE_BEGIN} … {TABLE_END} markers")
+    return f"{head}{TABLE_BEGIN}\n{settings_table()}{TABLE_END}{tail}"
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="EngineSettings as a markdown table.")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--markdown", action="store_true", help="print the table")
+    group.add_argument("--write", type=Path, metavar="DOC", help="replace the table between the markers in DOC")
+    args = parser.parse_args()
+    if args.markdown:
+        print(settings_table(), end="")
+    else:
+        args.write.write_text(with_settings_table(args.write.read_text()))

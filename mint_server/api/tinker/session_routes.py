@@ -17,6 +17,7 @@ from mint_server.api.http.openapi import CancelFutureBody, body_doc
 from mint_server.api.http.plumbing import json_body, needs, parse, service
 from mint_server.api.tinker import codec
 from mint_server.engine.interface import EngineError, SampleCancelled
+from mint_server.engine.settings import advertised_settings
 
 router = APIRouter(prefix="/api/v1")
 FINISH_REASONS = ("success", "errored", "interrupted")  # what a client may say when it finishes a session
@@ -71,7 +72,11 @@ async def capabilities(request: Request, _p: Principal = needs(SERVE)) -> dict[s
     model = types.SupportedModel(
         model_name=engine.base_model, max_context_length=engine.max_context, trainable=True, sampleable=True
     )
-    return types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json")
+    body = types.GetServerCapabilitiesResponse(supported_models=[model]).model_dump(mode="json")
+    # MinT's addition (the SDK's model ignores it): the settings EngineSettings marks `advertise`,
+    # bounded by the loaded model where it bounds them (engine/settings.py, docs/engine.md).
+    body["engine_settings"] = advertised_settings(engine.settings, engine.limits)
+    return body
 
 
 @router.post("/create_session", openapi_extra=body_doc(types.CreateSessionRequest))
