@@ -38,6 +38,7 @@ from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.values import EngineError
 from mint_server.model import invariant
+from mint_server.model.families import family_spec
 from mint_server.model.lora import ExpertGroups, LoraBank, LoraBatch, add_product, lora_shapes
 from mint_server.model.qwen3_vl import FeatureCache
 from mint_server.model.tp_group import TP
@@ -582,15 +583,8 @@ def logprobs_block(model: Transformer, h: Tensor, targets: Tensor, lora: LoraBat
 def packing_unsupported(model: Transformer) -> str | None:
     """Why `model`'s training passes cannot pack their datums (None: they can). Packing needs the
     standard blocks, whose attention takes a PackedView (dense Llama/Qwen3, Qwen3-MoE, gpt-oss)."""
-    cfg = model.config
-    if cfg.vision is not None or cfg.mrope_section is not None:
-        return "vision-language base (image features and M-RoPE positions are laid out per padded row)"
-    if cfg.mla is not None:
-        return "MLA attention (DeepSeek): its latent attention has no per-datum packed form yet"
-    if cfg.hybrid is not None:
-        return "Qwen3.5 hybrid: its linear-attention layers carry a recurrent state along each row"
-    if cfg.v4 is not None:
-        return "DeepSeek-V4: its compressors read each row's positions"
+    if (refusal := family_spec(model.config).packing_refusal) is not None:
+        return refusal
     if getattr(model, "tp", None) is not None:
         return "tensor parallelism (tp_runner pads its share)"
     own = type(model)

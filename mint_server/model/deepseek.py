@@ -29,7 +29,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
-from mint_server.model.deepseek_v4 import DeepseekV4Transformer
 from mint_server.model.kv_cache import CacheView
 from mint_server.model.lora import LoraBatch
 from mint_server.model.moe import SparseMoE
@@ -287,16 +286,3 @@ class DeepseekTransformer(Transformer):
             raise ValueError("DeepseekTransformer needs a DeepSeek (MLA) config")
         super().__init__(cfg, block=block or DeepseekBlock)
 
-
-def model_class(cfg: ModelConfig) -> type[Transformer]:
-    if cfg.vision is not None:
-        from mint_server.model.qwen3_vl import VisionLanguageModel
-
-        return VisionLanguageModel
-    if cfg.hybrid is not None:
-        from mint_server.model.qwen35 import HybridTransformer
-
-        return HybridTransformer
-    if cfg.v4 is not None:
-        return DeepseekV4Transformer
-    return DeepseekTransformer if cfg.mla is not None else Transformer

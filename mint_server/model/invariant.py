@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mint_server.model import kernels
+from mint_server.model.families import family_spec
 
 TILE = 16  # tokens per product tile
 # Rows per tile of the backward's products: only the trainer runs them (alone or fused, the same
@@ -254,7 +255,7 @@ def enable_for_model(cfg, max_rank: int, device: torch.device | str = "cpu",
                      dtype: torch.dtype = torch.float32) -> None:
     """Switch the mode on for a model of this ModelConfig after checking its family and this
     machine's kernels (verify); InvariantBackendError names what stands in the way."""
-    if cfg.family.moe or cfg.family.mla or cfg.family.vision or cfg.family.hybrid:
+    if not family_spec(cfg).batch_invariant:
         raise InvariantBackendError(f"batch-invariant mode supports the dense families (Llama, Qwen3); "
                                     f"{cfg.architecture} is not supported yet")
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -17,9 +17,8 @@ from torch import Tensor
 
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
-from mint_server.model.mla_spec import mla_token_shapes
-from mint_server.model.v4_spec import DEFAULT_BLOCK_SIZE, cache_bytes_per_block
-from mint_server.model.v4_spec import cache_pool_shapes as v4_cache_pools
+from mint_server.model.families import family_spec
+from mint_server.model.v4_spec import DEFAULT_BLOCK_SIZE
 
 
 class KVCache:
@@ -82,17 +81,15 @@ class KVCache:
 
 
 def kv_token_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """What the KV cache holds per token and layer: pool name → shape."""
-    if cfg.mla is not None:
-        return mla_token_shapes(cfg.mla)
-    return {"k": (cfg.num_kv_heads, cfg.head_dim), "v": (cfg.num_kv_heads, cfg.head_dim)}
+    """What the KV cache holds per token and layer: pool name → shape (K and V, or a family's own)."""
+    return family_spec(cfg).kv_token_shapes(cfg)
 
 
 def cache_pool_shapes(cfg: ModelConfig, num_blocks: int, block_size: int) -> dict[str, tuple[tuple[int, ...], bool]]:
     """Every pool of the paged cache: name → (full shape [layers, blocks, …], float32 regardless of
     the cache dtype?). Per-token pools are [layers, blocks, block_size, *token shape]."""
-    if cfg.v4 is not None:
-        return v4_cache_pools(cfg.v4, cfg.head_dim, cfg.num_layers, num_blocks, block_size)
+    if (paged := family_spec(cfg).block_cache) is not None:  # pools held per block (DeepSeek-V4's)
+        return paged.pools(cfg, num_blocks, block_size)
     # Layers: those with softmax attention (a hybrid base's linear-attention layers keep a recurrent
     # state instead, model/recurrent_state.py); layer i of the pools is the i-th of them.
     return {name: ((len(cfg.attention_layers), num_blocks, block_size, *shape), False)
@@ -103,8 +100,8 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, block_size: int = D
     """Cache bytes one token position costs, all layers together (the sampler's budget unit); pools
     held per block (DeepSeek-V4's) are counted per position at `block_size`."""
     size = torch.empty((), dtype=dtype).element_size()
-    if cfg.v4 is not None:
-        return -(-cache_bytes_per_block(cfg.v4, cfg.head_dim, cfg.num_layers, block_size, size) // block_size)
+    if (paged := family_spec(cfg).block_cache) is not None:
+        return -(-paged.bytes_per_block(cfg, block_size, size) // block_size)
     elems = sum(math.prod(s) for s in kv_token_shapes(cfg).values())
     return elems * len(cfg.attention_layers) * size
 

@@ -21,24 +21,17 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mint_server.model import deepseek_v4
 from mint_server.model.config import ModelConfig, ModelError
-from mint_server.model.deepseek import model_class
-from mint_server.model.glm_moe_dsa import GlmMoeDsaTransformer
-from mint_server.model.gpt_oss import GptOssTransformer
+from mint_server.model.families import family_spec, model_class_of
 from mint_server.model.prequant import DequantizingReader
 from mint_server.model.tp import TP, checkpoint_split_dim, shard_model, shard_of
-from mint_server.model.transformer import Transformer, mrope_axes, rope_inv_freq
+from mint_server.model.transformer import Transformer
 
 # HF weight-name prefix → ours. Our module tree mirrors HF's below the `model.` prefix (a
 # vision-language model's decoder below `model.language_model.`, its tower below `model.visual.`).
 NAME_PREFIXES = (("model.language_model.", ""), ("model.visual.", "visual."), ("model.", ""), ("lm_head.", "lm_head."))
-# DeepSeek's router (weights and choice bias) stays float32 like HF: bf16 would flip expert choices.
-FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 _PER_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_GATE_UP = re.compile(r"^(layers\.\d+\.mlp\.experts)\.gate_up_proj$")
-# Families with a model class of their own (the rest: deepseek.model_class).
-FAMILY_MODELS: dict[str, type[Transformer]] = {"gpt_oss": GptOssTransformer, "glm_moe_dsa": GlmMoeDsaTransformer}
 
 
 def default_device() -> torch.device:
@@ -93,7 +86,7 @@ def load_model(
     dtype = dtype or default_dtype(device)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = (FAMILY_MODELS.get(cfg.family.name) or model_class(cfg))(cfg)
+        model: Transformer = model_class_of(cfg)(cfg)
         if tp is not None:
             shard_model(model, tp)  # parameters take their per-rank shapes (still meta)
 
@@ -111,7 +104,8 @@ def load_model(
     state: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, torch.Tensor]] = {}  # our stacked name → expert → [out, in]
     convert = getattr(model, "convert_checkpoint", None)  # a family's own checkpoint layout (gpt-oss experts)
-    rename = deepseek_v4.checkpoint_name if cfg.v4 is not None else our_name
+    family = family_spec(cfg)  # its checkpoint-name map and the weights it keeps in float32
+    rename = family.weight_name or our_name
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as handle:
             sf = DequantizingReader(handle, cfg.prequantized, files, dtype)  # pre-quantized weights read as floats
@@ -122,8 +116,7 @@ def load_model(
                 if convert is not None and (parts := convert(ours, partial(sf.get_tensor, name))) is not None:
                     state.update({k: v.to(device=device, dtype=dtype) for k, v in parts.items()})
                 elif ours in expected:
-                    keep = torch.float32 if (cfg.mla is not None and ours.endswith(FLOAT32_WEIGHTS)) or (
-                        cfg.v4 is not None and deepseek_v4.keeps_float32(ours)) else dtype
+                    keep = torch.float32 if family.keeps_float32(ours) else dtype
                     tensor = _ours_layout(read(sf, name, ours), ours, shapes)
                     state[ours] = tensor.to(device=device, dtype=keep if tensor.is_floating_point() else None)
                 elif m := _PER_EXPERT.match(ours):
@@ -149,10 +142,6 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
-    if cfg.mrope_section is not None:
-        model.mrope_axes = mrope_axes(cfg.mrope_section, cfg.head_dim // 2).to(device)
-    if cfg.vision is not None:
-        model.visual.reset_buffers(device)
+    model.reset_buffers(device)  # rope frequencies (and a vision tower's) were never built on meta
     model.requires_grad_(False)  # the base is frozen; only adapters ever train
     return model.eval()

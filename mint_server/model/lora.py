@@ -32,46 +32,36 @@ from torch import Tensor
 
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
+from mint_server.model.families import family_spec
+from mint_server.model.lora_targets import ALL_TARGETS as ALL_TARGETS  # (re-exported: lora's names)
+from mint_server.model.lora_targets import (
+    ATTN_TARGETS,
+    COMPRESSOR_TARGETS,
+    EXPERT_TARGETS,
+    LINEAR_TARGETS,
+    MLA_TARGETS,
+    MLP_TARGETS,
+    SHARED_TARGETS,
+    UNEMBED_TARGET,
+    V4_TARGETS,
+)
+from mint_server.model.lora_targets import EXPERT_PREFIX as EXPERT_PREFIX
+from mint_server.model.lora_targets import SHARED_PREFIX as SHARED_PREFIX
 from mint_server.model.tp_group import TP, sync_replicated
-from mint_server.model.v4_spec import CSA, HCA
-
-ATTN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-EXPERT_TARGETS = ("expert_gate_proj", "expert_up_proj", "expert_down_proj")
-UNEMBED_TARGET = "lm_head"
-# DeepSeek (MLA) attention projections (q_proj / o_proj shared with ATTN_TARGETS) and the shared
-# experts beside the routed ones (a dense SwiGLU in every sparse layer); see docs/mla.md.
-MLA_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-SHARED_TARGETS = ("shared_gate_proj", "shared_up_proj", "shared_down_proj")
-SHARED_PREFIX = "shared_"  # shared-expert target = SHARED_PREFIX + the projection name
-# Qwen3.5's gated delta-net (linear-attention) projections, in its linear layers; see docs/qwen35.md.
-LINEAR_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-# DeepSeek-V4 attention (q_a_proj / q_b_proj shared with MLA_TARGETS; o_a_proj, the grouped output
-# projection, has no PEFT LoRA form and is not a target) and its compressors' projections, CSA's and
-# HCA's apart (their widths differ); see docs/deepseek-v4.md.
-V4_TARGETS = ("kv_proj", "o_b_proj")
-COMPRESSOR_TARGETS = ("csa_kv_proj", "csa_gate_proj", "hca_kv_proj", "hca_gate_proj")
-ALL_TARGETS = (ATTN_TARGETS + MLA_TARGETS + LINEAR_TARGETS + V4_TARGETS + COMPRESSOR_TARGETS + MLP_TARGETS
-               + EXPERT_TARGETS + SHARED_TARGETS + (UNEMBED_TARGET,))
-EXPERT_PREFIX = "expert_"  # expert target = EXPERT_PREFIX + the expert's projection name
 
 
 def target_layers(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """target → the model layers it exists in, in order (its per-target layer index is the position
     in this tuple). Targets a model does not have (experts of a dense model, dense MLPs of a model
     whose every layer is sparse) are absent."""
-    out: dict[str, tuple[int, ...]] = dict.fromkeys(_attention_targets(cfg), cfg.attention_layers)
-    if cfg.hybrid is not None:
-        out.update(dict.fromkeys(LINEAR_TARGETS, cfg.hybrid.linear_layers))
-    if cfg.v4 is not None:
-        for kind, prefix in ((CSA, "csa_"), (HCA, "hca_")):
-            if cfg.v4.layers_of(kind):
-                out.update(dict.fromkeys((prefix + "kv_proj", prefix + "gate_proj"), cfg.v4.layers_of(kind)))
+    family = family_spec(cfg)
+    out: dict[str, tuple[int, ...]] = dict.fromkeys(family.attention_targets(cfg), cfg.attention_layers)
+    out.update(family.layer_targets(cfg))  # Qwen3.5's linear-attention layers, DeepSeek-V4's compressors
     if cfg.dense_layers:
         out.update(dict.fromkeys(MLP_TARGETS, cfg.dense_layers))
     if cfg.sparse_layers:
         out.update(dict.fromkeys(EXPERT_TARGETS, cfg.sparse_layers))
-        if _shared_expert_size(cfg):
+        if family.shared_expert_size(cfg):
             out.update(dict.fromkeys(SHARED_TARGETS, cfg.sparse_layers))
     out[UNEMBED_TARGET] = (0,)
     return out
@@ -87,49 +77,8 @@ def target_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int, int]]:
         "expert_gate_proj": (h, e), "expert_up_proj": (h, e), "expert_down_proj": (e, h),
         "lm_head": (h, cfg.vocab_size),
     }
-    if cfg.hybrid is not None:  # Qwen3.5: q_proj also yields the output gate; the gated delta net's projections
-        hy = cfg.hybrid
-        io.update({"q_proj": (h, 2 * q), "in_proj_qkv": (h, hy.conv_dim), "in_proj_z": (h, hy.value_dim),
-                   "in_proj_b": (h, hy.num_v_heads), "in_proj_a": (h, hy.num_v_heads), "out_proj": (hy.value_dim, h)})
-        s = _shared_expert_size(cfg)
-        io.update({"shared_gate_proj": (h, s), "shared_up_proj": (h, s), "shared_down_proj": (s, h)})
-    if cfg.mla is not None:
-        m, H = cfg.mla, cfg.num_heads
-        shared = m.n_shared_experts * e
-        io.update({
-            "q_proj": (h, H * m.qk_head_dim), "q_a_proj": (h, m.q_lora_rank or 0),
-            "q_b_proj": (m.q_lora_rank or 0, H * m.qk_head_dim),
-            "kv_a_proj_with_mqa": (h, m.kv_lora_rank + m.qk_rope_head_dim),
-            "kv_b_proj": (m.kv_lora_rank, H * (m.qk_nope_head_dim + m.v_head_dim)), "o_proj": (H * m.v_head_dim, h),
-            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
-        })
-    if cfg.v4 is not None:
-        v, H, D, shared = cfg.v4, cfg.num_heads, cfg.head_dim, e
-        io.update({
-            "q_a_proj": (h, v.q_lora_rank), "q_b_proj": (v.q_lora_rank, H * D), "kv_proj": (h, D),
-            "o_b_proj": (v.o_groups * v.o_lora_rank, h),
-            "csa_kv_proj": (h, 2 * D), "csa_gate_proj": (h, 2 * D), "hca_kv_proj": (h, D), "hca_gate_proj": (h, D),
-            "shared_gate_proj": (h, shared), "shared_up_proj": (h, shared), "shared_down_proj": (shared, h),
-        })
+    io.update(family_spec(cfg).target_io(cfg))  # the widths that are this family's own
     return {t: (len(layers), *io[t]) for t, layers in target_layers(cfg).items()}
-
-
-def _shared_expert_size(cfg: ModelConfig) -> int:
-    """Width of a sparse layer's always-on shared expert(s) (0: none)."""
-    if cfg.mla is not None:
-        return cfg.mla.n_shared_experts * cfg.moe_intermediate_size
-    if cfg.v4 is not None:
-        return cfg.moe_intermediate_size
-    return cfg.hybrid.shared_expert_intermediate_size if cfg.hybrid is not None else 0
-
-
-def _attention_targets(cfg: ModelConfig) -> tuple[str, ...]:
-    if cfg.v4 is not None:
-        return ("q_a_proj", "q_b_proj", *V4_TARGETS)
-    if cfg.mla is None:
-        return ATTN_TARGETS
-    q = ("q_proj",) if cfg.mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")
-    return (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 
 
 def target_experts(cfg: ModelConfig) -> dict[str, int]:

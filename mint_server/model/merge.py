@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model.config import ModelConfig, ModelError
 from mint_server.model.lora import EXPERT_PREFIX, UNEMBED_TARGET
-from mint_server.model.peft_io import LoraWeights, decoder_prefix, peft_key
+from mint_server.model.peft_io import LoraWeights, decoder_prefix, peft_key, shared_expert_module
 
 INDEX = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
@@ -105,7 +105,7 @@ def plan_merge(adapter: LoraWeights, cfg: ModelConfig, base_dir: Path, config: d
     """Every base tensor the adapter changes and its delta; and, when the output layer must be
     untied, the embedding it starts from. ModelError naming the target when one cannot merge."""
     decoder = decoder_prefix(cfg)
-    shared = "shared_expert" if cfg.hybrid is not None else "shared_experts"
+    shared = shared_expert_module(cfg)
     layers_of = _target_layers(cfg)
     deltas: dict[str, _Delta] = {}
     untie_from = None

@@ -137,3 +137,12 @@ def mla_token_shapes(spec: MLASpec) -> dict[str, tuple[int, ...]]:
 def full_kv_elems_per_token(spec: MLASpec, num_heads: int) -> int:
     """What a naive cache of the expanded per-head keys and values would hold per token and layer."""
     return num_heads * (spec.qk_head_dim + spec.v_head_dim)
+
+
+# DeepSeek's router (weights and choice bias) stays float32 like HF: bf16 would flip expert choices.
+FLOAT32_WEIGHTS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def keeps_float32(name: str) -> bool:
+    """Whether the loader keeps this weight (our name) in float32 whatever the model's dtype."""
+    return name.endswith(FLOAT32_WEIGHTS)

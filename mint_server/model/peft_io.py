@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from mint_server.fsutil import atomic_write_dir
 from mint_server.model import kernels
 from mint_server.model.config import ModelConfig, ModelError
+from mint_server.model.families import family_spec
 from mint_server.model.lora import (
     ALL_TARGETS,
     ATTN_TARGETS,
@@ -48,7 +49,6 @@ from mint_server.model.peft_archive import (  # archives' name, read as lm_head
     LM_HEAD_PREFIX,
     TINKER_UNEMBED_PREFIX,
 )
-from mint_server.model.v4_spec import CSA, HCA
 
 DEFAULT_LORA_ALPHA = 32.0  # Tinker's default; PEFT scaling is lora_alpha / r
 
@@ -97,10 +97,15 @@ def peft_key(target: str, layer: int, which: str, expert: int | None = None, dec
     return f"{layers}.{block}.{target}.lora_{which}.weight"
 
 
+def shared_expert_module(cfg: ModelConfig | int) -> str:
+    """The HF module name of a sparse layer's shared expert(s) (Qwen3.5: `shared_expert`)."""
+    return family_spec(cfg).shared_expert_module if isinstance(cfg, ModelConfig) else "shared_experts"
+
+
 def decoder_prefix(cfg: ModelConfig | int) -> str:
     """Where the decoder layers sit in the HF model: `model.`, or `model.language_model.` for a
     vision-language model (PEFT names its modules by that path, so transformers + PEFT load ours)."""
-    return "model.language_model." if isinstance(cfg, ModelConfig) and cfg.vision is not None else "model."
+    return family_spec(cfg).decoder_prefix if isinstance(cfg, ModelConfig) else "model."
 
 
 def _layers_of(cfg: ModelConfig | int, target: str) -> tuple[int, ...]:
@@ -121,7 +126,7 @@ def peft_tensors(adapter: LoraWeights, cfg: ModelConfig | int, moe_layout: str =
         raise ModelError(f"moe_layout must be one of {list(MOE_LAYOUTS)}, got {moe_layout!r}")
     tensors = {}
     decoder = decoder_prefix(cfg)
-    shared = "shared_expert" if isinstance(cfg, ModelConfig) and cfg.hybrid is not None else "shared_experts"
+    shared = shared_expert_module(cfg)
     for t, (a, b) in adapter.weights.items():
         a, b = a.detach().to("cpu", torch.float32), b.detach().to("cpu", torch.float32)
         per_expert = t.startswith(EXPERT_PREFIX) and moe_layout == "per-expert"
@@ -263,10 +268,9 @@ def _parse(config: dict, tensors: dict[str, torch.Tensor], weights_name: str, cf
 
 
 def _compressor_prefix(cfg: ModelConfig | int, layer: int) -> str:
-    """A DeepSeek-V4 compressor projection's target prefix: its layer's kind (csa_ / hca_)."""
-    v4 = cfg.v4 if isinstance(cfg, ModelConfig) else None
-    kind = v4.layer_types[layer] if v4 is not None and layer < len(v4.layer_types) else None
-    return {CSA: "csa_", HCA: "hca_"}.get(kind, "compressor_")  # compressor_: no such target, refused below
+    """A DeepSeek-V4 compressor projection's target prefix: its layer's kind (csa_ / hca_; compressor_:
+    no such target, refused below)."""
+    return family_spec(cfg).compressor_prefix(cfg, layer) if isinstance(cfg, ModelConfig) else "compressor_"
 
 
 def _layer_pair(

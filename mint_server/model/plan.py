@@ -13,16 +13,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.families import family_spec
 from mint_server.model.lora import lora_shapes, select_targets, target_experts, target_shapes
-from mint_server.model.mla_spec import full_kv_elems_per_token, mla_token_shapes
 from mint_server.model.tp import TPNotSupportedError, check_supported
-from mint_server.model.v4_spec import (
-    CSA,
-    DEFAULT_BLOCK_SIZE,
-    HCA,
-    cache_bytes_per_block,
-    floor_bytes_per_token,
-)
+from mint_server.model.v4_spec import DEFAULT_BLOCK_SIZE
 
 GIB = 2**30
 
@@ -63,69 +57,27 @@ class Plan:
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Base parameters by part (norms included in their part; MTP layers not counted)."""
+    family = family_spec(cfg)
+    if family.count_params is not None:  # a family counted its own way (DeepSeek-V4)
+        return family.count_params(cfg)
     h, H, L = cfg.hidden_size, cfg.num_heads, cfg.num_layers
-    if cfg.v4 is not None:
-        return _count_v4(cfg)
-    m = cfg.mla
-    if m is not None:
-        q = h * H * m.qk_head_dim if m.q_lora_rank is None else (
-            h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim)
-        attn = q + h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
-            + m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim) + H * m.v_head_dim * h
-        indexer = 0 if not m.dsa else (
-            (m.q_lora_rank or 0) * m.index_n_heads * m.index_head_dim + h * m.index_head_dim
-            + 2 * m.index_head_dim + h * m.index_n_heads)
-        indexers = sum(m.has_indexer(i) for i in range(L))  # GLM-5's shared layers have none
-        shared = 3 * h * m.n_shared_experts * cfg.moe_intermediate_size
-    else:
-        attn = h * (H + 2 * cfg.num_kv_heads) * cfg.head_dim + H * cfg.head_dim * h
-        indexer, indexers, shared = 0, 0, 0
+    attn, parts = family.attention_params(cfg), family.part_params(cfg)
     f = cfg.family
     if f.attention_bias:  # q/k/v biases (gpt-oss: o_proj's too, and a sink logit per head)
         attn += (H + 2 * cfg.num_kv_heads) * cfg.head_dim + (h if f.o_bias else 0) + (H if f.sinks else 0)
     expert = 3 * h * cfg.moe_intermediate_size + (2 * cfg.moe_intermediate_size + h if f.sinks else 0)  # + biases
-    linear = 0
-    if (hy := cfg.hybrid) is not None:  # Qwen3.5: q_proj also yields the gate; q/k norms; gated shared expert
-        attn += h * H * cfg.head_dim + 2 * cfg.head_dim
-        linear = len(hy.linear_layers) * (h * (hy.conv_dim + hy.value_dim + 2 * hy.num_v_heads) + hy.value_dim * h
-                                          + hy.conv_dim * hy.conv_kernel + 2 * hy.num_v_heads + hy.v_head_dim)
-        shared = 3 * h * hy.shared_expert_intermediate_size + h if hy.shared_expert_intermediate_size else 0
     sparse, dense = len(cfg.sparse_layers), len(cfg.dense_layers)
     return {
         "embedding": cfg.vocab_size * h,
         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
         "attention": len(cfg.attention_layers) * attn + L * 2 * h,
-        "linear_attn": linear,
-        "indexer": indexers * indexer,
+        "linear_attn": parts.get("linear_attn", 0),
+        "indexer": parts.get("indexer", 0),
         "dense_mlp": dense * 3 * h * cfg.intermediate_size,
         "routed_experts": sparse * cfg.num_experts * expert,
-        "shared_experts": sparse * shared,
+        "shared_experts": sparse * parts.get("shared_experts", 0),
         "router": sparse * cfg.num_experts * (h + 1),
-        "vision_tower": cfg.vision.num_params() if cfg.vision is not None else 0,  # replicated on every GPU
-    }
-
-
-def _count_v4(cfg: ModelConfig) -> dict[str, int]:
-    """DeepSeek-V4's parts: attention (with its compressors), the CSA indexers, the hyper-connections,
-    (mhc) and every layer a MoE with one shared expert; the hash layers' token → experts table counts as router."""
-    v, h, H, D, L = cfg.v4, cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.num_layers
-    assert v is not None
-    qr, Di, n, E, inter = v.q_lora_rank, v.index_head_dim, v.hc_mult, cfg.num_experts, cfg.moe_intermediate_size
-    attn = h * qr + qr + qr * H * D + h * D + D + H * D * v.o_lora_rank + v.o_groups * v.o_lora_rank * h + H + 2 * h
-    csa, hca = len(v.layers_of(CSA)), len(v.layers_of(HCA))
-    compressor = csa * (4 * h * D + v.csa_rate * 2 * D + D) + hca * (2 * h * D + v.hca_rate * D + D)
-    indexer = csa * (4 * h * Di + v.csa_rate * 2 * Di + Di + qr * v.index_n_heads * Di + h * v.index_n_heads)
-    mix = (2 + n) * n
-    hashed = len(v.hash_layers)
-    return {
-        "embedding": cfg.vocab_size * h,
-        "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
-        "attention": L * attn + compressor + h,  # + the final norm
-        "indexer": indexer,
-        "mhc": L * 2 * (mix * n * h + mix + 3) + n * n * h + n + 1,
-        "routed_experts": L * E * 3 * h * inter,
-        "shared_experts": L * 3 * h * inter,
-        "router": L * E * h + (L - hashed) * E + hashed * cfg.vocab_size * cfg.num_experts_per_tok,
+        "vision_tower": parts.get("vision_tower", 0),  # replicated on every GPU
     }
 
 
@@ -141,11 +93,11 @@ def lora_params_per_rank(cfg: ModelConfig) -> int:
 
 
 def kv_elems_per_token(cfg: ModelConfig) -> tuple[int | None, int]:
-    """(latent, full) cache elements per token per layer; latent None for a non-MLA base."""
-    if cfg.mla is None:
+    """(latent, full) cache elements per token per layer; latent None for a cache of per-head K/V."""
+    family = family_spec(cfg)
+    if family.full_kv_elems is None:
         return None, 2 * cfg.num_kv_heads * cfg.head_dim
-    latent = sum(math.prod(s) for s in mla_token_shapes(cfg.mla).values())
-    return latent, full_kv_elems_per_token(cfg.mla, cfg.num_heads)
+    return sum(math.prod(s) for s in family.kv_token_shapes(cfg).values()), family.full_kv_elems(cfg)
 
 
 def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int | None = None,
@@ -167,10 +119,10 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     kv_split = min(tp, cfg.num_kv_heads)
     kv_tok_gpu = (latent * L * kv_bytes) if latent is not None else -(-full * L * kv_bytes // kv_split)
     floor = None
-    if cfg.v4 is not None:  # its paged cache (window K=V, entries, state), one K=V head: replicated too
-        v4_paged = cache_bytes_per_block(cfg.v4, cfg.head_dim, L, DEFAULT_BLOCK_SIZE, kv_bytes) / DEFAULT_BLOCK_SIZE
-        kv_tok_gpu = full_bytes = math.ceil(v4_paged)
-        floor = floor_bytes_per_token(cfg.v4, cfg.head_dim, kv_bytes)
+    if (paged := family_spec(cfg).block_cache) is not None:  # DeepSeek-V4's (window K=V, entries, state), one
+        # K=V head: replicated too
+        kv_tok_gpu = full_bytes = math.ceil(paged.bytes_per_block(cfg, DEFAULT_BLOCK_SIZE, kv_bytes) / DEFAULT_BLOCK_SIZE)
+        floor = paged.floor_bytes_per_token(cfg, kv_bytes)
     else:
         full_bytes = full * L * kv_bytes
     try:
@@ -185,8 +137,7 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_mem_gib: float, rank: int, tp: int 
     free = int(gpu_mem_gib * GIB * mem_util) - base_gpu
     kv_budget = max(0, int(free * kv_fraction))
     kv_tokens = kv_budget // kv_tok_gpu if kv_tok_gpu else 0
-    state = cfg.hybrid.state_bytes(kv_bytes) if cfg.hybrid is not None else 0
-    state_gpu = -(-state // min(tp, cfg.hybrid.num_k_heads)) if cfg.hybrid is not None else 0
+    state, state_gpu = family_spec(cfg).state_bytes(cfg, kv_bytes, tp)
     sequences = kv_budget // (context * kv_tok_gpu + state_gpu) if kv_tok_gpu or state_gpu else 0
     slots_mem = max(0, free - kv_budget)
     return Plan(

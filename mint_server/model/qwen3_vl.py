@@ -201,6 +201,10 @@ class VisionLanguageModel(Transformer):
         assert cfg.vision is not None
         self.visual = VisionTower(cfg.vision)
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        super().reset_buffers(device)
+        self.visual.reset_buffers(device)
+
     def vision_input(self, positions: Tensor, segments: Sequence[tuple[int, int, PromptImages | None]],
                      cache: FeatureCache | None = None) -> VisionInput | None:
         """positions [B, T]: every token's sequence position. segments: (first flat index, length,

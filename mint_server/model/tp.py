@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mint_server.model.config import ModelConfig
+from mint_server.model.families import family_spec
 from mint_server.model.tp_group import (  # noqa: F401 - re-exported
     COLUMN_TARGETS,
     REPLICATED_TARGETS,
@@ -97,17 +98,8 @@ def check_supported(cfg: ModelConfig, world: int) -> None:
     if cfg.family.tp_unsupported and world > 1:
         raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} "
                                   f"({cfg.family.tp_unsupported})")
-    if cfg.v4 is not None:
-        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (compressed attention, "
-                                  "grouped output projection, hyper-connection streams) yet")
-    if cfg.mla is not None and cfg.mla.attention_bias and world > 1:
-        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} with attention_bias "
-                                  "(o_proj's bias would be added on every rank)")
-    if cfg.vision is not None and world > 1:
-        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} (image input) yet")
-    if cfg.hybrid is not None and world > 1:
-        raise TPNotSupportedError(f"tensor parallelism is not supported for {cfg.architecture} "
-                                  "(linear-attention layers and their recurrent state) yet")
+    if (refusal := family_spec(cfg).tp_refusal(cfg, world)) is not None:
+        raise TPNotSupportedError(refusal)
     dims = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
             "vocab_size": cfg.vocab_size}
     if cfg.dense_layers:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
+from mint_server.model.families import family_spec
 from mint_server.model.kv_cache import CacheView, attend, visible
 from mint_server.model.kv_cache import (
     kv_bytes_per_token as kv_bytes_per_token,  # engine/local.py's import, until it moves
@@ -46,7 +47,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    dim = cfg.head_dim if cfg.hybrid is None else cfg.hybrid.rotary_dim  # Qwen3.5: partial rotary
+    dim = family_spec(cfg).rotary_dim(cfg)  # Qwen3.5: partial rotary
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rs = cfg.rope_scaling
     kind = rs and (rs.get("rope_type") or rs.get("type"))
@@ -276,6 +277,12 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         if cfg.mrope_section is not None:  # multimodal RoPE: the axis (t, h, w) each frequency turns with
             self.register_buffer("mrope_axes", mrope_axes(cfg.mrope_section, cfg.head_dim // 2), persistent=False)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Compute the non-persistent buffers on `device` (a model built on the meta device has none)."""
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+        if self.config.mrope_section is not None:
+            self.mrope_axes = mrope_axes(self.config.mrope_section, self.config.head_dim // 2).to(device)
 
     def hidden_states(
         self,

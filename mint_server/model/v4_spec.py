@@ -13,6 +13,7 @@ token → experts table (`hash_layers`).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -165,3 +166,37 @@ def floor_bytes_per_token(spec: V4Spec, head_dim: int, elem_bytes: int) -> float
     only the compressed entries grow (D / rate per compressed layer, plus the indexer's keys)."""
     csa, hca = len(spec.layers_of(CSA)), len(spec.layers_of(HCA))
     return elem_bytes * (csa * (head_dim + spec.index_head_dim) / spec.csa_rate + hca * head_dim / spec.hca_rate)
+
+
+# --- checkpoint names (DeepSeek's own, as the Hub ships them, or transformers' module names) ------
+_RENAMES = tuple((re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"), (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."), (r"\.wq_b\.", ".q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.w1\.weight$", ".gate_proj.weight"), (r"\.w2\.weight$", ".down_proj.weight"), (r"\.w3\.weight$", ".up_proj.weight"),
+))
+# transformers keeps these in float32 whatever the dtype (and we keep the router there too).
+_FLOAT32 = re.compile(r"(_hc\.|^hc_head\.|\.sinks$|\.position_bias$|\.e_score_correction_bias$|_norm\.weight$|"
+                      r"_layernorm\.weight$|^norm\.weight$|\.mlp\.gate\.weight$)")
+
+
+def checkpoint_name(name: str) -> str | None:
+    """Our parameter name for a V4 checkpoint tensor (None: not ours, e.g. the MTP layers')."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    elif name.startswith("mtp.") or ".mtp." in name:
+        return None
+    for pattern, repl in _RENAMES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def keeps_float32(name: str) -> bool:
+    return _FLOAT32.search(name) is not None
