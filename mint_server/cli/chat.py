@@ -11,7 +11,7 @@ from typing import Any
 
 import typer
 
-from mint_server.cli.catalog import _served_key
+from mint_server.cli.catalog_command import served_key
 
 HELP = "Type a message and press Enter. /reset starts over, /exit (or Ctrl-D) quits."
 
@@ -61,7 +61,7 @@ def chat(
     """Chat with a policy in the terminal; answers stream as they are generated."""
     import httpx
 
-    key = api_key or _served_key(data_dir) or os.environ.get("OPENAI_API_KEY")
+    key = api_key or served_key(data_dir) or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     base = server.rstrip("/") + "/oai/api/v1/"
     start = [{"role": "system", "content": system}] if system else []

@@ -20,7 +20,7 @@ import typer
 from typer.core import TyperGroup
 
 from mint_server.catalog.errors import CatalogError, InvalidArgument
-from mint_server.cli.catalog import CatalogLocation, _emit, _served_key, _table, command, out
+from mint_server.cli.catalog_command import CatalogLocation, command, emit, new_table, out, served_key
 
 # No `from __future__ import annotations`: typer reads the real Annotated types of the options.
 POLL_S = 20.0
@@ -38,7 +38,7 @@ class EvalGroup(TyperGroup):
 def _remote(target: CatalogLocation, body: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
-    key = target.api_key or _served_key(target.data_dir)
+    key = target.api_key or served_key(target.data_dir)
     headers = {"X-API-Key": key} if key else {}
     with httpx.Client(base_url=target.server.rstrip("/") + "/api/v1", headers=headers, timeout=POLL_S + 30) as http:
         try:
@@ -99,7 +99,7 @@ def _local(target: CatalogLocation, body: dict[str, Any], base_model: str | None
 
 def _render(answer: dict[str, Any], examples: list[dict[str, Any]], show: int) -> None:
     results = answer["results"]
-    table = _table("", *(r["revision"] for r in results))
+    table = new_table("", *(r["revision"] for r in results))
     table.add_row(answer["metric"], *(f"{r['value']:.4f}" for r in results))
     table.add_row("examples", *(str(r["n"]) for r in results))
     table.add_row("sha256", *(r["sha256"][:12] for r in results))
@@ -107,7 +107,7 @@ def _render(answer: dict[str, Any], examples: list[dict[str, Any]], show: int) -
     out.print(f"dataset {answer['dataset']}" + ("" if results[0].get("eval_id") is None else " · recorded"),
               markup=False, highlight=False)
     if show:
-        side = _table("prompt", "target", *(r["revision"] for r in results))
+        side = new_table("prompt", "target", *(r["revision"] for r in results))
         for i, ex in enumerate(examples[:show]):
             target = next((ex[k] for k in ("target", "answer", "completion") if k in ex), "")
             side.add_row(ex["prompt"], target, *((r.get("outputs") or [""] * (i + 1))[i] for r in results))
@@ -147,5 +147,5 @@ def register(eval_app: typer.Typer) -> None:
         if not show:
             for r in answer["results"]:
                 r.pop("outputs", None)
-        _emit(target, answer, lambda: _render(answer, rows, show))
+        emit(target, answer, lambda: _render(answer, rows, show))
 
