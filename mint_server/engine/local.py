@@ -29,29 +29,22 @@ import torch
 from tinker import types
 
 from mint_server.engine.adapter_state import AdapterState
-from mint_server.engine.grammar import Grammars
+from mint_server.engine.front import EngineFront
 from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
     Job,
-    JobParsing,
     OptimJob,
-    Preparer,
     ReverseKLJob,
     SampleJob,
     TrainJob,
-    image_processing,
-    image_tokens,
 )
-from mint_server.engine.losses import LOSSES
 from mint_server.engine.optim import family_named
-from mint_server.engine.records import SamplingRecords
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.reverse_kl import ReverseKL
-from mint_server.engine.sample_request import SampleFuture
 from mint_server.engine.sampling import Sampler
-from mint_server.engine.settings import EngineLimits, EngineSettings
+from mint_server.engine.settings import EngineSettings
 from mint_server.engine.step_costs import measure_chunk_tokens, measure_step_cost
 from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
@@ -82,7 +75,7 @@ class _Work:
         return {a.id for a in self.resolved or () if a is not None}
 
 
-class LocalEngine(JobParsing):
+class LocalEngine(EngineFront):
     def __init__(
         self,
         model_dir: str | Path,
@@ -91,8 +84,6 @@ class LocalEngine(JobParsing):
         dtype: torch.dtype | None = None,
         settings: EngineSettings | None = None,
     ) -> None:
-        from transformers import AutoTokenizer
-
         self.settings = s = settings or EngineSettings()
         s.check()
         # Tensor math runs on the worker thread, with its own OpenMP team of intra_op_threads (set
@@ -123,14 +114,7 @@ class LocalEngine(JobParsing):
         self._invariant = s.batch_invariant
         if s.batch_invariant:
             enable_invariant(cfg, s.max_rank, self.device, self.dtype)
-        self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
-                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES),
-                                      image_tokens=image_tokens(cfg))
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.limits.max_grammar_chars)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, self.grammars,
-                                images=image_processing(cfg, self.model_dir))
+        self._open_front(self.model_dir, base_model, cfg)
         self._cv = threading.Condition()
         self._landed = False  # a cold load finished since the worker last looked (LocalEngine._loop)
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
@@ -179,31 +163,13 @@ class LocalEngine(JobParsing):
             self.device = torch.device("cuda", 0)
         return start_followers(self.settings.tp, self.model_dir, self.settings, self.device, self.dtype)
 
-    # --- limits (read by the service) -----------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.limits.max_context
-
-    @property
-    def arch(self) -> str:
-        return self.limits.arch
-
-    @property
-    def loss_fns(self) -> frozenset[str]:
-        return self.limits.loss_fns
-
     # --- submit ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> Future:
         """Queue a prepared job. Sample jobs answer with a SampleFuture (its sequence ids are known)."""
         if isinstance(job, TrainJob):
             return self._submit(_Work(Future(), (job.adapter_id,) if job.adapter_id else (), train=job))
         if isinstance(job, SampleJob):
-            future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
-            return self._submit(_Work(future, (job.adapter,) if job.adapter is not None else (), sample=job,
+            return self._submit(_Work(self._sample_future(job), (job.adapter,) if job.adapter is not None else (), sample=job,
                                       on_device=False))
         if isinstance(job, OptimJob):
             return self._op(lambda _a: self.state.optim_step(job), job.adapter_id)

@@ -365,7 +365,7 @@ def test_first_use_of_revisions_from_many_requests_on_both_replicas(fleet: Fleet
     assert all(t == first[0] for t in first) and len(first[0]) == GREEDY.max_tokens
     for i in range(0, len(rest), 4):  # each policy's four answers agree
         assert rest[i] == rest[i + 1] == rest[i + 2] == rest[i + 3] and len(rest[i]) == GREEDY.max_tokens
-    shared = fleet._shared
+    shared = fleet.placements.shared
     assert not [p.name for p in shared.iterdir() if p.name.startswith(".")]
 
 

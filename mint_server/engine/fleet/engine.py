@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import logging
 import tempfile
@@ -22,9 +20,11 @@ import numpy as np
 from tinker import types
 
 from mint_server.engine.fleet.metrics import FleetCollector, add_cumulative
+from mint_server.engine.fleet.placement import Placements
 from mint_server.engine.fleet.replica import ReplicaActor, ray_module
-from mint_server.engine.fleet.routing import Placement, ReplicaView, Router, TrackedRequest
-from mint_server.engine.grammar import Grammars
+from mint_server.engine.fleet.routing import ReplicaView, Router, TrackedRequest
+from mint_server.engine.fleet.transport import SampleTransport, cancel_remote
+from mint_server.engine.front import EngineFront
 from mint_server.engine.interface import (
     AdapterLost,
     EngineError,
@@ -34,52 +34,34 @@ from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
     Job,
-    JobParsing,
     OptimJob,
-    Preparer,
     ReverseKLJob,
     SampleJob,
     TrainJob,
-    image_processing,
-    image_tokens,
 )
-from mint_server.engine.losses import LOSSES
-from mint_server.engine.records import SamplingRecord, SamplingRecords
-from mint_server.engine.sample_request import SampleFuture
-from mint_server.engine.settings import EngineLimits, EngineSettings, FleetSettings
+from mint_server.engine.records import SamplingRecord
+from mint_server.engine.settings import EngineSettings, FleetSettings
 from mint_server.engine.values import AdapterSource, EngineReport
-from mint_server.fsutil import write_content_dir
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
-CANCEL_POLL_S = 0.02  # how often the router looks at a streamed request's cancel event
 
 
-class FleetEngine(JobParsing):
+class FleetEngine(EngineFront):
     """The Engine protocol over Ray replicas (see the module docstring)."""
 
     def __init__(self, model_dir: str | Path, base_model: str, settings: EngineSettings | None = None,
                  fleet: FleetSettings | None = None, device: str | None = None, dtype: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
         ray = ray_module()
         self.settings = s = settings or EngineSettings()
         self.fleet = f = fleet or FleetSettings()
         s.check()
         f.check()
         self.model_dir, self.base_model = Path(model_dir), base_model
-        cfg = ModelConfig.from_hf_dir(self.model_dir)
-        self.limits = EngineLimits.of(s, base_model=base_model, arch=cfg.architecture, vocab_size=cfg.vocab_size,
-                                      model_context=cfg.max_position_embeddings, loss_fns=frozenset(LOSSES),
-                                      image_tokens=image_tokens(cfg))
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        # Sampling records live here, where results pass through, so training on any replica can
-        # read the logprobs of a sequence sampled on another (stable_reinforce provenance).
-        self.records = SamplingRecords(ttl_s=s.records_ttl_s)
-        # Grammars here only check requests; each replica compiles them again for its own sampler.
-        grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids, self.limits.max_grammar_chars)
-        self.prepare = Preparer(self.limits, cfg.eos_token_ids, self.tokenizer.decode, self.records, grammars,
-                                images=image_processing(cfg, self.model_dir))
+        # The records live here, where results pass through, so training on any replica can read the
+        # logprobs of a sequence sampled on another (stable_reinforce provenance). The grammars here
+        # only check requests; each replica compiles them again for its own sampler.
+        self._open_front(self.model_dir, base_model, ModelConfig.from_hf_dir(self.model_dir))
 
         self._started_ray = False
         if not ray.is_initialized():
@@ -106,45 +88,19 @@ class FleetEngine(JobParsing):
             r.incarnation, r.pid, r.capacity = ray.get(r.handle.hello.remote())
         self.router = Router(self._replicas, f.spill_inflight)
         self._lock = threading.Lock()
-        self._adapters: dict[str, Placement] = {}
-        self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)  # sample requests (a cancel names one on its replica)
         self._tag = uuid.uuid4().hex[:6]
-        self._materialized: dict[str, Path] = {}  # source key → its PEFT dir under the shared dir
         # Catalog revisions are written out here for the replicas: beside the page dirs, in the data
         # dir that every node mounts (docs/fleet.md); a private temp dir when there is no store dir.
-        self._shared = (Path(s.store_dir).parent / "fleet-adapters" if s.store_dir is not None
-                        else Path(tempfile.mkdtemp(prefix="mint-fleet-")))
-        self._shared.mkdir(parents=True, exist_ok=True)
+        shared = (Path(s.store_dir).parent / "fleet-adapters" if s.store_dir is not None
+                  else Path(tempfile.mkdtemp(prefix="mint-fleet-")))
+        shared.mkdir(parents=True, exist_ok=True)
+        self.placements = Placements(self._replicas, self._tag, shared)
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="mint-fleet")
         self._tracked: dict[Future, TrackedRequest] = {}  # sample futures in flight → their request
-        # Read-only samples waiting for their replica's next batch: (request id, job, answer).
-        self._outbox: dict[int, list[tuple[str, SampleJob, Callable[[Any, BaseException | None], None]]]] = {}
-        # Streamed samples are consumed here (Ray streaming generators, awaited on one event loop).
-        self._loop = asyncio.new_event_loop()
-        self._watched: set[TrackedRequest] = set()  # streams whose cancel event the loop looks at
-        self._watcher: asyncio.Future | None = None
-        self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="mint-fleet-streams")
-        self._loop_thread.start()
+        self.transport = SampleTransport()
         self.routed: Counter[tuple[int, str]] = Counter()  # (replica, decision) → requests
         self._accepting = True
-
-    # --- limits ---------------------------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self.limits.vocab_size
-
-    @property
-    def max_context(self) -> int:
-        return self.limits.max_context
-
-    @property
-    def arch(self) -> str:
-        return self.limits.arch
-
-    @property
-    def loss_fns(self) -> frozenset[str]:
-        return self.limits.loss_fns
 
     @property
     def replicas(self) -> int:
@@ -154,77 +110,34 @@ class FleetEngine(JobParsing):
         """The router's record of each replica (up, in flight, last report): what metrics read."""
         return list(self._replicas)
 
-    # --- placement of training adapters and portable sources -----------------------------------
-    def _placement(self, fleet_id: str) -> Placement:
-        with self._lock:
-            p = self._adapters.get(fleet_id)
-        if p is None:
-            raise EngineError(f"unknown adapter {fleet_id!r}")
-        r = self._replicas[p.replica]
-        if p.incarnation != r.incarnation:
-            raise AdapterLost(f"adapter {fleet_id!r}: replica {p.replica} died and was replaced; "
-                              "its live state is gone (retry: the model resumes from its last saved state)")
-        return p
-
-    def _place(self, replica: int, local_id: str) -> str:
-        fleet_id = f"fa-{self._tag}-{next(self._ids)}"
-        with self._lock:
-            self._adapters[fleet_id] = Placement(replica, local_id, self._replicas[replica].incarnation)
-        return fleet_id
-
-    def _portable(self, ref: AdapterRef) -> AdapterRef:
-        """A source every replica can read. A catalog revision's `read` (verified blob reads; the
-        closure holds this process's catalog and cannot travel) runs here, once per key, into a PEFT
-        dir under the shared dir that every node mounts."""
-        if not isinstance(ref, AdapterSource) or ref.read is None:
-            return ref
-        with self._lock:
-            path = self._materialized.get(ref.key)
-        if path is None:
-            path = self._shared / hashlib.sha256(ref.key.encode()).hexdigest()[:32]
-            if not (path / "adapter_config.json").exists():
-                files = ref.read()
-
-                def fill(d: Path) -> None:
-                    for name, data in files.items():
-                        (d / name).write_bytes(data)
-
-                write_content_dir(path, fill)  # another thread or node may write the same content first
-            with self._lock:
-                self._materialized[ref.key] = path
-        return AdapterSource(ref.key, peft_dir=path)
-
-    def _needs_materialize(self, ref: AdapterRef) -> bool:
-        return isinstance(ref, AdapterSource) and ref.read is not None and ref.key not in self._materialized
-
     # --- submit ---------------------------------------------------------------------------------
     def submit(self, job: Job) -> Future:
         if not self._accepting:
             raise EngineError("engine is shutting down")
         if isinstance(job, SampleJob):
-            out: Future = Future() if job.score_only else SampleFuture(list(job.sequence_ids))
+            out = self._sample_future(job)
             tracked = TrackedRequest(f"{self._tag}-{next(self._request_ids)}", job.on_token, job.cancel)
             with self._lock:
                 self._tracked[out] = tracked
             out.add_done_callback(self._untrack)
             if isinstance(job.adapter, str):  # sampling a training adapter: where it lives
-                p = self._placement(job.adapter)
+                p = self.placements.of(job.adapter)
                 self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None, tracked=tracked)
-            elif self._needs_materialize(job.adapter):
+            elif self.placements.needs_materialize(job.adapter):
                 self._pool.submit(self._guard, out, lambda: self._sample(out, job, tracked, 0, None))
             else:
                 self._sample(out, job, tracked, 0, None)
             return out
         if isinstance(job, TrainJob | OptimJob | CustomJob):
-            p = self._placement(job.adapter_id or "")
+            p = self.placements.of(job.adapter_id or "")
             out = Future()
             self._dispatch(out, p.replica, "pinned", p.incarnation, job.on(p.local_id), None)
             return out
         if isinstance(job, ReverseKLJob):
-            p = self._placement(job.adapter_id or "")
+            p = self.placements.of(job.adapter_id or "")
             reference = job.reference
             if isinstance(reference, str):
-                ref_p = self._placement(reference)
+                ref_p = self.placements.of(reference)
                 if ref_p.replica != p.replica:
                     raise NotSupportedError("reference: a training adapter on another replica cannot be the "
                                             "reference; save it and pass its checkpoint")
@@ -232,10 +145,10 @@ class FleetEngine(JobParsing):
             out = Future()
 
             def go() -> None:
-                moved = dataclasses.replace(job, adapter_id=p.local_id, reference=self._portable(reference))
+                moved = dataclasses.replace(job, adapter_id=p.local_id, reference=self.placements.portable(reference))
                 self._dispatch(out, p.replica, "pinned", p.incarnation, moved, None)
 
-            self._pool.submit(self._guard, out, go) if self._needs_materialize(reference) else go()
+            self._pool.submit(self._guard, out, go) if self.placements.needs_materialize(reference) else go()
             return out
         raise TypeError(f"not a job: {type(job).__name__}")
 
@@ -246,7 +159,7 @@ class FleetEngine(JobParsing):
     def _sample(self, out: Future, job: SampleJob, tracked: TrackedRequest, attempt: int, failed: int | None) -> None:
         if out.done():  # cancelled before it was dispatched
             return
-        portable = job.on(self._portable(job.adapter))
+        portable = job.on(self.placements.portable(job.adapter))
         if isinstance(job.adapter, AdapterSource):
             replica, decision = self.router.route(job.adapter.key, exclude=failed)
         else:
@@ -275,12 +188,12 @@ class FleetEngine(JobParsing):
             wire = _wire(job)  # type: ignore[arg-type]  # a SampleJob, as tracked says
             if tracked.streamed:
                 stream = replica.handle.stream.remote(incarnation, tracked.request_id, wire)
-                asyncio.run_coroutine_threadsafe(self._consume(out, replica, stream, tracked, retry, record),
-                                                 self._loop)
+                self.transport.stream(stream, tracked,
+                                      lambda result, error: self._finish(out, replica, result, error, retry, record))
                 return
             if incarnation is None:  # a read-only sample: it goes in the replica's next batch
-                self._enqueue(replica, tracked.request_id, wire,
-                              lambda result, error: self._finish(out, replica, result, error, retry, record))
+                self.transport.enqueue(replica, tracked.request_id, wire,
+                                       lambda result, error: self._finish(out, replica, result, error, retry, record))
                 return
             ref = replica.handle.run.remote(incarnation, wire, tracked.request_id)
 
@@ -289,89 +202,6 @@ class FleetEngine(JobParsing):
             self._finish(out, replica, None if error else f.result(), error, retry, record)
 
         ref.future().add_done_callback(done)
-
-    def _enqueue(self, replica: ReplicaView, request_id: str, job: SampleJob,
-                 answer: Callable[[Any, BaseException | None], None]) -> None:
-        """Queue a sample for the replica's next batch; the first into an empty outbox schedules
-        the send on the router's loop, so a burst of submits leaves as one Ray call."""
-        with self._lock:
-            box = self._outbox.setdefault(replica.index, [])
-            box.append((request_id, job, answer))
-            first = len(box) == 1
-        if first:
-            self._loop.call_soon_threadsafe(self._send_batch, replica)
-
-    def _send_batch(self, replica: ReplicaView) -> None:
-        with self._lock:
-            batch = self._outbox.pop(replica.index, [])
-        if len(batch) == 1:  # alone: a plain task answers sooner than a streaming generator
-            (request_id, job, answer), = batch
-            ref = replica.handle.run.remote(None, job, request_id)
-            ref.future().add_done_callback(
-                lambda f: answer(None, f.exception()) if f.exception() is not None else answer(f.result(), None))
-        elif batch:
-            stream = replica.handle.run_batch.remote([(rid, job) for rid, job, _ in batch])
-            asyncio.ensure_future(self._answer_batch(stream, {rid: answer for rid, _, answer in batch}))
-
-    @staticmethod
-    async def _answer_batch(stream: Any, waiting: dict[str, Callable[[Any, BaseException | None], None]]) -> None:
-        try:
-            async for ref in stream:
-                for request_id, error, result in await ref:
-                    waiting.pop(request_id)(result, error)
-        except BaseException as e:  # noqa: BLE001 - the replica died: every unanswered request sees it
-            for answer in waiting.values():
-                answer(None, e)
-            return
-        for answer in waiting.values():  # not expected: the replica answers every request it got
-            answer(None, EngineError("the replica ended a batch without answering this request"))
-
-    async def _consume(self, out: Future, replica: ReplicaView, stream: Any, tracked: TrackedRequest,
-                       retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
-        """Hand a replica's streamed tokens to the caller's on_token, then finish `out`. A retry on
-        another replica replays the same tokens (same job, same seed): only unseen ones go on."""
-        seen: Counter[int] = Counter()
-        if tracked.cancel is not None:
-            self._watched.add(tracked)
-            if self._watcher is None or self._watcher.done():
-                self._watcher = asyncio.ensure_future(self._watch_cancels())
-        result: Any = None
-        error: BaseException | None = None
-        try:
-            async for ref in stream:
-                kind, value = await ref
-                if kind == "result":
-                    result = value
-                    continue
-                for index, token, logprob, top in value:
-                    seen[index] += 1
-                    if seen[index] <= tracked.delivered[index]:
-                        continue
-                    tracked.delivered[index] += 1
-                    if tracked.on_token is not None:
-                        try:
-                            tracked.on_token(index, token, logprob, top)
-                        except Exception:  # a listener's bug must not fail the request (as LocalEngine)
-                            log.exception("token callback failed")
-        except BaseException as e:  # noqa: BLE001 - delivered to the caller, or retried
-            error = e
-        finally:
-            self._watched.discard(tracked)
-        self._finish(out, replica, result, error, retry, record)
-
-    async def _watch_cancels(self) -> None:
-        """Streams' cancel events are threading.Events (no callback): one task on the router's loop
-        looks at all of them every CANCEL_POLL_S and tells the replica of each one set."""
-        while self._watched:
-            await asyncio.sleep(CANCEL_POLL_S)
-            for tracked in [t for t in self._watched if t.cancel is not None and t.cancel.is_set()]:
-                self._watched.discard(tracked)
-                self._cancel_remote(tracked)
-
-    @staticmethod
-    def _cancel_remote(tracked: TrackedRequest) -> None:
-        if tracked.replica is not None:
-            tracked.replica.handle.cancel.remote(tracked.request_id)  # fire and forget: gone is fine
 
     def _finish(self, out: Future, replica: ReplicaView, result: Any, error: BaseException | None,
                 retry: Callable[[int], bool] | None, record: SampleJob | None) -> None:
@@ -479,18 +309,16 @@ class FleetEngine(JobParsing):
 
     def _new_home(self) -> ReplicaView:
         """Where a new training adapter goes: the up replica holding the fewest, then the least busy."""
-        with self._lock:
-            held = Counter(p.replica for p in self._adapters.values())
+        held = self.placements.held()
         return min(self.router.up(), key=lambda r: (held[r.index], r.inflight, r.index))
 
     def create_adapter(self, lora: types.LoraConfig, optimizer: str = "adamw") -> Future[str]:
         r = self._new_home()
         return self._call(r.index, None, "create_adapter", lora, optimizer,
-                          then=lambda local: self._place(r.index, local))
+                          then=lambda local: self.placements.place(r.index, local))
 
     def release_adapter(self, adapter_id: str) -> Future[None]:
-        with self._lock:
-            p = self._adapters.pop(adapter_id, None)
+        p = self.placements.pop(adapter_id)
         replica = None if p is None else self._replicas[p.replica]
         out: Future = Future()
         if p is None or replica is None or not replica.up or p.incarnation != replica.incarnation:
@@ -508,14 +336,12 @@ class FleetEngine(JobParsing):
         return out
 
     def forget_source(self, key_prefix: str) -> Future[None]:
-        with self._lock:
-            for key in [k for k in self._materialized if k.startswith(key_prefix)]:
-                del self._materialized[key]
+        self.placements.forget(key_prefix)
         calls = [self._call(r.index, None, "forget_source", key_prefix) for r in self._replicas if r.up]
         return _all(calls)
 
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool) -> Future[None]:
-        p = self._placement(adapter_id)
+        p = self.placements.of(adapter_id)
         return self._call(p.replica, p.incarnation, "save_state", p.local_id, Path(dest), include_optimizer)
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool,
@@ -523,22 +349,22 @@ class FleetEngine(JobParsing):
         if adapter_id is None:
             r = self._new_home()
             return self._call(r.index, None, "load_state", None, Path(src), include_optimizer, optimizer,
-                              then=lambda local: self._place(r.index, local))
-        p = self._placement(adapter_id)
+                              then=lambda local: self.placements.place(r.index, local))
+        p = self.placements.of(adapter_id)
         return self._call(p.replica, p.incarnation, "load_state", p.local_id, Path(src), include_optimizer,
                           then=lambda _local: adapter_id)
 
     def export_peft(self, adapter: AdapterRef, dest: Path) -> Future[None]:
         if isinstance(adapter, str):
-            p = self._placement(adapter)
+            p = self.placements.of(adapter)
             return self._call(p.replica, p.incarnation, "export_peft", p.local_id, Path(dest))
         if isinstance(adapter, AdapterSource):
             home = self.router.route(adapter.key)[0].index
-            return self._in_pool(lambda: self._call(home, None, "export_peft", self._portable(adapter), Path(dest)))
+            return self._in_pool(lambda: self._call(home, None, "export_peft", self.placements.portable(adapter), Path(dest)))
         raise EngineError("adapter: export needs an adapter, not the bare base")
 
     def interpolate(self, adapters: Sequence[AdapterRef], coefficients: list[float]) -> Future[str]:
-        trained = [self._placement(a) for a in adapters if isinstance(a, str)]
+        trained = [self.placements.of(a) for a in adapters if isinstance(a, str)]
         if len({p.replica for p in trained}) > 1:
             raise NotSupportedError("adapters: training adapters on different replicas cannot be interpolated; "
                                     "save them and interpolate their checkpoints")
@@ -549,9 +375,9 @@ class FleetEngine(JobParsing):
             index, incarnation = (self.router.route(first.key)[0].index if first else self.router.least_loaded().index), None
 
         def go() -> Future:
-            local = [self._placement(a).local_id if isinstance(a, str) else self._portable(a) for a in adapters]
+            local = [self.placements.of(a).local_id if isinstance(a, str) else self.placements.portable(a) for a in adapters]
             return self._call(index, incarnation, "interpolate", local, list(coefficients),
-                              then=lambda new: self._place(index, new))
+                              then=lambda new: self.placements.place(index, new))
 
         return self._in_pool(go)
 
@@ -577,7 +403,7 @@ class FleetEngine(JobParsing):
         future.cancel()
         if tracked is not None:
             tracked.cancel_requested = True
-            self._cancel_remote(tracked)
+            cancel_remote(tracked)
 
     def queue_position(self, future: Future) -> tuple[int, int] | None:
         """Replicas keep their own queues: no per-request position crosses the router."""
@@ -637,7 +463,7 @@ class FleetEngine(JobParsing):
         return self.router.home_of(key)
 
     def replica_of(self, adapter_id: str) -> int:
-        return self._placement(adapter_id).replica
+        return self.placements.of(adapter_id).replica
 
     def kill_replica(self, index: int) -> None:
         """Kill a replica's actor as a crash would; Ray restarts it (max_restarts)."""
@@ -680,7 +506,7 @@ class FleetEngine(JobParsing):
                 ray.get(r.handle.shutdown.remote(drain), timeout=120)
             ray.kill(r.handle, no_restart=True)
         self._pool.shutdown(wait=False)
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        self.transport.stop()
         if self._started_ray:
             ray.shutdown()
 
