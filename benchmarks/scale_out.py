@@ -216,7 +216,7 @@ def seed_servable(catalog: Any, n: int, model_dir: Path, batch: int) -> dict[str
 
 def one_fsync_per_blob(workdir: Path, n: int, model_dir: Path) -> dict[str, Any]:
     """The old path on a sample: each adapter's blobs written loose, one fsync'd file each (no catalog rows)."""
-    from mint_server.catalog.blobs import LocalBlobStore
+    from mint_server.catalog.local_blobs import LocalBlobStore
     from mint_server.cli.sweep import servable_payloads
 
     _, _, payload_for = servable_payloads(model_dir, 1)

@@ -14,7 +14,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "mint_server.catalog.blobs": ("BlobInfo", "BlobStore", "LocalBlobStore"),
+    "mint_server.catalog.blobs": ("BlobInfo", "BlobStore"),
+    "mint_server.catalog.local_blobs": ("LocalBlobStore",),
     "mint_server.catalog.catalog": ("Catalog",),
     "mint_server.catalog.errors": (
         "AlreadyExists",
@@ -43,7 +44,7 @@ _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in nam
 __all__ = sorted(_MODULE_OF)
 
 if TYPE_CHECKING:
-    from mint_server.catalog.blobs import BlobInfo, BlobStore, LocalBlobStore  # noqa: F401
+    from mint_server.catalog.blobs import BlobInfo, BlobStore  # noqa: F401
     from mint_server.catalog.catalog import Catalog  # noqa: F401
     from mint_server.catalog.errors import (  # noqa: F401
         AlreadyExists,
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
         NotFound,
     )
     from mint_server.catalog.keys import KeyStore  # noqa: F401
+    from mint_server.catalog.local_blobs import LocalBlobStore  # noqa: F401
     from mint_server.catalog.payload import ManifestEntry  # noqa: F401
     from mint_server.catalog.records import (  # noqa: F401
         Alias,

@@ -3,7 +3,7 @@
 Safety argument, in two parts:
 
 * A blob is only a candidate once untouched for the grace period (a put refreshes its mtime, or
-  its pack's), and temp files are skipped while their writer holds its lock (blobs.py), so
+  its pack's), and temp files are skipped while their writer holds its lock (local_blobs.py), so
   in-progress writes and blobs a publish has put but not yet committed are left alone.
 * The reference check and the delete run under the database write lock (SQLite) or an exclusive
   advisory lock that publishers take shared (PostgreSQL), and publishers check that their blobs

@@ -33,8 +33,9 @@ import obstore
 from obstore.exceptions import NotFoundError
 
 from mint_server.catalog import packs
-from mint_server.catalog.blobs import CHUNK, SHA256_RE, BlobInfo, PackedStore, check_sha256
+from mint_server.catalog.blobs import CHUNK, SHA256_RE, BlobInfo, check_sha256
 from mint_server.catalog.errors import InvalidArgument
+from mint_server.catalog.packed_store import PackedStore
 
 # obstore reports a missing object as its NotFoundError or, from some calls, as FileNotFoundError
 NOT_FOUND = (NotFoundError, FileNotFoundError)

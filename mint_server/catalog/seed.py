@@ -4,7 +4,7 @@ Used by benchmarks, load tests and `mint catalog seed`. Without `payload_for` ev
 one tiny (but valid) PEFT payload, so the blob store holds two small files however large the catalog
 grows; with it (`--servable`) each policy gets its own real adapter.
 
-Bulk writes, a batch at a time: a batch's blobs go into one pack (blobs.py: one write and one fsync
+Bulk writes, a batch at a time: a batch's blobs go into one pack (packed_store.py: one write and one fsync
 for the batch, not one per blob), then one transaction inserts the batch's rows with the driver's
 executemany (COPY on PostgreSQL), ids assigned here: tens of thousands of policies per second, versus
 one ORM flush per row. Each batch is atomic (its rows commit together, after its blobs are durable),

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mint_server.catalog.blobs import BlobStore, LocalBlobStore
+from mint_server.catalog.blobs import BlobStore
 from mint_server.catalog.errors import InvalidArgument
+from mint_server.catalog.local_blobs import LocalBlobStore
 
 
 def open_blob_store(url: str | os.PathLike[str] | None, default_root: Path) -> BlobStore:

@@ -51,7 +51,7 @@ def test_opening_the_blob_store_sweeps_what_killed_writers_left(tmp_path: Path) 
     import fcntl
     import os
 
-    from mint_server.catalog.blobs import LocalBlobStore
+    from mint_server.catalog.local_blobs import LocalBlobStore
 
     store = LocalBlobStore(tmp_path / "blobs")
     blob = store.put_bytes(b"kept")
