@@ -129,10 +129,15 @@ class QuantizedWeight(nn.Module):
 
     def linear(self, x: Tensor, bias: Tensor | None = None) -> Tensor:
         """F.linear(x, weight, bias) with the weight as stored; differentiable in x (never in the weight)."""
+        k = x.shape[-1]
+        flat = x.reshape(-1, k)
+        # 2-D in, a fresh tensor out: callers add LoRA deltas into it in place, which autograd refuses
+        # on a custom Function's output that is a view
         if torch.is_grad_enabled() and x.requires_grad:
-            y = _QuantizedProduct.apply(x, self)
+            y = _QuantizedProduct.apply(flat, self)
         else:
-            y = _product(x, self)
+            y = _product(flat, self)
+        y = y.view(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
@@ -140,10 +145,9 @@ class QuantizedWeight(nn.Module):
 
 
 def _product(x: Tensor, w: QuantizedWeight) -> Tensor:
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if 0 < rows <= PACKED_MAX_ROWS and x.device.type == "cpu":
-        return w.packed_product(x.reshape(rows, k)).view(*x.shape[:-1], w.shape[0])
+    """x [rows, in] × Wᵀ: the packed kernel for a few rows on CPU, else BLAS on the dequantized weight."""
+    if 0 < x.shape[0] <= PACKED_MAX_ROWS and x.device.type == "cpu":
+        return w.packed_product(x)
     return F.linear(x, w.dequantize(x.dtype))
 
 

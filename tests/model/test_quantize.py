@@ -148,3 +148,35 @@ def test_a_family_it_cannot_quantize_is_refused(tmp_path) -> None:
     model = load_model(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe"), device="cpu")
     with pytest.raises(ValueError, match="--quantize int8 is not supported for family qwen3_moe"):
         quantize_model(model, "int8")
+
+
+def test_a_server_on_an_int8_base_trains_and_samples(tmp_path) -> None:
+    """The real server over LocalEngine with --quantize int8: a LoRA trains on the quantized base (its
+    loss falls), samples from it, and the capabilities say which base precision is served."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    from mint_server.engine.local import LocalEngine
+    from tests.service.live import BASE, ENGINE_SETTINGS, KEY_A, LiveServer, train
+    from tests.tiny import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(tmp_path / "llama", "llama", tie=True)
+    engine = LocalEngine(model_dir, base_model=BASE, device="cpu", dtype=torch.float32,
+                         settings=replace(ENGINE_SETTINGS, quantize="int8"))
+    assert isinstance(engine.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    with LiveServer(engine, tmp_path / "data") as server:
+        client = tinker.ServiceClient(base_url=server.url, api_key=KEY_A)
+        try:
+            tc = client.create_lora_training_client(base_model=BASE, rank=4, seed=1)
+            losses = train(tc, 3)
+            assert losses[-1] < losses[0], losses
+            sampler = tc.save_weights_and_get_sampling_client()
+            params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=3, stop=[])
+            seq = sampler.sample(types.ModelInput.from_ints([5, 17, 33]), 2, params).result().sequences
+            assert len(seq) == 2 and all(len(s.tokens) == 5 and len(s.logprobs) == 5 for s in seq)
+            caps = httpx.get(f"{server.url}/api/v1/get_server_capabilities",
+                             headers={"X-API-Key": KEY_A}).json()
+            assert caps["engine_settings"]["quantize"] == "int8"
+        finally:
+            client.close("success")
