@@ -18,15 +18,13 @@ from mint_server.engine.jobs import (
     AdapterRef,
     CustomJob,
     OptimJob,
-    Preparer,
     Prompt,
     ReverseKLJob,
     SampleJob,
     TrainJob,
-    image_processing,
-    image_tokens,
 )
 from mint_server.engine.losses import LOSSES
+from mint_server.engine.preparer import Preparer, image_processing, image_tokens
 from mint_server.engine.records import SamplingRecords
 from mint_server.engine.sample_request import SampleFuture
 from mint_server.engine.settings import EngineLimits, EngineSettings

@@ -190,7 +190,7 @@ class ParsedDatum:
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
-    images: PromptImages | None = None  # a vision-language base's images in `tokens` (jobs.Preparer reads them)
+    images: PromptImages | None = None  # a vision-language base's images in `tokens` (preparer.Preparer reads them)
 
     @property
     def width(self) -> int:  # K: targets per position

@@ -299,7 +299,7 @@ class PromptScores:
 
 @dataclass(frozen=True, eq=False)
 class PromptTargets:
-    """SampleRequest.target_prompt_logprobs, parsed (jobs.Preparer): `ids` are the listed cells' token
+    """SampleRequest.target_prompt_logprobs, parsed (preparer.Preparer): `ids` are the listed cells' token
     ids in row-major order — every cell of a dense [P - 1, K] tensor, or the CSR tensor's listed
     ones — and `crow`/`col` the CSR layout (None: dense). Row i scores prompt position i + 1, that is
     the logits at position i. A cell of -1 requests nothing."""

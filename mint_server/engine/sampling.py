@@ -1,6 +1,6 @@
 """Continuous-batching sampler: many requests, many LoRA adapters, one ragged forward per step.
 
-The engine worker hands it parsed `SampleJob`s (`submit`, see `jobs.Preparer`) and calls `step`
+The engine worker hands it parsed `SampleJob`s (`submit`, see `preparer.Preparer`) and calls `step`
 whenever `has_ready_work()`. Each step
   1. drops cancelled work — every cancel that arrived since the last step, at once — and frees its KV;
   2. asks the `Scheduler` (pure policy) for a step plan over everything it holds: running decode rows

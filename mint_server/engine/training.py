@@ -83,7 +83,7 @@ class Row:
 class Trainer:
     """Training ops over device-resident adapters; not thread-safe (one worker drives it).
 
-    Jobs arrive parsed and checked (`jobs.Preparer`); the trainer only checks what may have changed
+    Jobs arrive parsed and checked (`preparer.Preparer`); the trainer only checks what may have changed
     since (the adapter exists and is trainable).
 
     max_len: longest datum accepted (default: the model's max_position_embeddings).

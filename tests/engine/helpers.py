@@ -11,8 +11,9 @@ import torch
 
 from mint_server.engine.adapter_state import AdapterState
 from mint_server.engine.interface import EngineError
-from mint_server.engine.jobs import Preparer, TrainJob
+from mint_server.engine.jobs import TrainJob
 from mint_server.engine.losses import LOSSES
+from mint_server.engine.preparer import Preparer
 from mint_server.engine.residency import Residency
 from mint_server.engine.reverse_kl import ReverseKL
 from mint_server.engine.sampling import Sampler
