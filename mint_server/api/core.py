@@ -109,6 +109,7 @@ class Core:
         self.run_metrics = RunMetrics(self.runs)  # per-step training curves
         self.meter = Meter(Ledger(catalog.engine), engine.base_model)  # usage and audit, per tenant
         self.policies = Policies(catalog, engine.base_model, served_base_precision(engine))
+        metrics.precision_mismatches.set_function(lambda: float(self.policies.precision_mismatches))
         self.futures = FutureStore(settings.result_ttl_s)
         self.sessions = SessionRegistry(settings.session_ttl_s)
         metrics.watch_engine(engine)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
+import httpx
 import pytest
 import tinker
 import torch
@@ -42,6 +43,8 @@ def test_serving_a_revision_on_an_int8_base_warns_once(tiny_dir: Path, tmp_path:
             sampler.sample(prompt=types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
                            sampling_params=types.SamplingParams(max_tokens=2, temperature=0.0)).result()
         assert server.service.core.policies.precision_mismatches == 1
+        metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert "mint_adapter_precision_mismatches 1.0" in metrics
         client.close("success")
     warnings = [r.getMessage() for r in caplog.records if r.name == POLICIES_LOG]
     assert len(warnings) == 1, warnings

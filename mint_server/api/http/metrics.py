@@ -91,6 +91,10 @@ class Metrics:
         self.training = Counter("mint_training", "Training passes: packed_passes, padded_passes (families or modes "
                                 "that pad), tokens (real), padding_tokens (computed on padding)", ["kind"],
                                 registry=self.registry)
+        self.precision_mismatches = Gauge(
+            "mint_adapter_precision_mismatches", "Catalog revisions resolved here that were trained on a base of "
+            "another precision than this server's (each warned about once: docs/quantization.md)",
+            registry=self.registry)
         self._engine: Engine | None = None
         self._seen: dict[tuple[str, str], float] = {}
 
