@@ -54,6 +54,7 @@ from mint_server.engine.sampler_ops import (
 from mint_server.engine.scheduler import NO_FIT, Fit, Scheduler
 from mint_server.engine.state_cache import StateSlots
 from mint_server.engine.values import SampleCancelled
+from mint_server.model.families import family_spec
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Batcher:
         self.grammars = grammars  # the engine's (its Preparer accepts response_format only with them)
         self.device = model.embed_tokens.weight.device
         # --- hybrid bases: a recurrent-state slot per sequence in flight (state_cache.py)
-        self.states = StateSlots(max_batch_rows + 1) if cfg.hybrid is not None else None
+        self.states = StateSlots(max_batch_rows + 1) if family_spec(cfg).recurrent_state else None
         if self.states is not None and max_batch_rows < 2:
             raise ValueError("max_batch_rows must be at least 2 on a hybrid (linear-attention) base: "
                              "a prompt and its first sample each hold a recurrent state")

@@ -51,10 +51,10 @@ from mint_server.engine.training import Trainer
 from mint_server.engine.values import AdamState, AdapterSource, EngineError, EngineReport, NotSupportedError
 from mint_server.model import invariant, kernels
 from mint_server.model.invariant import enable_for_model as enable_invariant
+from mint_server.model.kv_cache import kv_bytes_per_token
 from mint_server.model.loader import default_device, default_dtype, load_model
 from mint_server.model.quantize import quantize_model
 from mint_server.model.tp import TP, TPNotSupportedError, check_supported, local_config
-from mint_server.model.transformer import kv_bytes_per_token
 
 log = logging.getLogger(__name__)
 

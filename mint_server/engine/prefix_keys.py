@@ -13,6 +13,7 @@ import logging
 from mint_server.engine.kv import BlockPool, block_keys, cache_root
 from mint_server.engine.sample_request import PromptGroup, SampleRequest, SampleRow
 from mint_server.engine.values import REVISION_KEY_PREFIX
+from mint_server.model.families import family_spec
 from mint_server.model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -25,8 +26,8 @@ class PrefixKeys:
         a request of the same key (owner) reads them, or joins a prompt being prefilled."""
         self.block_size, self.salt_per_owner = block_size, salt_per_owner
         self.off_reason = "" if wanted else "off by setting"
-        if wanted and model.config.hybrid is not None:
-            self.off_reason = "a hybrid base: its recurrent state is not in the KV blocks"
+        if wanted and (refusal := family_spec(model.config).prefix_cache_refusal):
+            self.off_reason = refusal  # a hybrid base: its recurrent state is not in the KV blocks
         elif wanted and getattr(model, "vision_input", None) is not None:
             self.off_reason = "a vision base: a prompt's image features are not in its tokens"
         self.on = wanted and not self.off_reason

@@ -56,6 +56,10 @@ def _no_targets(cfg: ModelConfig) -> dict:
     return {}
 
 
+def _no_parts(cfg: ModelConfig) -> dict[str, int]:
+    return {}
+
+
 def _no_shared_expert(cfg: ModelConfig) -> int:
     return 0
 
@@ -113,7 +117,7 @@ class FamilySpec:
     # memory plan (plan.py): one attention layer's q/k/v/o parameters; the parts only it has
     # (linear_attn, indexer: totals; shared_experts: per sparse layer; vision_tower); or a whole count
     attention_params: Callable[[ModelConfig], int] = _standard_attention_params
-    part_params: Callable[[ModelConfig], dict[str, int]] = _no_targets
+    part_params: Callable[[ModelConfig], dict[str, int]] = _no_parts
     count_params: Callable[[ModelConfig], dict[str, int]] | None = None
     # KV cache (kv_cache.py): pool name → shape per token and attention layer; full_kv_elems: the naive
     # per-head K/V elements per token and layer a latent cache replaces (None: the cache is that K/V)

@@ -17,9 +17,6 @@ from mint_server.model import invariant, kernels
 from mint_server.model.config import ModelConfig
 from mint_server.model.families import family_spec
 from mint_server.model.kv_cache import CacheView, attend, visible
-from mint_server.model.kv_cache import (
-    kv_bytes_per_token as kv_bytes_per_token,  # engine/local.py's import, until it moves
-)
 from mint_server.model.lora import LoraBatch
 from mint_server.model.mla_spec import rope_attention_factor
 from mint_server.model.moe import SparseMoE
