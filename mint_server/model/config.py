@@ -2,8 +2,8 @@
 
 A family is declarative: an entry in FAMILIES says which HF architecture it is and which switches
 (qk-norm, attention bias, mixture-of-experts MLPs, MLA, sinks, ...) it turns on. Adding a family is one
-entry here plus, where its blocks differ, a model file on the shared blocks named in
-loader.FAMILY_MODELS (gpt_oss.py, glm_moe_dsa.py; docs/families.md).
+entry here, one in the family registry (families.FAMILY_SPECS: its model class and what it does its own
+way) and, where its blocks differ, a model file on the shared blocks (docs/families.md).
 """
 
 from __future__ import annotations
