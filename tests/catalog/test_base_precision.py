@@ -5,6 +5,7 @@ catalog."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -64,8 +65,10 @@ def test_the_served_precision_names_dtype_runtime_and_stored_quantization(tmp_pa
     plain = make_tiny_checkpoint(tmp_path / "tiny", "qwen3", tie=False)
     fp8_dir, _ = fp8_pair(plain, tmp_path)
     settings = EngineSettings(device_slots=1, max_rank=4, kv_budget_tokens=256, max_context=64)
-    for model_dir, want in ((plain, "fp32"), (fp8_dir, "fp8-dequantized-fp32")):
-        engine = LocalEngine(model_dir, "tiny", device="cpu", dtype=torch.float32, settings=settings)
+    for model_dir, quantize, want in ((plain, "none", "fp32"), (fp8_dir, "none", "fp8-dequantized-fp32"),
+                                      (fp8_dir, "int8", "fp8-dequantized-int8")):  # requantized after load
+        engine = LocalEngine(model_dir, "tiny", device="cpu", dtype=torch.float32,
+                             settings=dataclasses.replace(settings, quantize=quantize))
         try:
             assert served_base_precision(engine) == want
         finally:
