@@ -38,6 +38,11 @@ from mint_server.model.transformer import MLP, RMSNorm, Transformer, apply_rope,
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: HF builds them with the default eps
 
 
+# Score elements one attention product may hold at once (64 MiB in float32): a prefill chunk's queries
+# run in tiles of that many against a long prefix, so attention memory grows linearly with the prefix.
+SCORE_ELEMENTS = 1 << 24
+
+
 def apply_rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """DeepSeek's layout: pairs (x0, x1), (x2, x3) … each rotated by one frequency; the output is
     de-interleaved (rotated evens, then odds), as in HF. cos/sin: the usual cat(freqs, freqs)."""
@@ -83,13 +88,18 @@ class Indexer(nn.Module):
         k = torch.cat((self.rope(k[..., :r], cos[:, 0], sin[:, 0]), k[..., r:]), dim=-1)
         if cache is not None:
             k = cache.store("index_k", layer, k)  # [B, L, D]
-        scores = torch.einsum("bthd,bld->bthl", q.float(), k.float()) * self.head_dim**-0.5
         w = self.weights_proj(x).float() * self.n_heads**-0.5  # [B, T, H]
-        index = torch.einsum("bth,bthl->btl", w, F.relu(scores))
-        index = index.masked_fill(~visible[:, 0], float("-inf"))
-        top = index.topk(min(self.top_k, index.shape[-1]), dim=-1).indices
-        chosen = torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True)
-        return visible & chosen[:, None]
+        q, k = q.float(), k.float()
+        # Queries in tiles: a prefill chunk's [tile, heads, L] scores stay bounded however long the prefix.
+        tile = max(1, SCORE_ELEMENTS // (self.n_heads * k.shape[1]))
+        chosen = []
+        for i in range(0, T, tile):
+            scores = torch.einsum("bthd,bld->bthl", q[:, i : i + tile], k) * self.head_dim**-0.5
+            index = torch.einsum("bth,bthl->btl", w[:, i : i + tile], F.relu(scores))
+            index = index.masked_fill(~visible[:, 0, i : i + tile], float("-inf"))
+            top = index.topk(min(self.top_k, index.shape[-1]), dim=-1).indices
+            chosen.append(torch.zeros_like(index, dtype=torch.bool).scatter_(-1, top, True))
+        return visible & torch.cat(chosen, dim=1)[:, None]
 
 
 class MLAttention(nn.Module):
@@ -186,19 +196,29 @@ class MLAttention(nn.Module):
             Bm = Bm.view(Bm.shape[0], H, dn + m.v_head_dim, -1)
             t = torch.einsum("bhtd,bhdk->bhtk", q_nope, Bm[:, :, :dn]) * s[:, None, None, None].to(q_nope.dtype)
             q_lat = q_lat + torch.einsum("bhtk,bkr->bhtr", t, A)
-        # Heads fold into the row's query axis: one bmm per product against the row's shared latents,
-        # never an H-fold broadcast copy of the cache.
-        B, _, T, r = q_lat.shape
-        S = latent.shape[1]
-        scores = torch.baddbmm(q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2), q_lat.reshape(B, H * T, r),
-                               latent.transpose(1, 2)).view(B, H, T, S) * m.softmax_scale
-        p = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q_nope.dtype)
-        u = (p.view(B, H * T, S) @ latent).view(B, H, T, r)  # the attention-weighted latent
+        # A prefill chunk's queries in tiles: the [H, tile, S] scores stay bounded however long the prefix.
+        tile = max(1, SCORE_ELEMENTS // (H * latent.shape[1]))
+        T = q_lat.shape[2]
+        u = torch.cat([self._latent_attention(q_lat[:, :, i : i + tile], q_rope[:, :, i : i + tile], latent, k_rope,
+                                              visible[:, :, i : i + tile]) for i in range(0, T, tile)], dim=2)
         y = torch.einsum("bhtr,hvr->bhtv", u, W[:, dn:])
         if delta is not None:
             t = torch.einsum("bhtr,bkr->bhtk", u, A) * s[:, None, None, None].to(u.dtype)
             y = y + torch.einsum("bhtk,bhvk->bhtv", t, Bm[:, :, dn:])
         return y
+
+
+    def _latent_attention(self, q_lat: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor,
+                          visible: Tensor) -> Tensor:
+        """The attention-weighted latent [B, H, T, r] of queries q_lat [B, H, T, r], q_rope [B, H, T, dr]."""
+        # Heads fold into the row's query axis: one bmm per product against the row's shared latents,
+        # never an H-fold broadcast copy of the cache.
+        B, H, T, r = q_lat.shape
+        S = latent.shape[1]
+        scores = torch.baddbmm(q_rope.reshape(B, H * T, -1) @ k_rope.transpose(1, 2), q_lat.reshape(B, H * T, r),
+                               latent.transpose(1, 2)).view(B, H, T, S) * self.spec.softmax_scale
+        p = scores.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q_lat.dtype)
+        return (p.view(B, H * T, S) @ latent).view(B, H, T, r)
 
 
 class Router(nn.Module):
