@@ -55,17 +55,24 @@ def assert_final_checkpoint_saved(log_path: Path) -> None:
     assert final["name"] == "final" and final["state_path"].startswith("tinker://"), final
 
 
+def toolalpaca_dir(tmp_path: Path) -> Path:
+    """SDFT's ToolAlpaca loader reads a local Arrow dataset (`toolalpaca_data_path`) instead of the hub."""
+    import datasets
+
+    path = tmp_path / "toolalpaca"
+    datasets.Dataset.from_dict({"prompt": QUESTIONS * 3, "golden_response": ANSWERS * 3}).save_to_disk(str(path))
+    return path
+
+
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward_topk", "reverse_topk"])
 def test_sdft_recipe_runs_against_the_server(wide_server: LiveServer, tiny_dir: Path, tmp_path: Path,
                                              reverse: bool) -> None:
     """Two SDFT steps: the student samples, the teacher (the base model prompted with the golden
     answer) returns its top-K prompt logprobs over the student's completion, and the student trains
     on them — cross_entropy with (N, K) targets (forward), or forward_backward_custom (reverse)."""
-    import datasets
     from tinker_cookbook.recipes.sdft import train
 
-    data_path = tmp_path / "toolalpaca"
-    datasets.Dataset.from_dict({"prompt": QUESTIONS * 3, "golden_response": ANSWERS * 3}).save_to_disk(str(data_path))
+    data_path = toolalpaca_dir(tmp_path)
     log_path = tmp_path / "sdft"
     config = train.CLIConfig(
         model_name=str(tiny_dir), renderer_name=RENDERER, lora_rank=4, dataset="toolalpaca",
@@ -85,6 +92,44 @@ def test_sdft_recipe_runs_against_the_server(wide_server: LiveServer, tiny_dir: 
             assert row["sdft/reverse_kl_positions"] > 0 and math.isfinite(row["loss:sum"])
         else:
             assert row["sdft/total_completion_tokens"] > 0
+    assert_final_checkpoint_saved(log_path)
+
+
+def test_sdft_importance_sampling_fallback(wide_server: LiveServer, tiny_dir: Path, tmp_path: Path) -> None:
+    """SDFT's deprecated topk=0 path: per-token advantages from the teacher's compute_logprobs. The
+    recipe's CLI leaves sdft.Config.loss_fn at cross_entropy, so its datums carry advantages and
+    logprobs into a loss that takes target_tokens and weights: the server refuses them with a 400
+    naming the field (as it does any key a loss does not read). With the loss the path is written for,
+    importance_sampling, through sdft.main and the recipe's own dataset builder, it trains."""
+    import tinker
+    from tinker_cookbook.distillation import sdft
+    from tinker_cookbook.recipes.sdft import train
+    from tinker_cookbook.recipes.sdft.datasets import ToolAlpacaSDFTBuilder
+
+    data_path = toolalpaca_dir(tmp_path)
+    common = dict(renderer_name=RENDERER, lora_rank=4, learning_rate=1e-3, max_tokens=8, topk=0,
+                  max_context_length=1024, eval_every=0, save_every=0, base_url=wide_server.url, max_steps=2)
+    with pytest.raises(tinker.BadRequestError, match=r"datums\[0\]\.loss_fn_inputs: unexpected key '(advantages|logprobs)' for loss 'cross_entropy'"):
+        asyncio.run(train.cli_main(train.CLIConfig(
+            model_name=str(tiny_dir), dataset="toolalpaca", toolalpaca_data_path=str(data_path), groups_per_batch=2,
+            log_path=str(tmp_path / "cli"), behavior_if_log_dir_exists="delete", **common)))
+
+    builder = ToolAlpacaSDFTBuilder(groups_per_batch=2, model_name_for_tokenizer=str(tiny_dir), renderer_name=RENDERER,
+                                    data_path=str(data_path))
+    train_dataset, _ = asyncio.run(builder())
+    log_path = tmp_path / "is"
+    config = sdft.Config(model_name=str(tiny_dir), recipe_name="recipe_sdft", loss_fn="importance_sampling",
+                         log_path=str(log_path), **common)
+    asyncio.run(sdft.main(config, train_dataset))
+
+    rows = read_metrics(log_path)
+    assert [r["progress/batch"] for r in rows] == [0, 1]
+    # the teacher's compute_logprobs of the student's tokens made the advantages (teacher lp - student lp)
+    for r in rows:
+        assert r["sdft/num_datums"] == 2.0 and r["sdft/mean_teacher_lp"] < 0 and r["sdft/mean_student_lp"] < 0, r
+        # means over the batch's completion tokens (2 × max_tokens 8)
+        Tolerance(n=16).check(r["sdft/mean_advantage"], r["sdft/mean_teacher_lp"] - r["sdft/mean_student_lp"],
+                              "mean advantage")
     assert_final_checkpoint_saved(log_path)
 
 
