@@ -90,15 +90,7 @@ class QuantizedWeight(nn.Module):
         dtype = dtype or self.dtype
         if self.kind == "int8":
             return (self.qdata.to(dtype) * self.scales.to(dtype)[:, None])
-        w = self._dequantize_int4(self.codes(), dtype)
-        return w[: self.shape[0]]
-
-    def _dequantize_int4(self, codes: Tensor, dtype: torch.dtype, first_row: int = 0) -> Tensor:
-        n = codes.shape[0]
-        sz = self.scales[:, first_row : first_row + n].float()  # [groups, n, 2]
-        scale, zero = sz[..., 0].t(), sz[..., 1].t()  # [n, groups]
-        g = codes.view(n, -1, INT4_GROUP).float()
-        return ((g - 8) * scale[..., None] + zero[..., None]).view(n, -1).to(dtype)
+        return _int4_values(self.codes(), self.scales, dtype)[: self.shape[0]]
 
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` of the weight (an embedding lookup), dequantized: a fresh tensor [*ids, in]."""
@@ -110,10 +102,7 @@ class QuantizedWeight(nn.Module):
             half = INT4_BLOCK_ROWS // 2
             b = self.qdata.view(-1, k, half)[flat // INT4_BLOCK_ROWS, :, within % half]  # [n, in]
             codes = torch.where((within >= half)[:, None], b >> 4, b & 15)
-            sz = self.scales[:, flat].float()  # [groups, n, 2]
-            g = codes.view(flat.numel(), -1, INT4_GROUP).float()
-            out = ((g - 8) * sz[..., 0].t()[..., None] + sz[..., 1].t()[..., None]).view(flat.numel(), -1)
-            out = out.to(self.dtype)
+            out = _int4_values(codes, self.scales[:, flat], self.dtype)
         return out.view(*ids.shape, self.shape[1])
 
     def packed_product(self, x2d: Tensor) -> Tensor:
@@ -142,6 +131,15 @@ class QuantizedWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.kind}, out={self.shape[0]}, in={self.shape[1]}, dtype={self.dtype}"
+
+
+def _int4_values(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """codes [n, in] (0..15) with their rows' (scale, zero) [in / group, n, 2] as the kernel computes
+    them: (q - 8) · scale + zero, in fp32."""
+    n = codes.shape[0]
+    sz = scales.float()
+    scale, zero = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [n, groups, 1]
+    return ((codes.view(n, -1, INT4_GROUP).float() - 8) * scale + zero).view(n, -1).to(dtype)
 
 
 def _product(x: Tensor, w: QuantizedWeight) -> Tensor:
