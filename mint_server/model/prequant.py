@@ -147,9 +147,11 @@ class DequantizingReader:
         return tensor
 
     def get_slice(self, name: str) -> Any:
-        if self.spec is None:
-            return self.handle.get_slice(name)
-        return _Sliceable(self.get_tensor(name))  # scales follow whole blocks: dequantize, then split
+        """A tensor-parallel rank's read: a quantized weight is dequantized whole, then sliced (its scales
+        follow whole blocks); any other tensor is sliced as it is stored."""
+        if name + MXFP4_BLOCKS in self.names or self.handle.get_slice(name).get_dtype().startswith("F8"):
+            return _Sliceable(self.get_tensor(name))
+        return self.handle.get_slice(name)
 
     def _companion(self, name: str, suffix: str) -> Tensor:
         """`name + suffix` from this shard, or from whichever shard of the checkpoint holds it."""

@@ -234,6 +234,8 @@ def test_tensor_parallel_slices_of_a_quantized_weight_are_slices_of_its_dequanti
         part = reader.get_slice(name)
         assert part.get_shape() == list(whole.shape)
         assert torch.equal(part[:, 40:80], whole[:, 40:80]) and torch.equal(part[8:20], whole[8:20])
+        plain = "model.embed_tokens.weight"  # stored unquantized: sliced as stored
+        assert torch.equal(reader.get_slice(plain)[10:20], handle.get_tensor(plain)[10:20])
 
 
 def test_fp8_fused_expert_stacks_load_with_their_3d_scales(tmp_path):
