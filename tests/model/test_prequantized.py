@@ -327,3 +327,25 @@ def test_mint_plan_prices_a_checkpoint_whose_quantization_the_loader_cannot_read
         ModelConfig.from_hf_dict(config)
     out = CliRunner().invoke(app, ["plan", "--config", str(path), "--gpus", "16", "--gpu-mem", "141", "--json"])
     assert out.exit_code == 0, out.output
+
+
+def tp_sliced_load_equal(tp, ckpts: list[str]) -> list[bool]:
+    """On each rank: reading only its share of a quantized checkpoint equals its share of the whole model."""
+    from mint_server.model import tp as tpmod
+
+    out = []
+    for ckpt in ckpts:
+        sliced = load_model(Path(ckpt), "cpu", torch.float32, tp=tp).state_dict()
+        full = tpmod.shard_model(load_model(Path(ckpt), "cpu", torch.float32), tp).state_dict()
+        out.append(sorted(sliced) == sorted(full) and all(torch.equal(sliced[k], full[k]) for k in full))
+    return out
+
+
+@pytest.mark.slow  # two spawned gloo ranks: ~60 s on 2 busy cores (the slicing rule itself is tested above)
+def test_tensor_parallel_ranks_read_their_share_of_a_quantized_checkpoint(qwen3_dir, tmp_path):
+    from tests.tp.harness import run_ranks
+
+    dense, _ = fp8_pair(qwen3_dir, tmp_path / "dense")
+    moe = make_tiny_checkpoint(tmp_path / "moe-src", "qwen3_moe", tie=False, fused_experts=True)
+    fused, _ = fp8_pair(moe, tmp_path / "moe")
+    assert run_ranks(tp_sliced_load_equal, [str(dense), str(fused)]) == [True, True]
