@@ -16,12 +16,12 @@ F.linear 49.1 ms; with fp32 or fp16 activations they take a scalar path, 5-25x s
 torchao 0.18's Int8WeightOnlyConfig ran 2x slower than fp32 even on a bf16 module, and its CPU int4
 layout is a prototype; so this is a thin wrapper over the two aten ops, with no new dependency.
 
-So a product of few rows (a decode step) runs the packed kernel on bf16 copies of its rows
-(accumulating in fp32, rounding the output to bf16: the sampler's logits differ from the
+So a product of few rows outside autograd (a decode step) runs the packed kernel on bf16 copies of
+its rows (accumulating in fp32, rounding the output to bf16: the sampler's logits differ from the
 dequantized model's by bf16 rounding, tests/model/test_quantize.py states the bound); a product of
-many rows (a prompt chunk, a training pass) dequantizes the weight to the compute dtype and runs the
-BLAS product, whose results equal the dequantized model's to float rounding — and backward always
-multiplies by the dequantized weight in the compute dtype. On other devices every product
+many rows (a prompt chunk), and every product of a training pass, dequantizes the weight to the
+compute dtype and runs the BLAS product, whose results equal the dequantized model's to float
+rounding — and backward always multiplies by the dequantized weight in the compute dtype. On other devices every product
 dequantizes (memory is saved; there is no faster kernel wired here).
 """
 
@@ -143,8 +143,10 @@ def _int4_values(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _product(x: Tensor, w: QuantizedWeight) -> Tensor:
-    """x [rows, in] × Wᵀ: the packed kernel for a few rows on CPU, else BLAS on the dequantized weight."""
-    if 0 < x.shape[0] <= PACKED_MAX_ROWS and x.device.type == "cpu":
+    """x [rows, in] × Wᵀ: the packed kernel for a few rows on CPU outside autograd, else BLAS on the
+    dequantized weight (a training pass's forward then matches its backward, which multiplies by the
+    dequantized weight, whatever its row count)."""
+    if 0 < x.shape[0] <= PACKED_MAX_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
         return w.packed_product(x)
     return F.linear(x, w.dequantize(x.dtype))
 

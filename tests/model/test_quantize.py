@@ -64,7 +64,9 @@ def test_products_equal_the_dequantized_weight(kind: str, out_features: int) -> 
     x = torch.randn(3, 192, generator=g)
     expected = F.linear(x.bfloat16().float(), deq)
     bound = 2 * unit_roundoff(torch.bfloat16) * max(1.0, expected.abs().max().item())
-    assert (w.linear(x) - expected).abs().max().item() <= bound
+    with torch.no_grad():  # under autograd every product takes the dequantized weight
+        assert (w.linear(x) - expected).abs().max().item() <= bound
+    Tolerance(n=192).check(w.linear(x), F.linear(x, deq), "few rows under autograd")
     # the embedding's lookup reads the same values, bitwise
     ids = torch.tensor([[0, out_features - 1, 65], [33, 32, 64]])
     assert torch.equal(w.rows(ids), deq[ids])
