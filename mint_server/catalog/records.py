@@ -43,7 +43,7 @@ class Revision:
     step: int | None
     note: str | None
     created_at: datetime
-    # The precision of the base it was trained on (model/prequant.base_precision); None: unknown.
+    # The precision of the base it was trained on (model/prequant_spec.base_precision); None: unknown.
     base_precision: str | None = None
 
     @property

@@ -107,7 +107,7 @@ class RevisionRow(Base):
     note: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     # The precision of the base the adapter was trained on ("fp32", "bf16", "int8", "fp8-dequantized-bf16"
-    # …; model/prequant.base_precision); None where unknown (imported, or published before 0004).
+    # …; model/prequant_spec.base_precision); None where unknown (imported, or published before 0004).
     base_precision: Mapped[str | None] = mapped_column(String(32))
 
 
