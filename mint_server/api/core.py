@@ -10,6 +10,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from mint_server.api.tinker.validate import InvalidInput
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.ledger import Ledger
 from mint_server.catalog.records import Revision
-from mint_server.engine.interface import AdapterSource, Engine, EngineError, Priority
+from mint_server.engine.interface import AdapterSource, Engine, EngineError, Priority, Prompt, SampleJob
 from mint_server.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,22 @@ class CustomLoss:
     owner: str
     session_id: str
     compiled: Any  # engine.custom_loss.CompiledLoss: checked, never executable code
+
+
+@dataclass(frozen=True)
+class SamplingFace:
+    """What differs between the faces' sample requests once they are parsed: the class their work
+    runs at unless a request lowers it, where a request names its priority, and what the face calls
+    each of the engine's request fields (`rename`: the engine's field path → the face's)."""
+
+    default_priority: Priority
+    priority_field: str
+    rename: Callable[[str], str] = lambda field: field
+
+
+# The Tinker face: rollout work; the priority comes in a header; the sampled top-k is topk_sample_logprobs.
+TINKER_FACE = SamplingFace(Priority.ROLLOUT, "X-Mint-Priority header",
+                           lambda field: "topk_sample_logprobs" if field == "top_logprobs" else field)
 
 
 class Core:
@@ -248,21 +265,27 @@ class Core:
     def forget_checkpoint(self, ref: CheckpointRef) -> None:
         self.engine.forget_source(f"ckpt:{ref.tinker_path}:")
 
-    def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput,
+    def sample_job(self, owner: str, source: AdapterSource | str | None, prompt: types.ModelInput | Prompt | list[int],
                    num_samples: int, params: types.SamplingParams, prompt_logprobs: bool = False,
                    topk_prompt_logprobs: int = 0, record: bool = False, top_logprobs: int = 0,
-                   priority: str | None = None, controls: dict[str, Any] | None = None) -> Any:
-        """Parse a sample request (EngineError naming the field); fair admission is keyed by owner.
-        Tinker sampling is rollout work unless the request lowers it (`priority`: "batch"). The prompt
-        goes to the engine as it came: its parser reads image chunks (or refuses them by name).
-        `controls`: prepare_sample's keyword controls (penalties, min_p, logit_bias, response_format)."""
+                   priority: str | None = None, controls: dict[str, Any] | None = None,
+                   face: SamplingFace | None = None) -> SampleJob:
+        """The one door of every sample request, whichever face it came by: parsed by the engine's
+        `prepare_sample` against its one set of rules (each bound checked there, once), fair admission
+        keyed by owner, the priority lowered as the face allows. A refusal is an EngineError naming
+        its field as `face` calls it. The prompt goes to the engine as it came: its parser reads
+        image chunks (or refuses them by name). `controls`: prepare_sample's keyword controls
+        (penalties, min_p, logit_bias, response_format, stop_at_eos, the prompt-scoring fields)."""
+        face = face or TINKER_FACE
         try:
-            klass = Priority.lowered(priority, Priority.ROLLOUT)
+            klass = Priority.lowered(priority, face.default_priority, face.priority_field)
+            return self.engine.prepare_sample(source, prompt, num_samples, params, prompt_logprobs,
+                                              topk_prompt_logprobs, record=record, key=owner,
+                                              top_logprobs=top_logprobs, priority=klass, **(controls or {}))
         except EngineError as e:
-            raise InvalidInput(f"X-Mint-Priority header: {str(e).partition(': ')[2]}") from None
-        return self.engine.prepare_sample(source, prompt, num_samples, params, prompt_logprobs,
-                                          topk_prompt_logprobs, record=record, key=owner,
-                                          top_logprobs=top_logprobs, priority=klass, **(controls or {}))
+            if e.field is None or (name := face.rename(e.field)) == e.field:
+                raise
+            raise e.renamed(name) from None
 
     def project_of(self, session_id: str | None) -> str | None:
         session = self.sessions.find(session_id) if session_id is not None else None

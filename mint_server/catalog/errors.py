@@ -8,12 +8,14 @@ from __future__ import annotations
 
 
 class CatalogError(Exception):
-    """Base class. `field` names the offending argument where there is one."""
+    """Base class. `field` names the offending argument where there is one; `code`, a stable
+    machine-readable reason where the check gives one (the HTTP layer reads both, never the text)."""
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        self.code = code
 
     def __str__(self) -> str:
         return self.message

@@ -32,7 +32,8 @@ from mint_server.engine.jobs import (  # noqa: F401
     TrainJob,
 )
 from mint_server.engine.losses import ReverseKLDatum  # noqa: F401
-from mint_server.engine.settings import EngineLimits, EngineSettings  # noqa: F401
+from mint_server.engine.residency import check_lora_config  # noqa: F401
+from mint_server.engine.settings import EngineLimits, EngineSettings, advertised_settings  # noqa: F401
 from mint_server.engine.values import (  # noqa: F401
     AdapterLost,
     AdapterSource,
@@ -57,6 +58,7 @@ class Engine(Protocol):
 
     base_model: str  # user-facing name, e.g. "HuggingFaceTB/SmolLM2-135M-Instruct"
     model_dir: Path  # HF checkpoint dir: config.json, tokenizer files
+    tokenizer: Any  # the base's tokenizer, loaded once by the engine: the faces use this one, never their own
     limits: EngineLimits
     settings: EngineSettings
 

@@ -105,7 +105,7 @@ class LocalEngine(EngineFront):
                 try:
                     quantize_model(self.model, s.quantize)
                 except ValueError as e:
-                    raise NotSupportedError(str(e)) from None
+                    raise NotSupportedError.from_error(e) from None
         except BaseException:
             for p in followers:  # they would wait for rank 0's ops forever
                 p.kill()

@@ -48,6 +48,16 @@ log = logging.getLogger(__name__)
 Pairs = dict[str, tuple[Tensor, Tensor]]  # target → (A [L, r, in], B [L, out, r])
 
 
+def check_lora_config(rank: Any, train_attn: bool, train_mlp: bool, train_unembed: bool, max_rank: int) -> None:
+    """The one rule for a new trainable adapter's LoraConfig: the api refuses a bad one at once with it
+    (api/tinker/validate.py), before anything is queued; `Residency.create` holds to it too."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        raise EngineError(f"must be between 1 and {max_rank} (this server's max LoRA rank), got {rank!r}",
+                          field="lora_config.rank")
+    if not (train_attn or train_mlp or train_unembed):
+        raise EngineError("at least one of train_mlp, train_attn, train_unembed must be true", field="lora_config")
+
+
 @dataclass(eq=False)
 class Adapter:
     id: str
@@ -165,10 +175,8 @@ class Residency:
         self, rank: int, seed: int | None, train_attn: bool = True, train_mlp: bool = True,
         train_unembed: bool = True, alpha: float = DEFAULT_LORA_ALPHA,
     ) -> Adapter:
+        check_lora_config(rank, train_attn, train_mlp, train_unembed, self.bank.max_rank)
         targets = select_targets(train_attn, train_mlp, train_unembed)
-        if not targets:
-            raise EngineError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
-        self.check_rank(rank, "lora_config.rank")
         seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
         weights = init_lora_weights(self.bank.full_shapes, targets, rank, seed, torch.float32, self.bank.experts)
         return self.install(LoraWeights(weights, rank, alpha), trainable=True)

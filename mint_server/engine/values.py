@@ -7,7 +7,9 @@ engine/interface.py) can use these without importing each other.
 
 from __future__ import annotations
 
+import copy
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,18 +27,18 @@ class Priority(enum.IntEnum):
     BATCH = 2
 
     @classmethod
-    def lowered(cls, name: str | None, default: Priority) -> Priority:
-        """`name` ("interactive" | "rollout" | "batch"), never above `default`; EngineError names the
-        field for anything else or for a raise."""
+    def lowered(cls, name: str | None, default: Priority, field: str = "priority") -> Priority:
+        """`name` ("interactive" | "rollout" | "batch"), never above `default`; EngineError naming
+        `field` (where the request carried it) for anything else or for a raise."""
         if name is None:
             return default
         try:
             wanted = cls[str(name).upper()]
         except KeyError:
-            raise EngineError(f"priority: must be one of interactive, rollout, batch; got {name!r}") from None
+            raise EngineError(f"must be one of interactive, rollout, batch; got {name!r}", field=field) from None
         if wanted < default:
-            raise EngineError(f"priority: this request may lower its priority below {default.name.lower()} "
-                              f"but not raise it; got {name!r}")
+            raise EngineError(f"this request may lower its priority below {default.name.lower()} "
+                              f"but not raise it; got {name!r}", field=field)
         return wanted
 
 
@@ -48,12 +50,45 @@ TopLogprobs = list[tuple[int, float]]
 TokenCallback = Callable[[int, int, float, TopLogprobs | None], None]
 
 
+# The house form of a refusal's message, "FIELD: why", FIELD a path such as sampling_params.top_p,
+# datums[3].loss_fn_inputs.weights or logit_bias['5'] (no spaces: "model 'x' is …: …" is not one).
+_FIELD_FIRST = re.compile(r"([A-Za-z_][\w.\[\]'\"-]*): ")
+
+
 class EngineError(ValueError):
-    """A request the engine refuses (bad input); the message names the field. Maps to HTTP 400."""
+    """A request the engine refuses (bad input; HTTP 400). `field`: the request field at fault, as a
+    path (`sampling_params.top_p`, `datums[3].loss_fn_inputs.weights`), or None; `reason`: the
+    message without it; `code`: a stable machine-readable reason, where the check gives one.
+    `str(e)` is "FIELD: reason". Raise `EngineError(why, field=F)`; a message already in the house
+    form ("F: why") is read into `field` here, once, so no handler ever parses an error's text."""
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = None) -> None:
+        if field is None and (first := _FIELD_FIRST.match(message)) is not None:
+            field, message = first.group(1), message[first.end():]
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field, self.reason, self.code = field, message, code
+
+    @classmethod
+    def from_error(cls, error: BaseException) -> EngineError:
+        """`error` (a catalog refusal, a sequencing error) as this type: its text, field and code kept."""
+        out = cls(str(error))
+        out.field = getattr(error, "field", None) or out.field
+        out.code = getattr(error, "code", None) or out.code
+        return out
+
+    def renamed(self, field: str | None) -> EngineError:
+        """The same refusal (type, reason, code) naming its field as a face calls it."""
+        out = copy.copy(self)
+        out.field = field
+        out.args = (f"{field}: {self.reason}" if field else self.reason,)
+        return out
 
 
 class NotSupportedError(EngineError):
     """A feature the engine does not implement; maps to HTTP 400 with a clear message."""
+
+    def __init__(self, message: str, *, field: str | None = None, code: str | None = "not_supported") -> None:
+        super().__init__(message, field=field, code=code)
 
 
 class SampleCancelled(EngineError):
@@ -61,7 +96,7 @@ class SampleCancelled(EngineError):
     ended): its sequences stopped and their KV blocks were freed. The one form of that error."""
 
     def __init__(self, message: str = "the request was cancelled") -> None:
-        super().__init__(message)
+        super().__init__(message, code="cancelled")
 
 
 class EngineFailed(RuntimeError):

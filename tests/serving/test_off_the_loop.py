@@ -66,8 +66,8 @@ def test_healthz_answers_while_a_prompt_is_tokenized_or_rendered(live: LiveServe
                                                                  route: str) -> None:  # fmt: skip
     face = live.service.openai
     if route == "completions":
-        held = Held(face._tokenize)
-        monkeypatch.setattr(face, "_tokenize", held)
+        held = Held(face.requests._tokenize)
+        monkeypatch.setattr(face.requests, "_tokenize", held)
         body: dict[str, Any] = {"model": BASE, "prompt": "hello there", "max_tokens": 2}
     else:
         held = Held(face.template.render_with_images)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from mint_server.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mint_server.api.anthropic.service import AnthropicService
-from mint_server.api.auth.keys import SERVE, AuthError, Principal, ScopeError
+from mint_server.api.auth.keys import SERVE, AuthError, Principal
 from mint_server.api.http.openapi import body_doc
 from mint_server.api.http.plumbing import (
     API_KEY_HEADER,
@@ -32,6 +32,7 @@ from mint_server.api.http.plumbing import (
     openai_exception_response,
     service,
 )
+from mint_server.api.http.statuses import status_for
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.routes import EventStream, unless_disconnected
 from mint_server.api.state.runs import NotFound
@@ -80,12 +81,12 @@ def _caller(request: Request, needed: SecurityScopes, _key: str | None = Securit
     auth = request.headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     key = token.strip() if scheme.lower() == "bearer" else request.headers.get(API_KEY_HEADER)
-    try:
+    try:  # a refused key's AuthError or ScopeError goes to the one mapping (api/http) as it is
         return authorized(request, key or None, needed)
-    except AuthError as e:
-        raise OpenAIError(401, "missing API key: send x-api-key: KEY" if not key else str(e)) from None
-    except ScopeError as e:
-        raise OpenAIError(403, str(e)) from None
+    except AuthError:
+        if key:
+            raise
+        raise OpenAIError(401, "missing API key: send x-api-key: KEY") from None
 
 
 def principal() -> Any:
@@ -109,7 +110,7 @@ class AnthropicEventStream(EventStream):
             async for event in self.events:
                 await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
         except (OpenAIError, EngineError, NotFound) as e:
-            status = e.status if isinstance(e, OpenAIError) else (404 if isinstance(e, NotFound) else 400)
+            status = e.status if isinstance(e, OpenAIError) else status_for(e)
             await send({"type": "http.response.body", "body": _frame(error_body(status, str(e))), "more_body": True})
         except OSError:
             return  # the client is gone

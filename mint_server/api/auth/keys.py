@@ -56,9 +56,13 @@ _SECRET_HEX = 48
 class AuthError(Exception):
     """Missing, unknown or revoked credential (HTTP 401)."""
 
+    code = "invalid_api_key"  # the machine-readable reason the HTTP layer sends with it
+
 
 class ScopeError(Exception):
     """A valid key without the scope an operation needs (HTTP 403)."""
+
+    code = "insufficient_scope"
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def policy_name(run_id: str, user_metadata: dict[str, Any] | None) -> str:
     try:
         return check_policy_name(name, f"user_metadata[{POLICY_KEY!r}]")
     except InvalidArgument as e:
-        raise InvalidInput(str(e)) from None
+        raise InvalidInput.from_error(e) from None
 
 
 def served_base_precision(engine: Engine) -> str | None:
@@ -113,9 +113,9 @@ class Policies:
             self.check_precision(revision)
             return revision, self.catalog.get_policy(owner, revision.policy)
         except CatalogNotFound as e:
-            raise NotFound(str(e)) from None
+            raise NotFound(e.message, field=e.field) from None
         except InvalidArgument as e:
-            raise InvalidInput(str(e)) from None
+            raise InvalidInput.from_error(e) from None
 
     def check_precision(self, revision: Revision) -> None:
         """Warn, once per revision, when it was trained on a base of another precision than ours."""

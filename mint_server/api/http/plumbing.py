@@ -1,7 +1,9 @@
 """HTTP plumbing shared by the routes: auth, body parsing and limits, error responses.
 
-Every error leaves as JSON `{"detail": "..."}` with a message naming the field or thing at fault
-(under the OpenAI face's prefixes in OpenAI's shape, under /anthropic/api in Anthropic's).
+Every error leaves as JSON `{"detail": "..."}` with a message naming the field or thing at fault,
+plus `field` and `code` where the error carries them (attributes set where it was raised: never read
+back from its text); under the OpenAI face's prefixes in OpenAI's shape (`param`, `code`), under
+/anthropic/api in Anthropic's. The status is `statuses.status_for`'s, the one mapping.
 The SDK treats a 400 with an *empty* body as a proxy glitch and retries it, so bodies are never
 empty.
 """
@@ -40,7 +42,8 @@ API_KEY_HEADER = "x-api-key"
 
 
 def error_response(
-    status: int, detail: str, *, error: str | None = None, field: str | None = None, retry_after: float = 1
+    status: int, detail: str, *, error: str | None = None, field: str | None = None, code: str | None = None,
+    retry_after: float = 1,
 ) -> JSONResponse:
     headers = {"Retry-After": str(max(1, round(retry_after)))} if status in (429, 503) else {}
     if status == 408:
@@ -49,7 +52,9 @@ def error_response(
     if error is not None:
         body["error"] = error  # the exception class: the catalog's HTTP client raises the same one
     if field is not None:
-        body["field"] = field
+        body["field"] = field  # the request field at fault, as the error carries it (never read from its text)
+    if code is not None:
+        body["code"] = code
     return SafeJSONResponse(body, status_code=status, headers=headers)
 
 
@@ -81,7 +86,7 @@ def exception_response(exc: BaseException) -> JSONResponse:
         return response
     detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
     return error_response(
-        status, detail, error=type(exc).__name__, field=getattr(exc, "field", None),
+        status, detail, error=type(exc).__name__, field=getattr(exc, "field", None), code=getattr(exc, "code", None),
         retry_after=getattr(exc, "retry_after", 1),
     )
 
@@ -99,7 +104,7 @@ def openai_exception_response(exc: BaseException) -> JSONResponse:
         response.headers["X-Error-Id"] = error_id
         return response
     detail = _validation_message(exc) if isinstance(exc, RequestValidationError) else str(exc)
-    return openai_error_response(status, detail, getattr(exc, "field", None))
+    return openai_error_response(status, detail, getattr(exc, "field", None), getattr(exc, "code", None))
 
 
 ANTHROPIC_PREFIX = "/anthropic/api"  # api/anthropic/routes.py's PREFIX (that module imports this one)

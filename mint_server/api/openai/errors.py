@@ -23,6 +23,12 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
+    @classmethod
+    def from_error(cls, error: BaseException, status: int, param: str | None) -> OpenAIError:
+        """`error` (an engine or catalog refusal) answered in this shape: its message and code kept,
+        `param` the request field this face names (its field, `error.field`, in the face's terms)."""
+        return cls(status, str(error), param, getattr(error, "code", None))
+
 
 def is_openai_path(path: str) -> bool:
     return any(path == p or path.startswith(p + "/") for p in PREFIXES)

@@ -18,9 +18,10 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer, SecurityS
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from mint_server.api.auth.keys import SERVE, AuthError, Principal, ScopeError
+from mint_server.api.auth.keys import SERVE, AuthError, Principal
 from mint_server.api.http.openapi import body_doc
 from mint_server.api.http.plumbing import API_KEY_HEADER, authorized, json_body, service
+from mint_server.api.http.statuses import status_for
 from mint_server.api.openai.errors import PREFIXES, OpenAIError, error_body
 from mint_server.api.openai.schemas import ChatRequest, CompletionRequest
 from mint_server.api.openai.service import OpenAIService
@@ -42,13 +43,12 @@ def _caller(request: Request, needed: SecurityScopes,
             bearer: HTTPAuthorizationCredentials | None = Security(BEARER)) -> Principal:
     """The caller, from `Authorization: Bearer KEY` (or X-API-Key); 401 / 403 in OpenAI's shape otherwise."""
     key = bearer.credentials.strip() if bearer else request.headers.get(API_KEY_HEADER)
-    try:
+    try:  # a refused key's AuthError or ScopeError goes to the one mapping (api/http) as it is
         return authorized(request, key or None, needed)
-    except AuthError as e:
-        message = "missing API key: send Authorization: Bearer KEY" if not key else str(e)
-        raise OpenAIError(401, message, code="invalid_api_key") from None
-    except ScopeError as e:
-        raise OpenAIError(403, str(e), code="insufficient_scope") from None
+    except AuthError:
+        if key:
+            raise
+        raise OpenAIError(401, "missing API key: send Authorization: Bearer KEY", code=AuthError.code) from None
 
 
 def principal() -> Any:
@@ -92,7 +92,7 @@ class EventStream(Response):
             async for event in self.events:
                 await send({"type": "http.response.body", "body": _frame(event), "more_body": True})
         except (OpenAIError, EngineError, NotFound) as e:  # after the 200 went out: the error is an event
-            status = e.status if isinstance(e, OpenAIError) else (404 if isinstance(e, NotFound) else 400)
+            status = e.status if isinstance(e, OpenAIError) else status_for(e)
             await send({"type": "http.response.body", "body": _frame(error_body(status, str(e))), "more_body": True})
         except OSError:
             return  # the client is gone

@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 
 
 class NotFound(LookupError):
-    """No such record for this owner (HTTP 404)."""
+    """No such record for this owner (HTTP 404). `field`: the request field that named it, if known."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass

@@ -259,8 +259,9 @@ def decode_fwdbwd_proto(body: bytes) -> FwdBwdCall:
             if isinstance(v, float) and not math.isfinite(v):
                 raise DecodeError(f"invalid field 'loss_fn_config.{k}': must be finite")
         data = [_datum_from_proto(d, i) for i, d in enumerate(msg.data)]
-    except DecodeError as e:
-        raise DecodeError(str(e), model_id=msg.model_id, seq_id=seq_id) from None
+    except DecodeError as e:  # the same refusal, now naming the place in the order it gives up
+        e.model_id, e.seq_id = msg.model_id, seq_id
+        raise
     return FwdBwdCall(
         model_id=msg.model_id,
         seq_id=seq_id,

@@ -136,8 +136,6 @@ class SamplingService:
         if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
             return hit
         self.core.admission.admit(p.owner)
-        if not 0 <= req.topk_sample_logprobs <= (most := self.engine.limits.max_top_logprobs):
-            raise InvalidInput(f"topk_sample_logprobs: must be in 0..{most}, got {req.topk_sample_logprobs}")
         controls = _controls(req.sampling_params, extensions) | _prompt_fields(req)
         # An inflight session samples on the training model's own adapter (no copy): its newest weights.
         source = sampler.live.adapter() if sampler.live is not None else sampler.source

@@ -77,8 +77,9 @@ async def _fwdbwd_call(request: Request, input_field: str, forward_only: bool) -
         if obj.get("seq_id") is not None and seq_id is None:
             raise codec.DecodeError("invalid field 'seq_id': expected an integer")
         loss_fn, config, data = await asyncio.to_thread(codec.fwdbwd_input_from_json, obj.get(input_field), input_field)
-    except codec.DecodeError as e:
-        raise codec.DecodeError(str(e), model_id=model_id, seq_id=seq_id) from None
+    except codec.DecodeError as e:  # the same refusal, now naming the place in the order it gives up
+        e.model_id, e.seq_id = model_id, seq_id
+        raise
     return codec.FwdBwdCall(model_id, seq_id, loss_fn, config, data, forward_only)
 
 

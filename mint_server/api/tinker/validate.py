@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tinker import types
 
-from mint_server.engine.interface import EngineError, EngineLimits
+from mint_server.engine.interface import EngineError, EngineLimits, check_lora_config
 
 
 class InvalidInput(EngineError):
@@ -15,8 +15,5 @@ class InvalidInput(EngineError):
 
 
 def check_lora(lora: types.LoraConfig, limits: EngineLimits) -> None:
-    if isinstance(lora.rank, bool) or not isinstance(lora.rank, int) or not 1 <= lora.rank <= limits.max_rank:
-        raise InvalidInput(f"lora_config.rank: must be between 1 and {limits.max_rank} (this server's max LoRA "
-                           f"rank), got {lora.rank!r}")
-    if not (lora.train_mlp or lora.train_attn or lora.train_unembed):
-        raise InvalidInput("lora_config: at least one of train_mlp, train_attn, train_unembed must be true")
+    """The engine's rule (its one home), applied before creation is queued: a bad config is a 400 now."""
+    check_lora_config(lora.rank, lora.train_attn, lora.train_mlp, lora.train_unembed, limits.max_rank)
