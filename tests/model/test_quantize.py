@@ -182,3 +182,33 @@ def test_a_server_on_an_int8_base_trains_and_samples(tmp_path) -> None:
             assert caps["engine_settings"]["quantize"] == "int8"
         finally:
             client.close("success")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lora_logits_match_peft_on_the_dequantized_base(kind: str, tiny_llama, tmp_path) -> None:
+    """PEFT cannot run this base quantized (its QLoRA is bitsandbytes' formats, CUDA-first), so the
+    oracle is transformers + PEFT on the same weights dequantized: a prompt's LoRA logits agree under
+    the fp32 policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from mint_server.model.lora import LoraBank
+    from mint_server.model.peft_io import load_peft, save_peft
+
+    model = quantize_model(load_model(tiny_llama, device="cpu"), kind)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(getattr(module, "weight", None), QuantizedWeight):
+                hf_name = name if name == "lm_head" else f"model.{name}"
+                hf.get_submodule(hf_name).weight.copy_(module.weight.dequantize(torch.float32))
+    adapter = random_adapter(model.config, rank=4, seed=3)
+    save_peft(adapter, tmp_path / "adapter", base_model=str(tiny_llama))
+    loaded = load_peft(tmp_path / "adapter", model.config.num_layers)
+    bank = LoraBank(model.config, num_slots=1, max_rank=8, device="cpu", dtype=torch.float32)
+    bank.write(0, loaded.weights, loaded.rank, loaded.alpha)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model(tokens, lora=bank.batch([0, 0]))
+        ref = PeftModel.from_pretrained(hf, tmp_path / "adapter")(tokens).logits
+    for_model(model.config).check(ours, ref, f"{kind} LoRA logits vs PEFT on the dequantized base")
