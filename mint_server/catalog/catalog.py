@@ -8,114 +8,31 @@ share one database.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, Select, func, select, text, tuple_
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy import func, select, text, tuple_
+from sqlalchemy.orm import Session
 
-from mint_server import paths
 from mint_server.catalog import cursor as cursors
 from mint_server.catalog import db, payload, queries
-from mint_server.catalog.blobs import BlobStore
-from mint_server.catalog.errors import (
-    AlreadyExists,
-    IntegrityError,
-    InvalidArgument,
-    InvalidReference,
-    NotFound,
-)
-from mint_server.catalog.records import (
-    Alias,
-    AliasEvent,
-    EvalRecord,
-    ImportResult,
-    Page,
-    Policy,
-    Revision,
-)
-from mint_server.catalog.refs import Ref, check_alias_name, check_owner, check_policy_name, parse_ref
-from mint_server.catalog.schema import (
-    AliasEventRow,
-    AliasRow,
-    EvalRow,
-    ManifestEntryRow,
-    PolicyRow,
-    RevisionRow,
-)
-from mint_server.catalog.stores import open_blob_store
-
-_FromRev = aliased(RevisionRow, name="from_rev")
-_ToRev = aliased(RevisionRow, name="to_rev")
+from mint_server.catalog.aliases import Aliases
+from mint_server.catalog.core import now, page_of, revision_record
+from mint_server.catalog.errors import AlreadyExists, InvalidArgument, NotFound
+from mint_server.catalog.evals import Evals
+from mint_server.catalog.fields import check_json_object, check_lora_config, check_text
+from mint_server.catalog.records import ImportResult, Page, Policy, Revision
+from mint_server.catalog.refs import Ref, check_owner, check_policy_name, parse_ref
+from mint_server.catalog.revision_files import RevisionFiles
+from mint_server.catalog.schema import ManifestEntryRow, PolicyRow, RevisionRow
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
-class Catalog:
-    def __init__(self, engine: Engine, blobs: BlobStore, data_dir: Path) -> None:
-        self.engine = engine
-        self.blobs = blobs
-        self.data_dir = data_dir
-        self._writer = db.writer(engine)
-
-    @classmethod
-    def open(
-        cls,
-        url: str | None = None,
-        *,
-        data_dir: str | os.PathLike[str] | None = None,
-        blob_store: BlobStore | None = None,
-        store: str | None = None,
-        migrate: bool = True,
-    ) -> Catalog:
-        """Open (and migrate to the latest schema) the catalog at `url`; default SQLite in the data dir.
-
-        Blobs live in `blob_store`, else at the `store` URL (blobs.open_blob_store: a path, file://…
-        or s3://bucket/prefix), else in <data_dir>/blobs; data_dir defaults as in mint_server.paths
-        (explicit override, $MINT_HOME, ~/.mint).
-        """
-        root = paths.data_dir(data_dir)
-        blobs = blob_store or open_blob_store(store, root / "blobs")
-        engine = db.make_engine(url or db.default_url(root))
-        try:
-            if migrate:
-                db.migrate(engine)
-        except BaseException:
-            engine.dispose()
-            raise
-        return cls(engine, blobs, root)
-
-    def close(self) -> None:
-        self.engine.dispose()
-
-    def __enter__(self) -> Catalog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @contextmanager
-    def _read(self) -> Iterator[Session]:
-        # expire_on_commit=False: rows stay readable after the transaction, to build records.
-        with Session(self.engine, expire_on_commit=False) as s, s.begin():
-            yield s
-
-    @contextmanager
-    def _write(self) -> Iterator[Session]:
-        with db.full_database_named(), Session(self._writer, expire_on_commit=False) as s, s.begin():
-            # Sessions begin lazily; take the write lock (SQLite BEGIN IMMEDIATE) now, so that
-            # non-SQL checks made inside the block (blob existence) are covered by it too.
-            s.connection()
-            yield s
+class Catalog(Aliases, Evals, RevisionFiles):
+    """Every part of the catalog: policies and revisions here; aliases (aliases.py), evals (evals.py),
+    revisions' files (revision_files.py); sessions and lookups (core.py)."""
 
     # -- policies -------------------------------------------------------------------------
     def create_policy(
@@ -166,7 +83,7 @@ class Catalog:
         q = q.order_by(PolicyRow.name).limit(limit + 1)
         with self._read() as s:
             rows = list(s.scalars(q))
-        return _page([_policy(r) for r in rows], limit, "policies", lambda p: p.name)
+        return page_of([_policy(r) for r in rows], limit, "policies", lambda p: p.name)
 
     def list_all_policies(self, *, cursor: str | None = None, limit: int | None = None) -> Page[Policy]:
         """Every owner's policies, by owner then name: the data dir admin's view (local CLI only)."""
@@ -180,7 +97,7 @@ class Catalog:
         q = q.order_by(PolicyRow.owner, PolicyRow.name).limit(limit + 1)
         with self._read() as s:
             rows = list(s.scalars(q))
-        return _page([_policy(r) for r in rows], limit, "all-policies", lambda p: [p.owner, p.name])
+        return page_of([_policy(r) for r in rows], limit, "all-policies", lambda p: [p.owner, p.name])
 
     def _new_policy_row(
         self,
@@ -193,20 +110,11 @@ class Catalog:
         return PolicyRow(
             owner=check_owner(owner),
             name=check_policy_name(name),
-            base_model=_text(base_model, "base_model", 512, required=True),
-            lora_config=_lora_config(lora_config),
-            meta=_json_object(metadata, "metadata"),
-            created_at=_now(),
+            base_model=check_text(base_model, "base_model", 512, required=True),
+            lora_config=check_lora_config(lora_config),
+            meta=check_json_object(metadata, "metadata"),
+            created_at=now(),
         )
-
-    def _policy_row(self, s: Session, owner: str, name: str, *, lock: bool = False) -> PolicyRow:
-        check_owner(owner)
-        check_policy_name(name)
-        query = queries.POLICY_FOR_UPDATE if lock else queries.POLICY
-        row = s.scalars(query, {"owner": owner, "name": name}).first()
-        if row is None:
-            raise NotFound(f"policy {name!r} not found", field="name")
-        return row
 
     def _ensure_policy(self, s: Session, new: PolicyRow) -> PolicyRow:
         try:
@@ -250,9 +158,9 @@ class Catalog:
         """
         scanned = payload.scan_peft_dir(peft_dir)
         new_policy = self._new_policy_row(owner, policy_name, base_model, lora_config, None)
-        training_run = _text(training_run, "training_run", 256)
-        note = _text(note, "note", 10_000)
-        base_precision = _text(base_precision, "base_precision", 32)
+        training_run = check_text(training_run, "training_run", 256)
+        note = check_text(note, "note", 10_000)
+        base_precision = check_text(base_precision, "base_precision", 32)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise InvalidArgument(f"step must be a non-negative integer, got {step!r}", field="step")
 
@@ -283,7 +191,7 @@ class Catalog:
                     training_run=training_run,
                     step=step,
                     note=note,
-                    created_at=_now(),
+                    created_at=now(),
                     base_precision=base_precision,
                 )
                 s.add(row)
@@ -377,7 +285,7 @@ class Catalog:
                         continue
                     self._insert_manifest(s, sha256, files)
                     s.add(RevisionRow(policy_id=policy.id, number=(last.number if last else 0) + 1, sha256=sha256,
-                                      size=sum(e.size for e in files), rank=scanned.rank, created_at=_now()))
+                                      size=sum(e.size for e in files), rank=scanned.rank, created_at=now()))
                     imported += 1
                     s.flush()
             if progress:
@@ -421,7 +329,7 @@ class Catalog:
             row = s.execute(queries.REVISION_BY_ID, {"id": parent.id, "owner": owner}).first()
             if row is None:
                 raise NotFound(f"parent revision {parent.ref!r} not found", field="parent")
-            return _revision(row)
+            return revision_record(row)
         return self._resolve(s, owner, parse_ref(parent, "parent"), parent, "parent")
 
     def get_revision(self, owner: str, policy_name: str, number: int) -> Revision:
@@ -442,39 +350,6 @@ class Catalog:
         with self._read() as s:
             return self._resolve(s, owner, parsed, ref)
 
-    def _resolve(self, s: Session, owner: str, ref: Ref, text_ref: str, field: str = "ref") -> Revision:
-        params: dict[str, Any] = {"owner": owner, "name": ref.policy}
-        if ref.kind == "number":
-            params["number"] = ref.number
-        elif ref.kind == "alias":
-            params["alias"] = ref.alias
-        elif ref.kind == "sha":
-            params.update(queries.sha_bounds(ref.sha_prefix or ""))
-            if len(s.scalars(queries.SHAS_WITH_PREFIX, params).all()) > 1:
-                raise InvalidReference(
-                    f"{field} {text_ref!r} is ambiguous: sha256 prefix {ref.sha_prefix!r} matches several "
-                    "revisions; use more digits",
-                    field=field,
-                )
-        row = s.execute(queries.RESOLVE[ref.kind], params).first()
-        if row is None:
-            raise self._why_missing(s, owner, ref, text_ref, field)
-        return _revision(row)
-
-    def _why_missing(self, s: Session, owner: str, ref: Ref, text_ref: str, field: str) -> NotFound:
-        exists = s.scalar(select(PolicyRow.id).where(PolicyRow.owner == owner, PolicyRow.name == ref.policy))
-        if exists is None:
-            what = f"policy {ref.policy!r} not found"
-        elif ref.kind == "latest":
-            what = f"policy {ref.policy!r} has no revisions"
-        elif ref.kind == "number":
-            what = f"policy {ref.policy!r} has no revision {ref.number}"
-        elif ref.kind == "alias":
-            what = f"policy {ref.policy!r} has no alias {ref.alias!r}"
-        else:
-            what = f"policy {ref.policy!r} has no revision whose sha256 starts with {ref.sha_prefix!r}"
-        return NotFound(f"{field} {text_ref!r}: {what}", field=field)
-
     def list_revisions(
         self, owner: str, policy_name: str, *, cursor: str | None = None, limit: int | None = None
     ) -> Page[Revision]:
@@ -487,7 +362,7 @@ class Catalog:
             if before is not None:
                 q = q.where(RevisionRow.number < before)
             rows = s.execute(q.order_by(RevisionRow.number.desc()).limit(limit + 1)).all()
-        return _page([_revision(r) for r in rows], limit, "revisions", lambda r: r.number)
+        return page_of([revision_record(r) for r in rows], limit, "revisions", lambda r: r.number)
 
     def lineage(
         self, owner: str, ref: str, *, cursor: str | None = None, limit: int | None = None
@@ -507,277 +382,11 @@ class Catalog:
                 row = s.execute(queries.REVISION_BY_ID, {"id": next_id, "owner": owner}).first()
                 if row is None:
                     break
-                chain.append(_revision(row))
+                chain.append(revision_record(row))
                 next_id = chain[-1].parent_id
-        return _page(chain, limit, "lineage", lambda r: r.parent_id)
-
-    # -- aliases --------------------------------------------------------------------------
-    def set_alias(
-        self, owner: str, name: str, alias: str, revision: int | str, *, actor: str, reason: str | None = None
-    ) -> Alias:
-        """Point `alias` at `revision` (a number, or anything after '@' in a reference, e.g. another
-        alias) and record the move. Concurrent moves are serialized; each is in the history."""
-        check_alias_name(alias)
-        actor = _text(actor, "actor", 256, required=True)
-        reason = _text(reason, "reason", 10_000)
-        with self._write() as s:
-            policy = self._policy_row(s, owner, name, lock=True)
-            target_ref = f"{name}@{revision}"
-            target = self._resolve(s, owner, parse_ref(target_ref, "revision"), target_ref, "revision")
-            return self._move_alias(s, policy, alias, target.id, target.number, "set", actor, reason)
-
-    def rollback_alias(
-        self, owner: str, name: str, alias: str, *, actor: str, reason: str | None = None
-    ) -> Alias:
-        """Move `alias` back to where it pointed before its latest move. The rollback is itself
-        recorded as a move, so rolling back twice returns to where you started.
-
-        An alias whose latest move created it has no "before"; it then goes to the policy's
-        newest revision older than its current one (so set prod=2 then rollback gives prod=1).
-        """
-        check_alias_name(alias)
-        actor = _text(actor, "actor", 256, required=True)
-        reason = _text(reason, "reason", 10_000)
-        with self._write() as s:
-            policy = self._policy_row(s, owner, name, lock=True)
-            last = s.scalars(
-                select(AliasEventRow)
-                .where(AliasEventRow.policy_id == policy.id, AliasEventRow.alias == alias)
-                .order_by(AliasEventRow.id.desc())
-                .limit(1)
-            ).first()
-            if last is None:
-                raise NotFound(f"policy {name!r} has no alias {alias!r}", field="alias")
-            if last.from_revision_id is not None:
-                target = s.execute(
-                    select(RevisionRow.id, RevisionRow.number).where(RevisionRow.id == last.from_revision_id)
-                ).one()
-            else:
-                current = (
-                    select(RevisionRow.number).where(RevisionRow.id == last.to_revision_id).scalar_subquery()
-                )
-                target = s.execute(
-                    select(RevisionRow.id, RevisionRow.number)
-                    .where(RevisionRow.policy_id == policy.id, RevisionRow.number < current)
-                    .order_by(RevisionRow.number.desc())
-                    .limit(1)
-                ).first()
-                if target is None:
-                    raise InvalidArgument(
-                        f"alias {alias!r} of policy {name!r} has no earlier revision to roll back to",
-                        field="alias",
-                    )
-            return self._move_alias(s, policy, alias, target.id, target.number, "rollback", actor, reason)
-
-    def _move_alias(
-        self,
-        s: Session,
-        policy: PolicyRow,
-        alias: str,
-        to_id: int,
-        to_number: int,
-        action: str,
-        actor: str,
-        reason: str | None,
-    ) -> Alias:
-        at = _now()
-        current = s.get(AliasRow, (policy.id, alias))
-        from_id = current.revision_id if current else None
-        if current is None:
-            s.add(AliasRow(policy_id=policy.id, name=alias, revision_id=to_id, updated_at=at))
-        else:
-            current.revision_id = to_id
-            current.updated_at = at
-        s.add(
-            AliasEventRow(
-                policy_id=policy.id,
-                alias=alias,
-                action=action,
-                from_revision_id=from_id,
-                to_revision_id=to_id,
-                actor=actor,
-                reason=reason,
-                at=at,
-            )
-        )
-        s.flush()
-        return Alias(policy.name, alias, to_number, to_id, at)
-
-    def get_alias(self, owner: str, name: str, alias: str) -> Alias:
-        check_alias_name(alias)
-        with self._read() as s:
-            policy = self._policy_row(s, owner, name)
-            row = s.execute(_aliases(policy).where(AliasRow.name == alias)).first()
-        if row is None:
-            raise NotFound(f"policy {name!r} has no alias {alias!r}", field="alias")
-        return Alias(**row._mapping)
-
-    def list_aliases(
-        self, owner: str, name: str, *, cursor: str | None = None, limit: int | None = None
-    ) -> Page[Alias]:
-        """A policy's aliases by name."""
-        limit = cursors.check_limit(limit)
-        after = cursors.decode("aliases", cursor, str)
-        with self._read() as s:
-            policy = self._policy_row(s, owner, name)
-            q = _aliases(policy)
-            if after is not None:
-                q = q.where(AliasRow.name > after)
-            rows = s.execute(q.order_by(AliasRow.name).limit(limit + 1)).all()
-        return _page([Alias(**r._mapping) for r in rows], limit, "aliases", lambda a: a.name)
-
-    def alias_history(
-        self, owner: str, name: str, alias: str, *, cursor: str | None = None, limit: int | None = None
-    ) -> Page[AliasEvent]:
-        """Every move of `alias`, newest first."""
-        check_alias_name(alias)
-        limit = cursors.check_limit(limit)
-        before = cursors.decode("alias_history", cursor, int)
-        with self._read() as s:
-            policy = self._policy_row(s, owner, name)
-            q = (
-                select(
-                    AliasEventRow.id,
-                    AliasEventRow.alias,
-                    AliasEventRow.action,
-                    _FromRev.number.label("from_revision"),
-                    _ToRev.number.label("to_revision"),
-                    AliasEventRow.actor,
-                    AliasEventRow.reason,
-                    AliasEventRow.at,
-                )
-                .outerjoin(_FromRev, _FromRev.id == AliasEventRow.from_revision_id)
-                .join(_ToRev, _ToRev.id == AliasEventRow.to_revision_id)
-                .where(AliasEventRow.policy_id == policy.id, AliasEventRow.alias == alias)
-            )
-            if before is not None:
-                q = q.where(AliasEventRow.id < before)
-            rows = s.execute(q.order_by(AliasEventRow.id.desc()).limit(limit + 1)).all()
-        if not rows and before is None:
-            raise NotFound(f"policy {name!r} has no alias {alias!r}", field="alias")
-        events = [AliasEvent(policy=name, **r._mapping) for r in rows]
-        return _page(events, limit, "alias_history", lambda e: e.id)
-
-    # -- evals ----------------------------------------------------------------------------
-    def record_eval(
-        self, owner: str, ref: str, metric: str, value: float, *, dataset: str | None = None
-    ) -> EvalRecord:
-        """Attach a metric value to the revision `ref` names."""
-        (record,) = self.record_evals(owner, [(ref, value)], metric, dataset=dataset)
-        return record
-
-    def record_evals(
-        self, owner: str, values: list[tuple[str, float]], metric: str, *, dataset: str | None = None
-    ) -> list[EvalRecord]:
-        """Attach one metric to many revisions ((ref, value) pairs) in one transaction: all or none."""
-        check_owner(owner)
-        metric = _text(metric, "metric", 128, required=True)
-        dataset = _text(dataset, "dataset", 256)
-        parsed = [(parse_ref(ref), ref, value) for ref, value in values]
-        for _, _, value in parsed:
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise InvalidArgument(f"value must be a finite number, got {value!r}", field="value")
-        out = []
-        with self._write() as s:
-            for ref, text_ref, value in parsed:
-                revision = self._resolve(s, owner, ref, text_ref)
-                row = EvalRow(
-                    revision_id=revision.id, metric=metric, value=float(value), dataset=dataset, created_at=_now()
-                )
-                s.add(row)
-                s.flush()
-                out.append(EvalRecord(row.id, revision.id, revision.ref, metric, row.value, dataset, row.created_at))
-        return out
-
-    def list_evals(
-        self,
-        owner: str,
-        ref: str,
-        *,
-        metric: str | None = None,
-        cursor: str | None = None,
-        limit: int | None = None,
-    ) -> Page[EvalRecord]:
-        """Evals of the revision `ref` names, newest first, optionally only one metric."""
-        parsed = parse_ref(ref)
-        check_owner(owner)
-        limit = cursors.check_limit(limit)
-        before = cursors.decode("evals", cursor, int)
-        with self._read() as s:
-            revision = self._resolve(s, owner, parsed, ref)
-            q = select(EvalRow).where(EvalRow.revision_id == revision.id)
-            if metric is not None:
-                q = q.where(EvalRow.metric == metric)
-            if before is not None:
-                q = q.where(EvalRow.id < before)
-            rows = list(s.scalars(q.order_by(EvalRow.id.desc()).limit(limit + 1)))
-        records = [
-            EvalRecord(r.id, revision.id, revision.ref, r.metric, r.value, r.dataset, r.created_at)
-            for r in rows
-        ]
-        return _page(records, limit, "evals", lambda e: e.id)
-
-    # -- payloads -------------------------------------------------------------------------
-    def manifest(self, revision: Revision) -> list[payload.ManifestEntry]:
-        """The files of a revision's payload (name, blob sha256, size), sorted by name."""
-        with self._read() as s:
-            rows = s.scalars(
-                select(ManifestEntryRow)
-                .where(ManifestEntryRow.manifest_sha256 == revision.sha256)
-                .order_by(ManifestEntryRow.name)
-            ).all()
-        if not rows:
-            raise IntegrityError(
-                f"revision {revision.ref!r} has no recorded files (sha256:{revision.sha256})", field="sha256"
-            )
-        return [payload.ManifestEntry(r.name, r.blob_sha256, r.size) for r in rows]
-
-    def materialize(self, revision: Revision, dest_dir: str | os.PathLike[str]) -> Path:
-        """Write the revision's PEFT directory to `dest_dir` (absent or empty). Every file is
-        verified before `dest_dir` appears; on IntegrityError nothing is left behind."""
-        return payload.write_peft_dir(self.blobs, self.manifest(revision), revision.sha256, dest_dir)
-
-    def read_payload(self, revision: Revision) -> dict[str, bytes]:
-        """The revision's files, read straight from the blob store and verified (no copy on disk):
-        what the engine's residency manager loads a revision from."""
-        entries = self.manifest(revision)
-        if payload.manifest_sha256(entries) != revision.sha256:
-            raise IntegrityError(f"revision {revision.ref!r}: its file list does not hash to its sha256",
-                                 field="sha256")
-        return {e.name: self.blobs.read(e.sha256) for e in entries}
-
-    def checkout(self, revision: Revision) -> Path:
-        """A materialized copy of the revision under <data_dir>/checkouts/<sha256>, made once and
-        reused (content-addressed, so it never goes stale); what the engine loads adapters from."""
-        dest = self.data_dir / "checkouts" / revision.sha256
-        if dest.is_dir():
-            return dest
-        try:
-            return self.materialize(revision, dest)
-        except AlreadyExists:
-            return dest  # a concurrent checkout of the same content won the rename
-
-    def verify(self, revision: Revision) -> None:
-        """Read and hash every file of the revision; IntegrityError names the first bad blob."""
-        entries = self.manifest(revision)
-        if payload.manifest_sha256(entries) != revision.sha256:
-            raise IntegrityError(
-                f"revision {revision.ref!r}: file list does not hash to its sha256", field="sha256"
-            )
-        for entry in entries:
-            with self.blobs.open(entry.sha256) as stream:
-                while stream.read(1 << 20):
-                    pass
-
+        return page_of(chain, limit, "lineage", lambda r: r.parent_id)
 
 # -- row → record helpers -------------------------------------------------------------------
-def _revision(row: Any) -> Revision:
-    m = dict(row._mapping)
-    parent_policy, parent_number = m.pop("parent_policy"), m.pop("parent_number")
-    m["parent"] = f"{parent_policy}@{parent_number}" if m["parent_id"] is not None else None
-    return Revision(**m)
-
-
 def _revision_from_row(row: RevisionRow, policy: str, parent: str | None) -> Revision:
     return Revision(
         id=row.id,
@@ -797,21 +406,6 @@ def _revision_from_row(row: RevisionRow, policy: str, parent: str | None) -> Rev
     )
 
 
-def _aliases(policy: PolicyRow) -> Select:
-    return (
-        select(
-            PolicyRow.name.label("policy"),
-            AliasRow.name,
-            RevisionRow.number.label("revision"),
-            AliasRow.revision_id,
-            AliasRow.updated_at,
-        )
-        .join(PolicyRow, PolicyRow.id == AliasRow.policy_id)
-        .join(RevisionRow, RevisionRow.id == AliasRow.revision_id)
-        .where(AliasRow.policy_id == policy.id)
-    )
-
-
 def _policy(row: PolicyRow) -> Policy:
     return Policy(
         id=row.id,
@@ -822,73 +416,3 @@ def _policy(row: PolicyRow) -> Policy:
         metadata=dict(row.meta),
         created_at=row.created_at,
     )
-
-
-def _page(items: list[Any], limit: int, tag: str, key: Callable[[Any], Any]) -> Page[Any]:
-    # We fetched limit+1 rows: an extra row means there is a next page.
-    if len(items) > limit:
-        items = items[:limit]
-        return Page(items, cursors.encode(tag, key(items[-1])))
-    return Page(items, None)
-
-
-def _text(value: str | None, field: str, max_len: int, *, required: bool = False) -> str | None:
-    if value is None or value == "":
-        if required:
-            raise InvalidArgument(f"{field} is required", field=field)
-        return None
-    if not isinstance(value, str) or len(value) > max_len:
-        raise InvalidArgument(f"{field} must be a string of at most {max_len} characters", field=field)
-    try:
-        value.encode("utf-8")  # a lone surrogate would be stored, then break every read of it
-    except UnicodeEncodeError:
-        raise InvalidArgument(f"{field} is not valid Unicode text", field=field) from None
-    return value
-
-
-def _json_object(value: dict[str, Any] | None, field: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidArgument(f"{field} must be a JSON object", field=field)
-    try:
-        # ensure_ascii=False + encode: a lone surrogate fails here, not in every later read.
-        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
-    except (TypeError, ValueError) as e:
-        raise InvalidArgument(f"{field} is not JSON-serializable: {e}", field=field) from None
-    return value
-
-
-# What a policy's LoRA config may hold: the fields training records (rank, train_*) and those a PEFT
-# import implies (rank, alpha, target_modules, dropout), each typed and in range.
-MAX_LORA_RANK = 65536
-
-
-def _lora_config(value: dict[str, Any] | None) -> dict[str, Any]:
-    config = _json_object(value, "lora_config")
-    for key, v in config.items():
-        field = f"lora_config.{key}"
-        number = isinstance(v, int | float) and not isinstance(v, bool)
-        if key == "rank":
-            ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LORA_RANK
-            expected = f"an integer between 1 and {MAX_LORA_RANK}"
-        elif key == "alpha":
-            ok, expected = number and 0 < v <= 1e6, "a number in (0, 1e6]"
-        elif key == "dropout":
-            ok, expected = number and 0 <= v < 1, "a number in [0, 1)"
-        elif key == "target_modules":
-            ok = (isinstance(v, str) and 0 < len(v) <= 1024) or (
-                isinstance(v, list) and len(v) <= 256 and all(isinstance(m, str) and 0 < len(m) <= 128 for m in v)
-            )
-            expected = "a list of module names (or a PEFT regex string)"
-        elif key in ("train_mlp", "train_attn", "train_unembed"):
-            ok, expected = isinstance(v, bool), "true or false"
-        else:
-            raise InvalidArgument(
-                f"{field}: unknown field (known: rank, alpha, dropout, target_modules, train_mlp, train_attn, "
-                "train_unembed)",
-                field=field,
-            )
-        if not ok:
-            raise InvalidArgument(f"{field} must be {expected}, got {v!r}", field=field)
-    return config
