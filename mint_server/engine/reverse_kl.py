@@ -14,15 +14,8 @@ from mint_server.engine.jobs import ReverseKLJob
 from mint_server.engine.losses import KLRow
 from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter
-from mint_server.engine.training import (
-    OUTPUT_TYPE,
-    Output,
-    Row,
-    Trainer,
-    accumulate,
-    leaf_grads,
-    training_lora,
-)
+from mint_server.engine.training import OUTPUT_TYPE, Output, Row, Trainer
+from mint_server.engine.training_lora import accumulate, leaf_grads, training_lora
 from mint_server.model.lora import LoraBank
 
 

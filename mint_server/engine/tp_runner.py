@@ -41,7 +41,8 @@ from mint_server.engine import executor
 from mint_server.engine.host_memory import keep_freed_memory
 from mint_server.engine.masters import masters_for, publish, step_params
 from mint_server.engine.optim import STEP_OF, Pairs, family_of, step_or_rollback
-from mint_server.engine.training import LoraRef, accumulate, leaf_grads, target_logprobs, training_lora
+from mint_server.engine.training import target_logprobs
+from mint_server.engine.training_lora import LoraRef, accumulate, leaf_grads, training_lora
 from mint_server.engine.values import AdamState, EngineError, EngineFailed
 from mint_server.model import tp as tpmod
 from mint_server.model.kv_cache import KVCache

@@ -17,6 +17,7 @@ from tinker.lib.public_interfaces.custom_loss import encode_graph, trace_loss
 from mint_server.engine import training
 from mint_server.engine.custom_loss import compile_loss
 from mint_server.engine.losses import LOSSES
+from mint_server.engine.training_lora import TokenLora
 from mint_server.model import invariant
 from mint_server.model.loader import load_model
 from tests.engine.helpers import AdapterRegistry, TrainRequest
@@ -226,14 +227,15 @@ def test_families_that_cannot_pack_say_why(tmp_path):
     cfg = load_model(make_tiny_checkpoint(tmp_path / "l", "llama", tie=False), device="cpu").config
     assert training.packing_unsupported(Transformer(cfg)) is None
     assert "Other" in training.packing_unsupported(Other(cfg))
-    for field, word in (("mla", "MLA"), ("hybrid", "hybrid"), ("v4", "V4"), ("vision", "vision")):
+    for arch, word in (("DeepseekV3ForCausalLM", "MLA"), ("Qwen3_5ForCausalLM", "hybrid"),
+                       ("DeepseekV4ForCausalLM", "V4"), ("Qwen3VLForConditionalGeneration", "vision")):
         odd = Transformer(cfg)
-        odd.config = dataclasses.replace(cfg, **{field: object()})
-        assert word in training.packing_unsupported(odd), field
+        odd.config = dataclasses.replace(cfg, architecture=arch)  # the family registry's entry says why
+        assert word in training.packing_unsupported(odd), arch
 
 
 def test_token_lora_spans_follow_runs_of_adapters():
-    lora = training.TokenLora(weights={}, rows=torch.tensor([0, 0, -1, 1, 1, 1, 0]), scale=torch.ones(2))
+    lora = TokenLora(weights={}, rows=torch.tensor([0, 0, -1, 1, 1, 1, 0]), scale=torch.ones(2))
     assert lora.spans == [(0, 0, 2), (1, 3, 6), (0, 6, 7)]
     assert lora.window(2, 5).spans == [(1, 1, 3)]
     assert np.array_equal(lora.window(4, 7).rows.numpy(), [1, 1, 0])
