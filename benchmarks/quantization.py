@@ -46,7 +46,7 @@ def load(model_dir: Path, kind: str):
     return model if kind == "none" else quantize_model(model, kind)
 
 
-def decode(model_dir: Path, context: int, repeats: int) -> dict:
+def decode(model_dir: Path, context: int, repeats: int, threads: int | None = None) -> dict:
     import torch
 
     from benchmarks.common import load_average, machine_floors
@@ -56,7 +56,7 @@ def decode(model_dir: Path, context: int, repeats: int) -> dict:
     from mint_server.model.lora import LoraBank, init_lora_weights, target_shapes
     from mint_server.model.quantize import QuantizedWeight, resident_bytes
 
-    torch.set_num_threads(EngineSettings().intra_op_threads())
+    torch.set_num_threads(threads or EngineSettings().intra_op_threads())
     torch.manual_seed(0)
     rank, bs = 32, 16
     runs = {}
@@ -110,7 +110,7 @@ def train_child(model_dir: str, kind: str, args) -> dict:
     from mint_server.engine.settings import EngineSettings
     from tests.engine.helpers import TrainerHarness, TrainRequest, make_residency
 
-    torch.set_num_threads(EngineSettings().intra_op_threads())
+    torch.set_num_threads(args.threads or EngineSettings().intra_op_threads())
     rss0 = status_kb("VmRSS")
     model = load(Path(model_dir), kind)
     load_peak = status_kb("VmHWM")
@@ -153,6 +153,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--train-repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, help="intra-op threads (default: the engine's, the cores given); "
+                    "1 on a machine loaded by other work, where a team of threads waits on its slowest")
+    ap.add_argument("--no-train", action="store_true", help="decode and bytes only")
     ap.add_argument("--quick", action="store_true", help="a tiny random model: checks the script runs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -170,8 +173,9 @@ def main() -> None:
         from benchmarks.common import smollm2_dir
 
         model_dir = smollm2_dir()
-    d = decode(model_dir, args.context, args.repeats)
-    print(f"machine: read {d['read_bytes_per_s'] / 1e9:.1f} GB/s, load average {d['load_average']}; "
+    d = decode(model_dir, args.context, args.repeats, args.threads)
+    print(f"machine: read {d['read_bytes_per_s'] / 1e9:.1f} GB/s, load average {d['load_average']}, "
+          f"{args.threads or 'default'} threads; "
           f"decode at {args.context} positions of KV, one row on a rank-32 adapter, eager")
     print("| base | s/token | vs fp32 | base weight bytes | read floor s/token | resident bytes | vs fp32 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -180,15 +184,18 @@ def main() -> None:
         print(f"| {'fp32' if kind == 'none' else kind} | {r['s_per_token'] * 1e3:.2f} ms | {r['vs_fp32']:.2f}x "
               f"| {r['weight_bytes'] / 1e6:.1f} MB | {r['floor_s'] * 1e3:.2f} ms | {r['resident_bytes'] / 1e6:.1f} MB "
               f"| {r['resident_vs_fp32']:.3f} |")
-    train = {}
-    for kind in KINDS:
+    train: dict = {}
+    for kind in () if args.no_train else KINDS:
         cmd = [sys.executable, "-m", "benchmarks.quantization", "--child", kind, "--model-dir", str(model_dir),
                "--adapters", str(args.adapters), "--rows", str(args.rows), "--length", str(args.length),
-               "--train-repeats", str(args.train_repeats)]
+               "--train-repeats", str(args.train_repeats), *(["--threads", str(args.threads)] if args.threads else [])]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0:
             raise SystemExit(f"training child {kind} failed:\n{proc.stderr[-3000:]}")
         train[kind] = json.loads(proc.stdout.strip().splitlines()[-1])
+    if not train:
+        print(json.dumps({"decode": d}))
+        return
     print(f"\nQLoRA training: one fused pass of {args.adapters} adapters x {args.rows} datums x {args.length} "
           "tokens, rank 16 on every target, importance_sampling")
     print("| base | tokens/s | vs fp32 | peak MB (base + pass) | vs fp32 | load transient MB |")
