@@ -16,8 +16,7 @@ from mint_server.api.http.jsonsafe import SafeJSONResponse as JSONResponse
 from mint_server.api.http.openapi import CancelFutureBody, body_doc
 from mint_server.api.http.plumbing import json_body, needs, parse, service
 from mint_server.api.tinker import codec
-from mint_server.engine.interface import EngineError, SampleCancelled
-from mint_server.engine.settings import advertised_settings
+from mint_server.engine.interface import EngineError, SampleCancelled, advertised_settings
 
 router = APIRouter(prefix="/api/v1")
 FINISH_REASONS = ("success", "errored", "interrupted")  # what a client may say when it finishes a session
