@@ -128,6 +128,9 @@ def test_resident_bytes(tiny_qwen3) -> None:
     model = quantize_model(load_model(tiny_qwen3, device="cpu"), "int8")
     assert model.lm_head.weight is model.embed_tokens.weight  # a tied table stays one table
     assert isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)
+    from mint_server.model.compiled import unsupported
+
+    assert unsupported(model) == "quantized base"  # its decode steps run eagerly, counted under this reason
 
 
 def test_unknown_quantize_value_is_refused_naming_the_flag(tmp_path) -> None:
