@@ -63,6 +63,85 @@ class Grammar:
     text: str
 
 
+def _resolve(root: Mapping[str, Any], ref: str) -> Any:
+    """The schema a local `$ref` ("#", "#/$defs/x", "#/definitions/x/…") points to; None if it
+    points elsewhere (the library reports those)."""
+    if not ref.startswith("#"):
+        return None
+    node: Any = root
+    for part in ref[1:].split("/")[1:] if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def has_finite_instance(root: Mapping[str, Any]) -> bool:
+    """Whether some finite JSON value can satisfy `root`, as far as recursion goes: a schema whose
+    every instance must contain an instance of itself (`{"$ref": "#"}`, or an object that requires a
+    property referring back, A requires B requires A) has none, and a grammar built from it admits
+    only text that never ends. The least fixpoint over the `$ref` targets: each starts unsatisfiable
+    and becomes satisfiable once one of its branches is, so a cycle with no base case stays out.
+    Only recursion is judged; other contradictions (minimum above maximum, …) are the library's."""
+    targets: dict[str, Any] = {"#": root}
+    known: dict[str, bool] = {}
+
+    def finite(schema: Any, depth: int = 0) -> bool:
+        if isinstance(schema, bool):
+            return schema
+        if not isinstance(schema, Mapping) or depth > 64:
+            return True  # not a schema this judges (the library checks it), or nested past caring
+        ref = schema.get("$ref")
+        if isinstance(ref, str):
+            if ref not in targets:
+                targets[ref] = _resolve(root, ref)
+            if not known.get(ref, False):
+                return False
+        if "anyOf" in schema or "oneOf" in schema:
+            branches = [*schema.get("anyOf", []), *schema.get("oneOf", [])]
+            if isinstance(branches, list) and branches and not any(finite(b, depth + 1) for b in branches):
+                return False
+        if isinstance(schema.get("allOf"), list) and not all(finite(b, depth + 1) for b in schema["allOf"]):
+            return False
+        kinds = schema.get("type")
+        kinds = kinds if isinstance(kinds, list) else [kinds] if isinstance(kinds, str) else None
+        if kinds is None or "object" in kinds or "array" in kinds:
+            # with no type, or several, one finite kind is enough; otherwise the object or array rule
+            scalar = kinds is None and not ({"properties", "required", "items", "minItems"} & set(schema)) or (
+                kinds is not None and any(k not in ("object", "array") for k in kinds))
+            object_ok = array_ok = False
+            if kinds is None or "object" in kinds:
+                properties = schema.get("properties", {}) if isinstance(schema.get("properties"), Mapping) else {}
+                extra = schema.get("additionalProperties", True)
+                required = schema.get("required", []) if isinstance(schema.get("required"), list) else []
+                object_ok = all(finite(properties.get(name, extra), depth + 1) for name in required)
+            if kinds is None or "array" in kinds:
+                items = schema.get("items", True)
+                min_items = schema.get("minItems", 0)
+                prefix = schema.get("prefixItems", []) if isinstance(schema.get("prefixItems"), list) else []
+                array_ok = all(finite(p, depth + 1) for p in prefix[: min_items if isinstance(min_items, int) else 0])
+                if isinstance(min_items, int) and min_items > len(prefix):
+                    array_ok = array_ok and finite(items, depth + 1)
+            if not (scalar or object_ok or array_ok):
+                return False
+        return True
+
+    changed = True
+    while changed:  # until nothing turns satisfiable and no new target turns up
+        changed, seen = False, len(targets)
+        for ref, target in list(targets.items()):
+            if not known.get(ref, False) and target is not None and finite(target):
+                known[ref] = changed = True
+            elif target is None and not known.get(ref, False):
+                known[ref] = changed = True  # a reference this does not follow is the library's to judge
+        changed = changed or len(targets) > seen
+    return known.get("#", False) and finite(root)
+
+
 def parse_response_format(value: Any, where: str, max_chars: int) -> Grammar | None:
     """`response_format` → a Grammar (None for "text" or no value); EngineError names the field (see
     `_parse`). Whatever the library raises on a malformed input is the input's fault too."""
@@ -119,6 +198,10 @@ def _parse(value: Any, where: str, max_chars: int) -> Grammar | None:
         schema = spec.get("schema", schema)
         if not isinstance(schema, Mapping):
             raise EngineError(f"{where}.json_schema.schema: must be a JSON schema object")
+        if not has_finite_instance(schema):
+            raise EngineError(f"{where}.json_schema.schema: no text satisfies this schema (an unsatisfiable or "
+                              "recursive schema: every value it admits holds itself, through required "
+                              "properties, minItems or allOf, so none is finite)")
     layout = schema.get("x-guidance", {})
     if not isinstance(layout, Mapping):
         raise EngineError(f"{where}: x-guidance must be an object")
