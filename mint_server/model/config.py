@@ -242,7 +242,7 @@ class ModelConfig:
                 rope_theta=rope_theta,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                rope_scaling=dict(rope) if rope_type != "default" else None,
+                rope_scaling=_rope_scaling(hf, rope, rope_type),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 prequantized=prequantized,
@@ -264,6 +264,20 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ModelError(f"{cfg_file} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf)
+
+
+def _rope_scaling(hf: dict[str, Any], rope: dict[str, Any], rope_type: str) -> dict[str, Any] | None:
+    """The rope scaling parameters, None for plain RoPE. As transformers reads them: llama3 and yarn's
+    original context defaults to a top-level `original_max_position_embeddings`, else to
+    max_position_embeddings."""
+    if rope_type == "default":
+        return None
+    out = dict(rope)
+    if rope_type in ("llama3", "yarn"):
+        if hf.get("original_max_position_embeddings"):
+            out["original_max_position_embeddings"] = int(hf["original_max_position_embeddings"])
+        out.setdefault("original_max_position_embeddings", int(hf["max_position_embeddings"]))
+    return out
 
 
 def _hybrid_fields(hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hidden: int, moe: bool) -> dict[str, Any]:
