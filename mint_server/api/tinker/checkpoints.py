@@ -25,7 +25,7 @@ from mint_server.api.tinker.paths import (
     parse_policy_ref,
 )
 from mint_server.api.tinker.revision_state import lora_of
-from mint_server.api.tinker.training import check_ttl
+from mint_server.api.tinker.saves import check_ttl
 from mint_server.api.tinker.validate import InvalidInput
 
 

@@ -1,4 +1,5 @@
-"""Training operations: create/load a model, forward(-backward), optimizer steps, saves.
+"""Training operations: create/load a model, forward(-backward), optimizer steps, loads; the saves
+are saves.py's (reached through `TrainingService` all the same).
 
 Each operation on an existing model goes through the model's Sequencer (seq_id order). A request
 refused before it is queued still gives up its seq_id, so the client's later requests do not wait
@@ -9,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,30 +24,18 @@ from mint_server.api.auth.keys import Principal
 from mint_server.api.catalog.policies import policy_name
 from mint_server.api.core import Core, CustomLoss, TrainingModel, waits_on_engine
 from mint_server.api.http.statuses import status_for
-from mint_server.api.state.runs import CheckpointRecord, RunRecord
+from mint_server.api.state.runs import RunRecord
 from mint_server.api.state.sessions import Session
-from mint_server.api.state.usage import CHECKPOINT, TRAINING
+from mint_server.api.state.usage import TRAINING
 from mint_server.api.tinker import revision_state
 from mint_server.api.tinker.codec import FwdBwdCall, describe_validation_error
 from mint_server.api.tinker.ordering import SeqError, Sequencer
-from mint_server.api.tinker.paths import CheckpointRef, Kind, check_name
+from mint_server.api.tinker.saves import Op, Saves, lora_shape
 from mint_server.api.tinker.validate import InvalidInput, check_lora
 from mint_server.engine.interface import AdapterLost, EngineError, compile_loss
-from mint_server.fsutil import full_disk_named
-from mint_server.model.peft_archive import write_archive_dir
 
 log = logging.getLogger(__name__)
-MIN_TTL_S, MAX_TTL_S = 3600, 10 * 365 * 24 * 3600
 MAX_CUSTOM_LOSSES = 64  # per session
-Op = Callable[[], Awaitable[Any]]
-
-
-def check_ttl(ttl_seconds: int | None) -> float | None:
-    if ttl_seconds is None:
-        return None
-    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
-        raise InvalidInput(f"ttl_seconds must be between {MIN_TTL_S} (1 hour) and {MAX_TTL_S} (10 years)")
-    return time.time() + ttl_seconds
 
 
 def check_optimizer(config: Any) -> str:
@@ -67,43 +54,6 @@ def check_optimizer(config: Any) -> str:
 
 def optimizer_config(family: str) -> types.OptimizerConfig:
     return types.DimuonOptimizerConfig() if family == "dimuon" else types.AdamOptimizerConfig()
-
-
-MAX_AGE_RECIPIENTS = 10
-
-
-def age_recipients(recipients: list[str] | None) -> list[Any]:
-    """Parsed age recipients (native age1… keys or SSH public keys); 400 naming a bad one."""
-    if not recipients:
-        return []
-    if len(recipients) > MAX_AGE_RECIPIENTS:
-        raise InvalidInput(f"age_encryption_recipients: at most {MAX_AGE_RECIPIENTS} recipients")
-    import pyrage
-
-    parsed = []
-    for i, r in enumerate(recipients):
-        kind = pyrage.x25519.Recipient if r.startswith("age1") else pyrage.ssh.Recipient
-        try:
-            parsed.append(kind.from_str(r))
-        except Exception as e:  # pyrage.RecipientError
-            raise InvalidInput(f"age_encryption_recipients[{i}]: not an age or SSH public key ({e})") from None
-    return parsed
-
-
-def encrypt_files(directory: Path, recipients: list[Any]) -> None:
-    """Replace every file with its age encryption, `<name>.age` (decrypt with `age -d -i KEY`)."""
-    import pyrage
-
-    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
-        f.with_name(f.name + ".age").write_bytes(pyrage.encrypt(f.read_bytes(), recipients))
-        f.unlink()
-
-
-def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
-    """What must match for a state to load into an adapter (the seed only affects initialization)."""
-    d = lora.model_dump() if isinstance(lora, types.LoraConfig) else dict(lora)
-    d.pop("seed", None)
-    return d
 
 
 def _known(e: BaseException) -> bool:
@@ -125,7 +75,12 @@ class TrainingService:
     def __init__(self, core: Core, on_sampler_snapshot: Callable[[TrainingModel, str, Path | None], None]) -> None:
         self.core = core
         self.engine = core.engine
-        self._on_sampler_snapshot = on_sampler_snapshot
+        # The save operations live apart (saves.py); the routes and extensions reach them here.
+        self.saves = Saves(core, self.sequenced, on_sampler_snapshot)
+        self.save_weights = self.saves.save_weights
+        self.save_weights_for_sampler = self.saves.save_weights_for_sampler
+        self.save_weights_external = self.saves.save_weights_external
+        self.save_checkpoint = self.saves.save_checkpoint
 
     # --- creation -----------------------------------------------------------------------------------
     def create_model(self, p: Principal, req: types.CreateModelRequest) -> types.UntypedAPIFuture:
@@ -295,10 +250,7 @@ class TrainingService:
             raise earlier.with_traceback(None)  # a resubmitted refused request: the real error again
         self.core.admission.admit(p.owner)  # a 429 keeps the seq_id: the SDK resubmits this same request
         if seq_id is not None:
-            try:
-                model.sequencer.check(seq_id)
-            except SeqError as e:
-                raise InvalidInput(str(e)) from None
+            model.sequencer.check(seq_id)  # SeqError: a 400 naming seq_id
         try:
             run = check(model)
         except Exception as e:
@@ -401,106 +353,6 @@ class TrainingService:
 
         return self.sequenced(p, req.model_id, req.seq_id, "optim_step", check)
 
-    def save_weights(self, p: Principal, req: types.SaveWeightsRequest) -> types.UntypedAPIFuture:
-        def check(model: TrainingModel) -> Op:
-            ref = self._new_ref(model, "weights", req.path, req.overwrite)
-            expires = check_ttl(req.ttl_seconds)
-
-            async def run() -> types.SaveWeightsResponse:
-                await self.save_checkpoint(
-                    model.owner, ref, expires, req.user_metadata,
-                    lambda dest: self.core.call(self.engine.save_state(model.adapter(), dest, True)),
-                )
-                model.saved = (self.core.runs.data_dir(ref), True, model.steps)
-                return types.SaveWeightsResponse(path=ref.tinker_path)
-
-            return run
-
-        return self.sequenced(p, req.model_id, req.seq_id, "save_weights", check)
-
-    def save_weights_for_sampler(self, p: Principal, req: types.SaveWeightsForSamplerRequest) -> types.UntypedAPIFuture:
-        def check(model: TrainingModel) -> Op:
-            if req.path is None:
-                return self._snapshot_for_sampling(model, req)
-            ref = self._new_ref(model, "sampler_weights", req.path, overwrite=False)
-            expires = check_ttl(req.ttl_seconds)
-
-            async def publish(peft_dir: Path) -> None:
-                model.last_revision = await self.core.policies.publish(
-                    model.owner, model.policy, peft_dir, lora_config=lora_shape(model.lora),
-                    parent=model.last_revision, training_run=model.model_id, step=model.steps,
-                )
-
-            async def run() -> types.SaveWeightsForSamplerResponseInternal:
-                await self.save_checkpoint(
-                    model.owner, ref, expires, req.user_metadata,
-                    lambda dest: self.core.call(self.engine.export_peft(model.adapter(), dest)),
-                    before_commit=publish,
-                )
-                return types.SaveWeightsForSamplerResponseInternal(path=ref.tinker_path)
-
-            return run
-
-        return self.sequenced(p, req.model_id, req.seq_id, "save_weights_for_sampler", check)
-
-    def _snapshot_for_sampling(self, model: TrainingModel, req: types.SaveWeightsForSamplerRequest) -> Op:
-        """save_weights_and_get_sampling_client: an unnamed export that one sampling session uses
-        (kind="snapshot"), or a session on the model's live adapter slot (kind="inflight")."""
-        if req.sampling_session_seq_id is None:
-            raise InvalidInput("save_weights_for_sampler needs either path or sampling_session_seq_id")
-        sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-        if sampler_id in self.core.samplers:
-            raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
-
-        if req.kind == "inflight":
-            async def inflight() -> types.SaveWeightsForSamplerResponseInternal:
-                model.adapter()  # a failed or unloaded model has no weights to share
-                self._on_sampler_snapshot(model, sampler_id, None)
-                return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
-
-            return inflight
-
-        async def run() -> types.SaveWeightsForSamplerResponseInternal:
-            dest = self.core.ephemeral_root / sampler_id.replace(":", "_")
-            dest.mkdir(parents=True, exist_ok=True)
-            await self.core.call(self.engine.export_peft(model.adapter(), dest))
-            self._on_sampler_snapshot(model, sampler_id, dest)
-            return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
-
-        return run
-
-    def save_weights_external(self, p: Principal, req: types.SaveWeightsExternalRequest) -> types.UntypedAPIFuture:
-        """The model's weights as a checkpoint `tinker://<run>/external_weights/<path>`: the adapter
-        files an archive holds (PEFT layout, names the cookbook's merge accepts), each age-encrypted
-        when recipients are given. Listed, TTL'd and deleted like any checkpoint; its files are
-        fetched through the signed URLs of `external_weights_urls`."""
-        def check(model: TrainingModel) -> Op:
-            ref = self._new_ref(model, "external_weights", req.path, overwrite=False)
-            expires = check_ttl(req.ttl_seconds)
-            recipients = age_recipients(req.age_encryption_recipients)
-            tied = self.core.tied_embeddings()
-
-            async def write(staging: Path) -> None:
-                peft = Path(tempfile.mkdtemp(dir=self.core.ephemeral_root, prefix="external-"))
-                try:
-                    await self.core.call(self.engine.export_peft(model.adapter(), peft))
-                    await asyncio.to_thread(write_archive_dir, peft, staging, tied)
-                finally:
-                    shutil.rmtree(peft, ignore_errors=True)
-                if recipients:
-                    await asyncio.to_thread(encrypt_files, staging, recipients)
-
-            async def run() -> types.SaveWeightsExternalResponseInternal:
-                if self.core.runs.exists(ref):  # two saves of one name raced past the check
-                    raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists")
-                await self.save_checkpoint(model.owner, ref, expires, None, write)
-                size = self.core.runs.get_checkpoint(ref, model.owner).size_bytes
-                return types.SaveWeightsExternalResponseInternal(path=ref.tinker_path, size_bytes=size)
-
-            return run
-
-        return self.sequenced(p, req.model_id, req.seq_id, "save_weights_external", check)
-
     def load_weights(self, p: Principal, req: types.LoadWeightsRequest) -> types.UntypedAPIFuture:
         if req.session_id is not None:
             return self.create_from_state(p, req)
@@ -576,58 +428,6 @@ class TrainingService:
         old, model.adapter_id, model.steps, model.lost = model.adapter_id, new_id, steps, False
         if old is not None:
             await self.core.call(self.engine.release_adapter(old))
-
-    def _new_ref(self, model: TrainingModel, kind: Kind, name: str | None, overwrite: bool) -> CheckpointRef:
-        if name is None:
-            name = f"{kind}-{int(time.time() * 1000)}"
-        ref = CheckpointRef(model.model_id, kind, check_name(name))
-        if not overwrite and self.core.runs.exists(ref):
-            raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists (pass overwrite=True to replace it)")
-        return ref
-
-    async def save_checkpoint(
-        self,
-        owner: str,
-        ref: CheckpointRef,
-        expires_at: float | None,
-        user_metadata: dict[str, str] | None,
-        write: Callable[[Path], Awaitable[None]],
-        before_commit: Callable[[Path], Awaitable[None]] | None = None,
-    ) -> None:
-        """Have `write` fill a staging dir, move it into place, then commit the record.
-
-        `before_commit` (new checkpoints only) gets the data dir once it is durably in place, before
-        the record makes it a checkpoint. If it fails, the data is removed and the save fails as a
-        whole: a sampler checkpoint exists only once its catalog revision does. (A crash between
-        the two leaves a complete revision, and data without a record, which the run store removes
-        at startup.)
-        """
-        staging = self.core.runs.staging_dir(ref.run_id, ref.kind)
-        with full_disk_named(f"checkpoint {ref.kind}/{ref.name}"):
-            try:
-                await write(staging)
-                size = await asyncio.to_thread(self.core.runs.publish_data, ref, staging)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-            if before_commit is not None:
-                try:
-                    await before_commit(self.core.runs.data_dir(ref))
-                except BaseException:
-                    shutil.rmtree(self.core.runs.data_dir(ref), ignore_errors=True)
-                    raise
-        self.core.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
-        self.core.runs.register_checkpoint(
-            CheckpointRecord(
-                run_id=ref.run_id, kind=ref.kind, name=ref.name, owner=owner, created_at=time.time(),
-                size_bytes=size, expires_at=expires_at, user_metadata=user_metadata,
-            )
-        )
-        run = self.core.runs.find_run(ref.run_id)
-        session_id = run.session_id if run is not None else None
-        self.core.meter.count(owner, CHECKPOINT, 1, session_id=session_id, project_id=self.core.project_of(session_id))
-        self.core.meter.audit(owner, "checkpoint_created", tinker_path=ref.tinker_path, model_id=ref.run_id,
-                              size_bytes=size)
 
     async def _release(self, model: TrainingModel, reason: str) -> None:
         """Free the model's adapter; its checkpoints and run record stay."""
