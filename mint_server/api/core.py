@@ -24,6 +24,7 @@ from mint_server.api.catalog.policies import Policies, served_base_precision
 from mint_server.api.http.metrics import Metrics
 from mint_server.api.settings import Settings
 from mint_server.api.state.futures import CompletionLog, FutureStore
+from mint_server.api.state.pauses import PauseBoard
 from mint_server.api.state.recorded import RecordedSequences
 from mint_server.api.state.run_metrics import RunMetrics
 from mint_server.api.state.runs import CheckpointRecord, NotFound, RunRecord, RunStore
@@ -134,6 +135,7 @@ class Core:
         self.samplers: dict[str, SamplingSession] = {}
         self.custom_losses: dict[str, CustomLoss] = {}  # loss_id → uploaded loss (session-scoped)
         self.engine_waits: dict[str, list[Future[Any] | None]] = {}  # request id → its engine future
+        self.pauses = PauseBoard()  # paused sampling targets (rollout control): new samples wait there
         self.recorded = RecordedSequences()  # which live session recorded which sequences
         # (model or sampler id, seq_id) → first answer: a resubmitted request gets it again.
         self.dedupe: dict[tuple[str, int], types.UntypedAPIFuture] = {}

@@ -18,6 +18,7 @@ from mint_server.api.state.runs import check_project
 from mint_server.api.state.sessions import Session
 from mint_server.api.tinker.checkpoints import CheckpointService
 from mint_server.api.tinker.extensions import MintService
+from mint_server.api.tinker.rollouts import RolloutControl
 from mint_server.api.tinker.sampling import SamplingService
 from mint_server.api.tinker.training import TrainingService
 from mint_server.catalog.catalog import Catalog
@@ -33,6 +34,7 @@ class Service:
         self.training = TrainingService(self.core, self.sampling.add_snapshot)
         self.checkpoints = CheckpointService(self.core)
         self.mint = MintService(self.core, self.training)
+        self.rollouts = RolloutControl(self.core)
         self.openai = OpenAIService(self.core)
         self.admin = AdminService(self.core)
         self.evals = EvalService(self.core, lambda: self.openai.tokenizer)

@@ -22,7 +22,7 @@ from mint_server.api.http.plumbing import BodyLimit, install_error_handlers, nee
 from mint_server.api.openai import routes as openai_routes
 from mint_server.api.service import Service
 from mint_server.api.settings import Settings
-from mint_server.api.tinker import rest_routes, session_routes, training_routes
+from mint_server.api.tinker import rest_routes, rollout_routes, session_routes, training_routes
 from mint_server.catalog.catalog import Catalog
 from mint_server.catalog.keys import KeyStore
 from mint_server.engine.interface import Engine
@@ -63,6 +63,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(session_routes.router)
     app.include_router(session_routes.metrics_router)
     app.include_router(training_routes.router)
+    app.include_router(rollout_routes.router)
     app.include_router(rest_routes.router)
     app.include_router(key_routes.router)
     app.include_router(admin_routes.router)

@@ -75,4 +75,5 @@ class ServedModels:
             raise OpenAIError(400, f"model {model!r}: {e}", "model") from None
         # The Tinker face's own source for this revision, named by number so it stays the one resolved now.
         source = self.core.read_source(f"tinker://{revision.policy}@{revision.number}", owner)
-        return ServedModel(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}")
+        return ServedModel(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}",
+                           policy=revision.policy)

@@ -22,6 +22,7 @@ class ServedModel:
     model: str  # as the client named it (echoed in responses)
     source: AdapterSource | None  # None: the bare base model
     fingerprint: str  # the revision it resolved to: "NAME@N:sha256-prefix", or "base"
+    policy: str | None = None  # the policy of that revision (pausing names it: api/state/pauses.py)
 
 
 @dataclass

@@ -206,6 +206,8 @@ class OpenAIService:
 
     async def _one(self, reply: Reply, engine_job: SampleJob, on_token: TokenCallback | None) -> types.SampleResponse:
         try:
+            if reply.target.policy is not None:  # held here while its policy is paused (rollout control)
+                await self.core.pauses.wait(engine_job.key, [("policy", reply.target.policy)])
             return await self.sample(engine_job, on_token, reply.cancel)
         finally:
             self.core.admission.samples_done()

@@ -31,6 +31,7 @@ from mint_server.api.tinker.mint_types import (
     MintSamplingParams,
     SamplingExtensions,
 )
+from mint_server.api.tinker.rollouts import targets_of
 from mint_server.api.tinker.validate import InvalidInput
 from mint_server.engine.interface import AdapterSource
 
@@ -150,6 +151,7 @@ class SamplingService:
         engine_wait: list[Any] = [None]
 
         async def run() -> types.SampleResponse:
+            await self.core.pauses.wait(p.owner, targets_of(sampler))  # held while paused (rollout control)
             waits_on_engine(engine_wait)
             result = await self.core.call(self.engine.submit(job))
             self.core.note_sampled(p.owner, job, result, sampler.session_id)
