@@ -418,11 +418,10 @@ CASES: list[Case] = [
          lambda c: rkl(c, datum={"reference_input": tokens([10**9])}), names="reference_input"),
     Case("rkl-reference-bigint", "POST", "mint/forward_backward_reverse_kl",
          lambda c: rkl(c, datum={"reference_input": tokens([BIG])}), names="reference_input"),
-    # its tensors pass codec.check_tensor like every request tensor (the route's WireTensor has no
-    # CSR fields: a CSR tensor is read as dense, and one whose data does not fill its shape is refused)
+    # its tensors pass codec.check_tensor like every request tensor, sparse CSR included
     Case("rkl-csr-malformed", "POST", "mint/forward_backward_reverse_kl", lambda c: rkl(c, datum={"target_tokens": {
         "data": [7], "dtype": "int64", "shape": [3, 1], "sparse_crow_indices": [0, 1, 1, 1], "sparse_col_indices": [5]}}),
-         names="data[0].target_tokens.shape"),
+         names="data[0].target_tokens.sparse_col_indices"),
     Case("rkl-target-fraction", "POST", "mint/forward_backward_reverse_kl",
          lambda c: rkl(c, datum={"target_tokens": {"data": [2, 3.5, 4], "dtype": "int64"}}), names="data[0].target_tokens.data"),
     Case("rkl-shape-negative", "POST", "mint/forward_backward_reverse_kl",

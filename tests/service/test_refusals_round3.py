@@ -20,6 +20,11 @@ from tests.service.live import BASE, KEY_A, LiveServer, tiny_engine
 CYCLES = {
     "self-ref": {"$ref": "#"},
     "defs-cycle": {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"},
+    # text can start ("{"), but every value must hold itself: refused before sampling, not cut at max_tokens
+    "requires-itself": {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+    "A-requires-B-requires-A": {"$defs": {
+        "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+        "B": {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"]}}, "$ref": "#/$defs/A"},
 }
 
 

@@ -59,7 +59,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.state.service = svc
     app.state.authenticator = authenticator
     install_error_handlers(app)
-    openapi.install(app)
+    openapi.install(app, served_base_models=[engine.base_model], limits=getattr(engine, "limits", None))
     app.include_router(session_routes.router)
     app.include_router(session_routes.metrics_router)
     app.include_router(training_routes.router)

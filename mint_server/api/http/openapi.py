@@ -15,6 +15,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, create_model
 from tinker.types._pydantic_types.forward_backward_input import ForwardBackwardInput as WireFwdBwdInput
 
+from mint_server.api.http.spec_bounds import state_bounds
+from mint_server.engine.settings import EngineLimits
+
 REF = "#/components/schemas/{model}"
 _COMPONENTS: dict[str, Any] = {}
 
@@ -50,10 +53,12 @@ class TtlBody(BaseModel):
 
 
 class ProjectBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # admin.service.assign_project refuses other fields
     project_id: str
 
 
 class CancelFutureBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # the handler refuses other fields
     request_id: str
 
 
@@ -91,7 +96,10 @@ def _document_errors(spec: dict[str, Any]) -> None:
                                               "content": {"application/json": {"schema": ERROR_SCHEMA}}})
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, served_base_models: list[str] | None = None, limits: EngineLimits | None = None) -> None:
+    """Serve the spec: the routes' schemas, the body models of `body_doc`, every error status, and
+    the server's bounds (spec_bounds; `served_base_models` are the models the faces serve, `limits` the engine's)."""
+
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             spec = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
@@ -99,6 +107,7 @@ def install(app: FastAPI) -> None:
             for name, schema in _COMPONENTS.items():
                 components.setdefault(name, schema)
             _document_errors(spec)
+            state_bounds(spec, served_base_models, limits)
             app.openapi_schema = spec
         return app.openapi_schema
 

@@ -32,6 +32,11 @@ from mint_server.engine.interface import AdapterSource, ReverseKLDatum
 def _tensor(t: WireTensor, field: str) -> types.TensorData:
     data = t.data if isinstance(t.data, list) else [t.data]
     check_tensor(t.model_copy(update={"data": data}), field)  # as every request tensor: a 400 naming the field
+    if t.sparse_crow_indices is not None and t.shape is not None:  # checked CSR: densified, as TensorData.to_torch does
+        dense = np.zeros(t.shape, dtype=np.int64 if t.dtype == "int64" else np.float64)
+        rows = np.repeat(np.arange(t.shape[0]), np.diff(np.asarray(t.sparse_crow_indices, dtype=np.int64)))
+        dense[rows, np.asarray(t.sparse_col_indices, dtype=np.int64)] = data
+        data = dense.reshape(-1).tolist()
     try:
         return types.TensorData(data=data, dtype=t.dtype, shape=t.shape or [len(data)])
     except (ValueError, OverflowError, TypeError) as e:

@@ -20,9 +20,14 @@ class _Wire(BaseModel):
 
 
 class WireTensor(_Wire):
+    """A tensor as tinker's TensorData carries it: dense, or sparse CSR when both index lists are
+    given (codec.check_tensor's rules; the served schema states them, api/http/spec_bounds.py)."""
+
     data: list[int] | list[float] | float
     shape: list[int] | None = None
     dtype: Literal["float32", "int64"] = "float32"
+    sparse_crow_indices: list[int] | None = None  # CSR row pointers: rows + 1 of them
+    sparse_col_indices: list[int] | None = None  # CSR column of each value
 
 
 class ReverseKLDatum(_Wire):
