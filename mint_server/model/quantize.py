@@ -92,6 +92,17 @@ class QuantizedWeight(nn.Module):
             return (self.qdata.to(dtype) * self.scales.to(dtype)[:, None])
         return _int4_values(self.codes(), self.scales, dtype)[: self.shape[0]]
 
+    def dequantize_rows(self, r0: int, r1: int, dtype: torch.dtype) -> Tensor:
+        """Rows r0:r1 of the dequantized weight (r0 a multiple of 64)."""
+        if self.kind == "int8":
+            return self.qdata[r0:r1].to(dtype) * self.scales[r0:r1].to(dtype)[:, None]
+        b0 = r0 // INT4_BLOCK_ROWS
+        b1 = -(-r1 // INT4_BLOCK_ROWS)
+        codes = self.codes(slice(b0, b1))
+        first = b0 * INT4_BLOCK_ROWS
+        values = _int4_values(codes, self.scales[:, first : b1 * INT4_BLOCK_ROWS], dtype)
+        return values[r0 - first : r1 - first]
+
     def rows(self, ids: Tensor) -> Tensor:
         """Rows `ids` of the weight (an embedding lookup), dequantized: a fresh tensor [*ids, in]."""
         flat = ids.reshape(-1)
@@ -125,7 +136,7 @@ class QuantizedWeight(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             y = _QuantizedProduct.apply(flat, self)
         else:
-            y = _product(flat, self)
+            y = _product(flat, self, packed=not torch.is_grad_enabled())
         y = y.view(*x.shape[:-1], self.shape[0])
         return y if bias is None else y + bias
 
@@ -142,13 +153,29 @@ def _int4_values(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     return ((codes.view(n, -1, INT4_GROUP).float() - 8) * scale + zero).view(n, -1).to(dtype)
 
 
-def _product(x: Tensor, w: QuantizedWeight) -> Tensor:
-    """x [rows, in] × Wᵀ: the packed kernel for a few rows on CPU outside autograd, else BLAS on the
-    dequantized weight (a training pass's forward then matches its backward, which multiplies by the
-    dequantized weight, whatever its row count)."""
-    if 0 < x.shape[0] <= PACKED_MAX_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
+# Dequantized in blocks of rows of at most this many fp32 bytes: the lm_head's table (SmolLM2's
+# 49152 × 576: 113 MB in fp32) is never materialised whole, in forward or backward.
+DEQUANT_BLOCK_BYTES = 16 << 20
+
+
+def _row_blocks(w: QuantizedWeight) -> list[tuple[int, int]]:
+    rows = max(INT4_BLOCK_ROWS, DEQUANT_BLOCK_BYTES // (4 * w.shape[1]) // INT4_BLOCK_ROWS * INT4_BLOCK_ROWS)
+    return [(r, min(r + rows, w.shape[0])) for r in range(0, w.shape[0], rows)]
+
+
+def _product(x: Tensor, w: QuantizedWeight, packed: bool) -> Tensor:
+    """x [rows, in] × Wᵀ: the packed kernel for a few rows on CPU where `packed` (outside autograd),
+    else BLAS on the dequantized weight, a block of its rows at a time (a training pass's forward
+    then matches its backward, which multiplies by the dequantized weight, whatever its row count)."""
+    if packed and 0 < x.shape[0] <= PACKED_MAX_ROWS and x.device.type == "cpu":
         return w.packed_product(x)
-    return F.linear(x, w.dequantize(x.dtype))
+    blocks = _row_blocks(w)
+    if len(blocks) == 1:
+        return F.linear(x, w.dequantize(x.dtype))
+    y = x.new_empty(x.shape[0], w.shape[0])
+    for r0, r1 in blocks:
+        torch.mm(x, w.dequantize_rows(r0, r1, x.dtype).t(), out=y[:, r0:r1])
+    return y
 
 
 class _QuantizedProduct(torch.autograd.Function):
@@ -157,12 +184,18 @@ class _QuantizedProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: QuantizedWeight) -> Tensor:  # type: ignore[override]
         ctx.weight = w  # type: ignore[attr-defined]
-        return _product(x, w)
+        return _product(x, w, packed=False)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         w: QuantizedWeight = ctx.weight  # type: ignore[attr-defined]
-        return grad @ w.dequantize(grad.dtype), None
+        blocks = _row_blocks(w)
+        if len(blocks) == 1:
+            return grad @ w.dequantize(grad.dtype), None
+        out = grad.new_zeros(grad.shape[0], w.shape[1])
+        for r0, r1 in blocks:
+            out.addmm_(grad[:, r0:r1], w.dequantize_rows(r0, r1, grad.dtype))
+        return out, None
 
 
 class QuantizedLinear(nn.Module):

@@ -215,3 +215,23 @@ def test_lora_logits_match_peft_on_the_dequantized_base(kind: str, tiny_llama, t
         ours = model(tokens, lora=bank.batch([0, 0]))
         ref = PeftModel.from_pretrained(hf, tmp_path / "adapter")(tokens).logits
     for_model(model.config).check(ours, ref, f"{kind} LoRA logits vs PEFT on the dequantized base")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_big_weight_is_dequantized_a_block_of_rows_at_a_time(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The lm_head's table is never dequantized whole (forward or backward): the blocks' products
+    equal the whole dequantized weight's, partial last block included."""
+    from mint_server.model import quantize
+
+    monkeypatch.setattr(quantize, "DEQUANT_BLOCK_BYTES", 64 * 192 * 4)  # blocks of 64 rows
+    g = torch.Generator().manual_seed(0)
+    w = QuantizedWeight(kind, torch.randn(200, 192, generator=g) * 0.05)
+    deq = w.dequantize(torch.float32)
+    assert len(quantize._row_blocks(w)) == 4
+    x = torch.randn(PACKED_MAX_ROWS + 3, 192, generator=g, requires_grad=True)
+    y = w.linear(x)
+    dy = torch.randn(y.shape, generator=g)
+    (y * dy).sum().backward()
+    tol = Tolerance(n=200)
+    tol.check(y, F.linear(x, deq), "forward by blocks")
+    tol.check(x.grad, dy @ deq, "backward by blocks")
