@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, help="intra-op threads (default: the engine's, the cores given); "
                     "1 on a machine loaded by other work, where a team of threads waits on its slowest")
     ap.add_argument("--no-train", action="store_true", help="decode and bytes only")
+    ap.add_argument("--no-decode", action="store_true", help="training only")
     ap.add_argument("--quick", action="store_true", help="a tiny random model: checks the script runs")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -173,17 +174,19 @@ def main() -> None:
         from benchmarks.common import smollm2_dir
 
         model_dir = smollm2_dir()
-    d = decode(model_dir, args.context, args.repeats, args.threads)
-    print(f"machine: read {d['read_bytes_per_s'] / 1e9:.1f} GB/s, load average {d['load_average']}, "
-          f"{args.threads or 'default'} threads; "
-          f"decode at {args.context} positions of KV, one row on a rank-32 adapter, eager")
-    print("| base | s/token | vs fp32 | base weight bytes | read floor s/token | resident bytes | vs fp32 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for kind in KINDS:
-        r = d[kind]
-        print(f"| {'fp32' if kind == 'none' else kind} | {r['s_per_token'] * 1e3:.2f} ms | {r['vs_fp32']:.2f}x "
-              f"| {r['weight_bytes'] / 1e6:.1f} MB | {r['floor_s'] * 1e3:.2f} ms | {r['resident_bytes'] / 1e6:.1f} MB "
-              f"| {r['resident_vs_fp32']:.3f} |")
+    d: dict = {}
+    if not args.no_decode:
+        d = decode(model_dir, args.context, args.repeats, args.threads)
+        print(f"machine: read {d['read_bytes_per_s'] / 1e9:.1f} GB/s, load average {d['load_average']}, "
+              f"{args.threads or 'default'} threads; "
+              f"decode at {args.context} positions of KV, one row on a rank-32 adapter, eager")
+        print("| base | s/token | vs fp32 | base weight bytes | read floor s/token | resident bytes | vs fp32 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for kind in KINDS:
+            r = d[kind]
+            print(f"| {'fp32' if kind == 'none' else kind} | {r['s_per_token'] * 1e3:.2f} ms | {r['vs_fp32']:.2f}x "
+                  f"| {r['weight_bytes'] / 1e6:.1f} MB | {r['floor_s'] * 1e3:.2f} ms | {r['resident_bytes'] / 1e6:.1f} MB "
+                  f"| {r['resident_vs_fp32']:.3f} |")
     train: dict = {}
     for kind in () if args.no_train else KINDS:
         cmd = [sys.executable, "-m", "benchmarks.quantization", "--child", kind, "--model-dir", str(model_dir),
