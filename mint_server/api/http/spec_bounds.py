@@ -133,6 +133,8 @@ PROPERTIES: dict[tuple[str, str], dict[str, Any]] = {
         "target_modules": {"anyOf": [{"type": "string", "minLength": 1},
                                      {"type": "array", "items": {"type": "string", "minLength": 1}}]},
         "train_mlp": {"type": "boolean"}, "train_attn": {"type": "boolean"}, "train_unembed": {"type": "boolean"}}},
+    # rollouts.pause refuses continue_on_new by name (partial rollouts are not supported)
+    ("PauseRequest", "in_flight"): {"type": "string", "enum": ["finish_on_pinned"]},
     ("CreatePolicyBody", "name"): {"type": "string", "pattern": _whole(_POLICY)},
     ("EvalBody", "metric"): {"type": "string", "minLength": 1},
     ("CreateKeyBody", "name"): {"type": "string", "pattern": f"^[ -~]{{1,{MAX_KEY_NAME}}}$"},  # printable
@@ -182,8 +184,17 @@ ONE_OF_SETS: dict[str, list[list[str]]] = {
 # A tool_choice needs tools to choose from (api/openai/requests.render_chat)
 TOOLS_FOR_TOOL_CHOICE = ("ChatRequest", "MessagesRequest", "CountTokensRequest")
 
-# Fields given only as a value, never as null (each an ONE_OF_SETS member: given means chosen).
+# Exactly one of these fields (JSON Schema `oneOf` of `required`; each stated non-null in NON_NULL)
+EXACTLY_ONE: dict[str, list[str]] = {
+    # api/tinker/rollouts.RolloutTarget: a policy or a sampling session, never both
+    component: ["policy", "sampling_session_id"] for component in ("RolloutTarget", "PauseRequest", "AbortRequest")
+}
+
+# Fields given only as a value, never as null (each in ONE_OF_SETS, EXACTLY_ONE or REQUIRED: given
+# means chosen); the model's own bounds on the value are kept.
 NON_NULL: dict[tuple[str, str], dict[str, Any]] = {
+    **{(component, "policy"): {"type": "string", "pattern": _whole(_POLICY)} for component in EXACTLY_ONE},
+    **{(component, "sampling_session_id"): {"type": "string", "minLength": 1} for component in EXACTLY_ONE},
     ("MintSampleRequest", "sampling_session_id"): {"type": "string", "minLength": 1},  # see REQUIRED
     ("LoadWeightsRequest", "model_id"): {"type": "string", "minLength": 1},
     ("LoadWeightsRequest", "session_id"): {"type": "string", "minLength": 1},
@@ -345,8 +356,10 @@ def state_bounds(spec: dict[str, Any], served_base_models: list[str] | None = No
     for (component, prop), schema in NON_NULL.items():
         if component in components and prop in components[component].get("properties", {}):
             properties = components[component]["properties"]
-            properties[prop] = {**{k: properties[prop][k] for k in ("title", "description") if k in properties[prop]},
-                                **schema}
+            old = properties[prop]
+            given = next((b for b in old.get("anyOf", []) if b.get("type") != "null"), old)  # what the model says
+            kept = {k: v for k, v in given.items() if k not in ("anyOf", "default")}
+            properties[prop] = {**{k: old[k] for k in ("title", "description") if k in old}, **kept, **schema}
     for component, fields in REQUIRED.items():
         if component in components:
             required = components[component].setdefault("required", [])
@@ -355,6 +368,9 @@ def state_bounds(spec: dict[str, Any], served_base_models: list[str] | None = No
         if component in components:
             components[component]["dependentSchemas"] = {
                 "tool_choice": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+    for component, fields in EXACTLY_ONE.items():
+        if component in components:
+            components[component]["oneOf"] = [{"required": [field]} for field in fields]
     for component, alternatives in ONE_OF_SETS.items():
         if component in components:
             components[component]["anyOf"] = [{"required": fields} for fields in alternatives]
