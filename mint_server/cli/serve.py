@@ -69,7 +69,7 @@ def engine_settings(store_dir: Path, compile_cache_dir: Path | None = None, **fl
     """The engine's settings from the engine flags, by EngineSettings field name (unset flags, None,
     keep EngineSettings' defaults; a deprecated spelling counts where its setting's own flag is unset);
     a bad value is a usage error naming the flag, not a traceback from the engine."""
-    from mint_server.engine.settings import EngineSettings, setting_infos
+    from mint_server.engine.settings import EngineSettings, InvalidSetting, setting_infos
 
     infos = {info.name: info for info in setting_infos()}
     for info in infos.values():
@@ -84,10 +84,9 @@ def engine_settings(store_dir: Path, compile_cache_dir: Path | None = None, **fl
     settings = EngineSettings(store_dir=store_dir, compile_cache_dir=compile_cache_dir, **given)
     try:
         settings.check()
-    except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        flag = infos[field].flag if field in infos else None
-        raise typer.BadParameter(str(e), param_hint=flag or "--" + field.replace("_", "-")) from None
+    except InvalidSetting as e:
+        flag = infos[e.field].flag if e.field in infos else None
+        raise typer.BadParameter(str(e), param_hint=flag or "--" + e.field.replace("_", "-")) from None
     return settings
 
 

@@ -36,6 +36,14 @@ def setting(default: Any = MISSING, *, help: str, flag: str | None = "", default
     return field(default=default, metadata=metadata)
 
 
+
+class InvalidSetting(ValueError):
+    """A setting out of range: `field` names it (the CLI shows its flag), the text says why."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field, self.reason = field, reason
+
 @dataclass(frozen=True)
 class EngineSettings:
     # Residency: device slots are the LoRA bank (what one step can read); the host cache holds
@@ -185,60 +193,60 @@ class EngineSettings:
         "and, on CPU, faster decode. See docs/quantization.md.")
 
     def check(self) -> None:
-        """ValueError naming the first field out of range."""
+        """InvalidSetting (a ValueError) naming the first field out of range."""
         positive = ("device_slots", "max_rank", "kv_budget_tokens", "max_fused_tokens",
                     "max_num_samples", "max_batch_rows", "loader_threads", "load_bytes_per_step", "tp",
                     "train_slice_tokens", "sample_steps_per_slice")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InvalidSetting(name, f"must be a positive integer, got {value!r}")
         if not (isinstance(self.max_slowdown, int | float) and math.isfinite(self.max_slowdown)
                 and self.max_slowdown >= 1):
-            raise ValueError(f"max_slowdown must be a number >= 1, got {self.max_slowdown!r}")
+            raise InvalidSetting("max_slowdown", f"must be a number >= 1, got {self.max_slowdown!r}")
         if not (isinstance(self.linger_s, int | float) and math.isfinite(self.linger_s) and self.linger_s >= 0):
-            raise ValueError(f"linger_s must be a number of seconds >= 0, got {self.linger_s!r}")
+            raise InvalidSetting("linger_s", f"must be a number of seconds >= 0, got {self.linger_s!r}")
         if self.max_step_tokens is not None and (not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1):
-            raise ValueError(f"max_step_tokens must be a positive integer, got {self.max_step_tokens!r}")
+            raise InvalidSetting("max_step_tokens", f"must be a positive integer, got {self.max_step_tokens!r}")
         if self.max_chunk_tokens is not None and (not isinstance(self.max_chunk_tokens, int) or self.max_chunk_tokens < 1):
-            raise ValueError(f"max_chunk_tokens must be a positive integer, got {self.max_chunk_tokens!r}")
+            raise InvalidSetting("max_chunk_tokens", f"must be a positive integer, got {self.max_chunk_tokens!r}")
         if self.step_overhead_tokens is not None and (
                 not isinstance(self.step_overhead_tokens, int) or self.step_overhead_tokens < 0):
-            raise ValueError(f"step_overhead_tokens must be an integer >= 0, got {self.step_overhead_tokens!r}")
+            raise InvalidSetting("step_overhead_tokens", f"must be an integer >= 0, got {self.step_overhead_tokens!r}")
         if not isinstance(self.loader_nice, int) or not 0 <= self.loader_nice <= 19:
-            raise ValueError(f"loader_nice must be an integer in 0..19, got {self.loader_nice!r}")
+            raise InvalidSetting("loader_nice", f"must be an integer in 0..19, got {self.loader_nice!r}")
         if not isinstance(self.max_top_logprobs, int) or self.max_top_logprobs < 0:
-            raise ValueError(f"max_top_logprobs must be an integer >= 0, got {self.max_top_logprobs!r}")
+            raise InvalidSetting("max_top_logprobs", f"must be an integer >= 0, got {self.max_top_logprobs!r}")
         if not (isinstance(self.tp_timeout_s, int | float) and math.isfinite(self.tp_timeout_s)
                 and self.tp_timeout_s > 0):
-            raise ValueError(f"tp_timeout_s must be a number > 0, got {self.tp_timeout_s!r}")
+            raise InvalidSetting("tp_timeout_s", f"must be a number > 0, got {self.tp_timeout_s!r}")
         if not isinstance(self.host_cache_mb, int | float) or not self.host_cache_mb >= 0:
-            raise ValueError(f"host_cache_mb must be >= 0, got {self.host_cache_mb!r}")
+            raise InvalidSetting("host_cache_mb", f"must be >= 0, got {self.host_cache_mb!r}")
         if self.kv_budget_mb is not None and not (isinstance(self.kv_budget_mb, int | float) and self.kv_budget_mb > 0):
-            raise ValueError(f"kv_budget_mb must be > 0, got {self.kv_budget_mb!r}")
+            raise InvalidSetting("kv_budget_mb", f"must be > 0, got {self.kv_budget_mb!r}")
         if not isinstance(self.checkpoint_from_tokens, int) or self.checkpoint_from_tokens < 0:
-            raise ValueError(f"checkpoint_from_tokens must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
+            raise InvalidSetting("checkpoint_from_tokens", f"must be an integer >= 0, got {self.checkpoint_from_tokens!r}")
         if not (isinstance(self.logits_chunk_mb, int | float) and self.logits_chunk_mb > 0):
-            raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb!r}")
+            raise InvalidSetting("logits_chunk_mb", f"must be > 0, got {self.logits_chunk_mb!r}")
         for name in ("batch_invariant", "keep_freed_memory", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise InvalidSetting(name, f"must be true or false, got {getattr(self, name)!r}")
         if self.batch_invariant and self.tp != 1:
-            raise ValueError("batch_invariant is supported on one rank only (tp=1)")
+            raise InvalidSetting("batch_invariant", "is supported on one rank only (tp=1)")
         if self.quantize not in QUANTIZE_CHOICES:
-            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
+            raise InvalidSetting("quantize", f"must be one of {', '.join(QUANTIZE_CHOICES)}, got {self.quantize!r}")
         if self.quantize != "none" and (self.tp != 1 or self.batch_invariant):
             # the quantized products are neither split over ranks nor batch-invariant (model/quantize.py)
-            raise ValueError(f"quantize {self.quantize} is supported on one rank (tp=1) without batch_invariant")
+            raise InvalidSetting("quantize", f"{self.quantize} is supported on one rank (tp=1) without batch_invariant")
         if self.compile not in ("auto", "off"):
-            raise ValueError(f"compile must be auto or off, got {self.compile!r}")
+            raise InvalidSetting("compile", f"must be auto or off, got {self.compile!r}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ValueError(f"threads must be a positive integer, got {self.threads!r}")
+            raise InvalidSetting("threads", f"must be a positive integer, got {self.threads!r}")
         if self.max_context is not None and self.max_context < 2:
-            raise ValueError(f"max_context must be at least 2, got {self.max_context!r}")
+            raise InvalidSetting("max_context", f"must be at least 2, got {self.max_context!r}")
         if not (isinstance(self.records_ttl_s, int | float) and math.isfinite(self.records_ttl_s)
                 and self.records_ttl_s > 0):
-            raise ValueError(f"records_ttl_s must be > 0, got {self.records_ttl_s!r}")
+            raise InvalidSetting("records_ttl_s", f"must be > 0, got {self.records_ttl_s!r}")
 
     def kv_tokens(self, bytes_per_token: int) -> int:
         """The KV pool in token positions, for a model whose cache costs bytes_per_token per position."""
