@@ -13,19 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mint_server.model.errors import ModelError, UnsupportedModelError
 from mint_server.model.hybrid_spec import HybridSpec, parse_hybrid
 from mint_server.model.mla_spec import MLASpec, dense_layers_of, parse_mla
 from mint_server.model.prequant_spec import Prequantized, parse_quantization
 from mint_server.model.v4_spec import V4Spec, parse_v4
 from mint_server.model.vision_spec import VisionSpec, flatten_text_config, mrope_section, parse_vision
-
-
-class ModelError(ValueError):
-    """A model directory or config that we cannot load; the message names the problem."""
-
-
-class UnsupportedModelError(ModelError):
-    """The checkpoint's architecture is not one we implement."""
 
 
 @dataclass(frozen=True)
@@ -177,10 +170,7 @@ class ModelConfig:
                 f"unsupported architecture {arch or hf.get('model_type')!r}; supported: {sorted(FAMILIES)}"
             )
         family = FAMILIES[arch]
-        try:
-            prequantized = parse_quantization(quantization, family.name)
-        except ValueError as e:
-            raise UnsupportedModelError(str(e)) from None
+        prequantized = parse_quantization(quantization, family.name)
         top = hf
         try:
             if family.vision:
@@ -192,10 +182,7 @@ class ModelConfig:
             rope_type = rope.get("rope_type") or rope.get("type") or "default"
             v4 = None
             if family.compressed:  # its two ropes (main, compress) are V4Spec's
-                try:
-                    v4 = parse_v4(hf, int(hf["num_hidden_layers"]))
-                except ValueError as e:
-                    raise UnsupportedModelError(str(e)) from None
+                v4 = parse_v4(hf, int(hf["num_hidden_layers"]))
                 rope_type, rope, rope_theta = "default", {}, v4.main_theta
                 hf = {**hf, "num_key_value_heads": 1, "intermediate_size": hf["moe_intermediate_size"]}
             # dynamic NTK is refused: transformers derives its frequencies from each forward's length, so
@@ -211,18 +198,12 @@ class ModelConfig:
                 moe["norm_topk_prob"] = True
             if family.mla:
                 layers = int(hf["num_hidden_layers"])
-                try:
-                    mla = parse_mla(hf, rope, family.dsa, family.index_rope_interleave)
-                except ValueError as e:
-                    raise ModelError(str(e)) from None
+                mla = parse_mla(hf, rope, family.dsa, family.index_rope_interleave)
                 moe.update(mla=mla, mlp_only_layers=dense_layers_of(hf, layers), decoder_sparse_step=1)
                 hf = {**hf, "num_key_value_heads": num_heads, "head_dim": mla.qk_rope_head_dim}
             if family.vision:
                 head_dim = int(hf.get("head_dim") or hidden // num_heads)
-                try:
-                    moe.update(vision=parse_vision(top, hidden), mrope_section=mrope_section(rope, head_dim))
-                except ValueError as e:
-                    raise ModelError(str(e)) from None
+                moe.update(vision=parse_vision(top, hidden), mrope_section=mrope_section(rope, head_dim))
             if family.hybrid:
                 moe.update(_hybrid_fields(hf, rope, num_heads, hidden, family.moe))
                 if family.moe:  # every layer sparse; the shared expert is the dense part
@@ -288,10 +269,7 @@ def _hybrid_fields(hf: dict[str, Any], rope: dict[str, Any], num_heads: int, hid
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"unsupported hidden_act {hf.get('hidden_act')!r} (only silu)")
     layers = int(hf["num_hidden_layers"])
-    try:
-        spec = parse_hybrid(hf, rope, layers, int(hf.get("head_dim") or hidden // num_heads))
-    except ValueError as e:
-        raise ModelError(str(e)) from None
+    spec = parse_hybrid(hf, rope, layers, int(hf.get("head_dim") or hidden // num_heads))
     out: dict[str, Any] = {"hybrid": spec}
     if moe:
         out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mint_server.model.errors import ModelError
+
 LINEAR, FULL = "linear_attention", "full_attention"
 STATE_BYTES = 4  # the recurrent state stays float32 (as transformers and FLA keep it), whatever the weights
 
@@ -57,17 +59,17 @@ class HybridSpec:
 
 
 def parse_hybrid(hf: dict[str, Any], rope: dict[str, Any], num_layers: int, head_dim: int) -> HybridSpec:
-    """The hybrid fields of an HF Qwen3.5 text config (KeyError names a missing one; ValueError a bad one)."""
+    """The hybrid fields of an HF Qwen3.5 text config (KeyError names a missing one; ModelError a bad one)."""
     types = hf.get("layer_types")
     if not types:  # transformers' default: every `full_attention_interval`-th layer is full attention
         every = int(hf.get("full_attention_interval") or 4)
         types = [FULL if (i + 1) % every == 0 else LINEAR for i in range(num_layers)]
     if len(types) != num_layers or set(types) - {LINEAR, FULL}:
-        raise ValueError(f"layer_types must list {num_layers} of {LINEAR!r} / {FULL!r}")
+        raise ModelError(f"layer_types must list {num_layers} of {LINEAR!r} / {FULL!r}")
     factor = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25)))
     rotary = int(head_dim * factor)
     if rotary % 2 or not 0 < rotary <= head_dim:
-        raise ValueError(f"partial_rotary_factor {factor} gives an odd or empty rotary dim of head_dim {head_dim}")
+        raise ModelError(f"partial_rotary_factor {factor} gives an odd or empty rotary dim of head_dim {head_dim}")
     spec = HybridSpec(
         linear_layers=tuple(i for i, t in enumerate(types) if t == LINEAR),
         num_k_heads=int(hf["linear_num_key_heads"]),
@@ -79,8 +81,8 @@ def parse_hybrid(hf: dict[str, Any], rope: dict[str, Any], num_layers: int, head
         shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0),
     )
     if spec.num_v_heads % spec.num_k_heads:
-        raise ValueError(f"linear_num_value_heads {spec.num_v_heads} is not a multiple of "
+        raise ModelError(f"linear_num_value_heads {spec.num_v_heads} is not a multiple of "
                          f"linear_num_key_heads {spec.num_k_heads}")
     if spec.conv_kernel < 2:
-        raise ValueError(f"linear_conv_kernel_dim must be at least 2, got {spec.conv_kernel}")
+        raise ModelError(f"linear_conv_kernel_dim must be at least 2, got {spec.conv_kernel}")
     return spec

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mint_server.model.errors import ModelError
+
 
 @dataclass(frozen=True)
 class MLASpec:
@@ -112,7 +114,7 @@ def indexer_types_of(hf: dict[str, Any]) -> tuple[str, ...]:
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
     types = tuple(types)
     if len(types) != layers or not set(types) <= {"full", "shared"} or (types and types[0] != "full"):
-        raise ValueError(f"indexer_types must be full / shared for each of {layers} layers, the first full: {types}")
+        raise ModelError(f"indexer_types must be full / shared for each of {layers} layers, the first full: {types}")
     return types
 
 

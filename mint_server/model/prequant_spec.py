@@ -1,10 +1,12 @@
 """What config.json's `quantization_config` says about a pre-quantized checkpoint (read by config.py;
-the weights are dequantized by prequant.py). Anything we cannot dequantize exactly is a ValueError
-naming its field, `quantization_config.<key>`, which config.py raises as UnsupportedModelError."""
+the weights are dequantized by prequant.py). Anything we cannot dequantize exactly is an
+UnsupportedModelError naming its field, `quantization_config.<key>`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from mint_server.model.errors import UnsupportedModelError
 
 METHODS = ("fp8", "mxfp4")
 
@@ -21,17 +23,17 @@ class Prequantized:
         return f"{self.method}-dequantized"
 
 
-def _refuse(key: str, value: object, why: str) -> ValueError:
-    return ValueError(f"quantization_config.{key} {value!r}: {why}")
+def _refuse(key: str, value: object, why: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"quantization_config.{key} {value!r}: {why}")
 
 
 def parse_quantization(raw: object, family: str) -> Prequantized | None:
     """The checkpoint's storage from config.json's `quantization_config` (None: plain weights);
-    ValueError naming the field for anything we cannot dequantize exactly."""
+    UnsupportedModelError naming the field for anything we cannot dequantize exactly."""
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise ValueError(f"quantization_config must be an object, got {raw!r}")
+        raise UnsupportedModelError(f"quantization_config must be an object, got {raw!r}")
     method = raw.get("quant_method")
     if method == "fp8":
         if family == "deepseek_v4":  # its checkpoints name scales and fp4 experts their own way
@@ -61,7 +63,7 @@ def parse_quantization(raw: object, family: str) -> Prequantized | None:
             raise _refuse("quant_method", method, f"MXFP4 is read for gpt-oss checkpoints only, not {family}")
         return Prequantized("mxfp4")
     if method is None:
-        raise ValueError(f"quantization_config.quant_method is missing; supported: {list(METHODS)}")
+        raise UnsupportedModelError(f"quantization_config.quant_method is missing; supported: {list(METHODS)}")
     raise _refuse("quant_method", method, f"not supported; supported: {list(METHODS)}")
 
 

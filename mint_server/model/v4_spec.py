@@ -17,6 +17,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from mint_server.model.errors import UnsupportedModelError
+
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy `compress_ratios` list (transformers' mapping)
@@ -70,13 +72,13 @@ def parse_v4(hf: dict[str, Any], num_layers: int) -> V4Spec:
     if types is None and hf.get("compress_ratios") is not None:
         unknown = sorted({int(r) for r in hf["compress_ratios"]} - set(_RATIO_TO_TYPE))
         if unknown:
-            raise ValueError(f"compress_ratios holds {unknown}; DeepSeek-V4 knows {sorted(_RATIO_TO_TYPE)}")
+            raise UnsupportedModelError(f"compress_ratios holds {unknown}; DeepSeek-V4 knows {sorted(_RATIO_TO_TYPE)}")
         types = [_RATIO_TO_TYPE[int(r)] for r in hf["compress_ratios"]]
     if types is None:  # transformers' default: two HCA layers, then CSA / HCA alternating
         types = [HCA] * min(num_layers, 2) + [CSA if i % 2 else HCA for i in range(max(num_layers - 2, 0))]
     types = tuple(types[:num_layers])  # the legacy list carries one more entry, for the MTP layer
     if len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
-        raise ValueError(f"layer_types must list one of {list(LAYER_TYPES)} per layer ({num_layers}), got {list(types)}")
+        raise UnsupportedModelError(f"layer_types must list one of {list(LAYER_TYPES)} per layer ({num_layers}), got {list(types)}")
     mlp_types = hf.get("mlp_layer_types")
     if mlp_types is None:
         n_hash = int(hf.get("num_hash_layers", 3))
@@ -89,11 +91,11 @@ def parse_v4(hf: dict[str, Any], num_layers: int) -> V4Spec:
         k: v for k, v in rope.items() if k not in ("main", "compress")}
     compress_type = compress.get("rope_type", compress.get("type", "default"))
     if compress_type not in ("default", "yarn"):
-        raise ValueError(f"unsupported compress rope type {compress_type!r} (default or yarn)")
+        raise UnsupportedModelError(f"unsupported compress rope type {compress_type!r} (default or yarn)")
     main = rope.get("main") if isinstance(rope.get("main"), dict) else {}
     scoring = hf.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING_FUNCS:
-        raise ValueError(f"unsupported scoring_func {scoring!r}; DeepSeek-V4 knows {list(SCORING_FUNCS)}")
+        raise UnsupportedModelError(f"unsupported scoring_func {scoring!r}; DeepSeek-V4 knows {list(SCORING_FUNCS)}")
     yarn = None
     if compress_type == "yarn":  # transformers forces attention_factor 1 (the reference never scales cos/sin)
         yarn = {**compress, "rope_type": "yarn", "attention_factor": compress.get("attention_factor", 1.0)}

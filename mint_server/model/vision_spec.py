@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mint_server.model.errors import ModelError
+
 # Activations the tower's MLP may name (transformers' ACT2FN keys); others are refused by name.
 VISION_ACTS = ("gelu_pytorch_tanh", "gelu")
 
@@ -70,7 +72,7 @@ def flatten_text_config(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def parse_vision(hf: dict[str, Any], text_hidden: int) -> VisionSpec:
-    """The vision tower of a Qwen3-VL config; ValueError names a field we cannot build."""
+    """The vision tower of a Qwen3-VL config; ModelError names a field we cannot build."""
     v = hf.get("vision_config")
     if not isinstance(v, dict):
         raise KeyError("vision_config")
@@ -79,16 +81,16 @@ def parse_vision(hf: dict[str, Any], text_hidden: int) -> VisionSpec:
         value = v.get(name)
         if isinstance(value, list | tuple):
             if len(set(value)) != 1:
-                raise ValueError(f"vision_config.{name} {value!r}: only square patches are supported")
+                raise ModelError(f"vision_config.{name} {value!r}: only square patches are supported")
             value = value[0]
         return int(value)
 
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in VISION_ACTS:
-        raise ValueError(f"vision_config.hidden_act {act!r} is not supported (supported: {list(VISION_ACTS)})")
+        raise ModelError(f"vision_config.hidden_act {act!r} is not supported (supported: {list(VISION_ACTS)})")
     rope = v.get("rope_parameters") or {}
     if rope.get("rope_type", "axial") != "axial":
-        raise ValueError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: only 'axial'")
+        raise ModelError(f"vision_config.rope_parameters.rope_type {rope.get('rope_type')!r}: only 'axial'")
     spec = VisionSpec(
         depth=int(v["depth"]), hidden_size=int(v["hidden_size"]), intermediate_size=int(v["intermediate_size"]),
         num_heads=int(v["num_heads"]), in_channels=int(v.get("in_channels", 3)), patch_size=single("patch_size"),
@@ -101,13 +103,13 @@ def parse_vision(hf: dict[str, Any], text_hidden: int) -> VisionSpec:
         vision_end_token_id=int(hf.get("vision_end_token_id", 151653)),
     )
     if spec.out_hidden_size != text_hidden:
-        raise ValueError(f"vision_config.out_hidden_size {spec.out_hidden_size} differs from the language "
+        raise ModelError(f"vision_config.out_hidden_size {spec.out_hidden_size} differs from the language "
                          f"model's hidden_size {text_hidden}")
     side = round(spec.num_position_embeddings**0.5)
     if side * side != spec.num_position_embeddings:
-        raise ValueError(f"vision_config.num_position_embeddings {spec.num_position_embeddings} is not a square")
+        raise ModelError(f"vision_config.num_position_embeddings {spec.num_position_embeddings} is not a square")
     if any(not 0 <= i < spec.depth for i in spec.deepstack_layers):
-        raise ValueError(f"vision_config.deepstack_visual_indexes {list(spec.deepstack_layers)} name blocks "
+        raise ModelError(f"vision_config.deepstack_visual_indexes {list(spec.deepstack_layers)} name blocks "
                          f"outside 0..{spec.depth - 1}")
     return spec
 
@@ -118,6 +120,6 @@ def mrope_section(rope: dict[str, Any], head_dim: int) -> tuple[int, int, int]:
     j % 3 == 2 and j < 3·w_count, else with t), whatever `mrope_interleaved` says, as transformers does."""
     section = rope.get("mrope_section") or [24, 20, 20]
     if len(section) != 3 or sum(section) != head_dim // 2:
-        raise ValueError(f"rope_parameters.mrope_section {section!r} must be 3 numbers adding up to "
+        raise ModelError(f"rope_parameters.mrope_section {section!r} must be 3 numbers adding up to "
                          f"head_dim / 2 = {head_dim // 2}")
     return int(section[0]), int(section[1]), int(section[2])
