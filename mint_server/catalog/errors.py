@@ -20,6 +20,11 @@ class CatalogError(Exception):
     def __str__(self) -> str:
         return self.message
 
+    @classmethod
+    def from_error(cls, error: BaseException) -> CatalogError:
+        """`error` (an engine or service refusal) as this type: its text, field and code kept."""
+        return cls(str(error), field=getattr(error, "field", None), code=getattr(error, "code", None))
+
 
 class NotFound(CatalogError, LookupError):
     """No such policy/revision/alias for this owner (another owner's rows look absent, too)."""

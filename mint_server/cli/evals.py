@@ -86,7 +86,7 @@ def _local(target: CatalogLocation, body: dict[str, Any], base_model: str | None
         records = catalog.record_evals(owner, [(s.ref, s.value) for s in scores], body["metric"], dataset=dataset) \
             if body["record"] else []
     except InvalidInput as e:
-        raise InvalidArgument(str(e)) from None
+        raise InvalidArgument.from_error(e) from None
     finally:
         if engine is not None:
             engine.shutdown()
@@ -140,7 +140,7 @@ def register(eval_app: typer.Typer) -> None:
             check_metric(metric)
             rows = parse_jsonl(dataset.read_text())
         except InvalidInput as e:
-            raise InvalidArgument(str(e)) from None
+            raise InvalidArgument.from_error(e) from None
         body = {"revisions": refs, "metric": metric, "dataset": rows, "dataset_name": name or dataset.name,
                 "max_tokens": max_tokens, "chat": chat, "record": record, "include_outputs": bool(show)}
         answer = _remote(target, body) if target.server else _local(target, body, base_model)

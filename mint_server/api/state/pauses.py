@@ -28,10 +28,6 @@ class Pause:
     released: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-class TooManyPauses(ValueError):
-    pass
-
-
 class PauseBoard:
     def __init__(self) -> None:
         self._pauses: dict[tuple[str, str, str], Pause] = {}  # (owner, kind, name) → its pause
@@ -41,14 +37,18 @@ class PauseBoard:
         returns the seconds until it ends by itself."""
         self._expire()
         key = (owner, *target)
-        if key not in self._pauses and sum(k[0] == owner for k in self._pauses) >= MAX_PAUSES_PER_OWNER:
-            raise TooManyPauses(f"at most {MAX_PAUSES_PER_OWNER} paused targets per owner")
         until = time.monotonic() + timeout_s
         if (current := self._pauses.get(key)) is not None:
             current.until = until
         else:
             self._pauses[key] = Pause(until)
         return timeout_s
+
+    def full(self, owner: str, target: Target) -> bool:
+        """Whether pausing `target` would pass MAX_PAUSES_PER_OWNER (pausing it again never does)."""
+        self._expire()
+        return (owner, *target) not in self._pauses and \
+            sum(k[0] == owner for k in self._pauses) >= MAX_PAUSES_PER_OWNER
 
     def resume(self, owner: str, target: Target) -> bool:
         """Release `target`'s waiting requests; False if it was not paused."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_server.api.auth.keys import Principal
 from mint_server.api.core import Core, SamplingSession
-from mint_server.api.state.pauses import DEFAULT_PAUSE_S, MAX_PAUSE_S, Target, TooManyPauses
+from mint_server.api.state.pauses import DEFAULT_PAUSE_S, MAX_PAUSE_S, MAX_PAUSES_PER_OWNER, Target
 from mint_server.api.state.runs import NotFound
 from mint_server.api.tinker.paths import parse_policy_ref
 from mint_server.api.tinker.validate import InvalidInput
@@ -97,10 +97,10 @@ class RolloutControl:
                                "revision) is not supported; running sequences finish on the revision their session "
                                "pinned", field="in_flight")
         target = self._target(p, req)
-        try:
-            remaining = self.pauses.pause(p.owner, target, req.timeout_s)
-        except TooManyPauses as e:
-            raise InvalidInput(str(e), field="policy" if req.policy else "sampling_session_id") from None
+        if self.pauses.full(p.owner, target):
+            raise InvalidInput(f"at most {MAX_PAUSES_PER_OWNER} paused targets per owner",
+                               field="policy" if req.policy else "sampling_session_id")
+        remaining = self.pauses.pause(p.owner, target, req.timeout_s)
         return PauseResponse(kind=target[0], name=target[1], paused=True, remaining_s=remaining)
 
     def resume(self, p: Principal, req: RolloutTarget) -> PauseResponse:
