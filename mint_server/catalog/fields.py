@@ -39,6 +39,10 @@ def check_json_object(value: dict[str, Any] | None, field: str) -> dict[str, Any
 # What a policy's LoRA config may hold: the fields training records (rank, train_*) and those a PEFT
 # import implies (rank, alpha, target_modules, dropout), each typed and in range.
 MAX_LORA_RANK = 65536
+MAX_LORA_ALPHA = 1e6
+MAX_TARGET_PATTERN = 1024  # characters of a PEFT target_modules regex
+MAX_TARGET_MODULES = 256  # names in a target_modules list
+MAX_MODULE_NAME = 128  # characters of one of them
 
 
 def check_lora_config(value: dict[str, Any] | None) -> dict[str, Any]:
@@ -50,12 +54,14 @@ def check_lora_config(value: dict[str, Any] | None) -> dict[str, Any]:
             ok = isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_LORA_RANK
             expected = f"an integer between 1 and {MAX_LORA_RANK}"
         elif key == "alpha":
-            ok, expected = number and 0 < v <= 1e6, "a number in (0, 1e6]"
+            ok, expected = number and 0 < v <= MAX_LORA_ALPHA, f"a number in (0, {MAX_LORA_ALPHA:g}]"
         elif key == "dropout":
             ok, expected = number and 0 <= v < 1, "a number in [0, 1)"
         elif key == "target_modules":
-            ok = (isinstance(v, str) and 0 < len(v) <= 1024) or (
-                isinstance(v, list) and len(v) <= 256 and all(isinstance(m, str) and 0 < len(m) <= 128 for m in v)
+            ok = (isinstance(v, str) and 0 < len(v) <= MAX_TARGET_PATTERN) or (
+                isinstance(v, list)
+                and len(v) <= MAX_TARGET_MODULES
+                and all(isinstance(m, str) and 0 < len(m) <= MAX_MODULE_NAME for m in v)
             )
             expected = "a list of module names (or a PEFT regex string)"
         elif key in ("train_mlp", "train_attn", "train_unembed"):

@@ -29,6 +29,13 @@ from mint_server.api.http.jsonsafe import INT64_MAX, INT64_MIN
 from mint_server.api.state.runs import PROJECT_ID
 from mint_server.api.tinker.codec import MAX_TENSOR_RANK
 from mint_server.api.tinker.paths import KINDS, NAME, RUN_ID, SCHEMES
+from mint_server.catalog.fields import (
+    MAX_LORA_ALPHA,
+    MAX_LORA_RANK,
+    MAX_MODULE_NAME,
+    MAX_TARGET_MODULES,
+    MAX_TARGET_PATTERN,
+)
 from mint_server.catalog.keys import MAX_KEY_NAME
 from mint_server.catalog.refs import _DIGITS_RE, _HEX_RE, ALIAS_NAME_RE, POLICY_NAME_RE
 from mint_server.engine.settings import EngineLimits
@@ -126,12 +133,15 @@ PROPERTIES: dict[tuple[str, str], dict[str, Any]] = {
     # a number, or what follows '@' in a reference (catalog/refs.parse_ref)
     ("SetAliasBody", "revision"): {"anyOf": [{"type": "integer", "minimum": 1, "maximum": INT64_MAX},
                                              {"type": "string", "pattern": _whole(_SELECTOR)}]},
-    # catalog/fields.check_lora_config's keys and kinds (its size limits are inline there, unstated here)
+    # catalog/fields.check_lora_config
     ("CreatePolicyBody", "lora_config"): {"type": "object", "additionalProperties": False, "properties": {
-        "rank": {"type": "integer", "minimum": 1}, "alpha": {"type": "number", "exclusiveMinimum": 0},
+        "rank": {"type": "integer", "minimum": 1, "maximum": MAX_LORA_RANK},
+        "alpha": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_LORA_ALPHA},
         "dropout": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
-        "target_modules": {"anyOf": [{"type": "string", "minLength": 1},
-                                     {"type": "array", "items": {"type": "string", "minLength": 1}}]},
+        "target_modules": {"anyOf": [
+            {"type": "string", "minLength": 1, "maxLength": MAX_TARGET_PATTERN},
+            {"type": "array", "maxItems": MAX_TARGET_MODULES,
+             "items": {"type": "string", "minLength": 1, "maxLength": MAX_MODULE_NAME}}]},
         "train_mlp": {"type": "boolean"}, "train_attn": {"type": "boolean"}, "train_unembed": {"type": "boolean"}}},
     # rollouts.pause refuses continue_on_new by name (partial rollouts are not supported)
     ("PauseRequest", "in_flight"): {"type": "string", "enum": ["finish_on_pinned"]},
