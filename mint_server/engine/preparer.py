@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+from pydantic import ValidationError
 from tinker import types
 
 from mint_server.engine.custom_loss import CompiledLoss, datum_inputs
@@ -112,9 +113,11 @@ class Preparer:
             raise EngineError(f"optim_params: {kind!r} is not supported; AdamParams or DimuonParams")
         try:
             dimuon = types.DimuonParams.model_validate(data)
-        except ValueError as e:  # pydantic's ValidationError
-            raise EngineError(f"optim_params: invalid DimuonParams ({str(e).splitlines()[0]}: "
-                              f"{'; '.join(line.strip() for line in str(e).splitlines()[1:3])})") from None
+        except ValidationError as e:  # its first complaint, by field
+            first = e.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise EngineError(f"invalid DimuonParams: {first['msg']}",
+                              field=f"optim_params.{where}" if where else "optim_params") from None
         check_dimuon_params(dimuon)
         if family is not None:
             check_family(dimuon, family)
