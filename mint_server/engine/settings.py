@@ -76,7 +76,7 @@ class EngineSettings:
         doc="Measured at start-up (SmolLM2 on this project's 2 CPU cores: 64-128).")
     # One chunk yields one row's logits and draw, so prompt tokens reach their best throughput in bigger
     # steps than decode rows do (SmolLM2 on 2 CPU cores: 379 prompt tokens/s in chunks of 128, 442 in
-    # chunks of 256). Measured at start-up by Sampler.measure_chunk_tokens.
+    # chunks of 256). Measured at start-up by step_costs.measure_chunk_tokens.
     max_chunk_tokens: int | None = setting(
         None, default_text="measured, the fewest that reach 90% of the best prompt throughput",
         help="Tokens a step with prompt chunks in it may run, at least --max-step-tokens; a longer prompt is "
@@ -100,7 +100,7 @@ class EngineSettings:
         None, default_text="measured at start-up",
         help="A step's fixed cost in token-equivalents, for the scheduler's cost model of overhead + tokens.",
         doc="Unset, a step's cost by its tokens (a curve), a prefill chunk's and the adapters' own costs are "
-        "measured at start-up (`Sampler.measure_costs`).")
+        "measured at start-up (`step_costs.measure_step_cost`).")
     # Training beside serving: a forward_backward runs in slices (gradient accumulation: the result
     # equals one pass) while sampling work waits.
     train_slice_tokens: int = setting(

@@ -23,7 +23,7 @@ SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily
 LAYER_TYPES = (SLIDING, CSA, HCA)
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy `compress_ratios` list (transformers' mapping)
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # what transformers runs (its ACT2FN has no softmax)
-DEFAULT_BLOCK_SIZE = 16  # the sampler's KV block size (engine/sampling.py): per-block state is amortised over it
+DEFAULT_BLOCK_SIZE = 16  # the sampler's KV block size (engine/kv.py): per-block state is amortised over it
 
 
 @dataclass(frozen=True)
