@@ -22,14 +22,18 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from mint_server.model.quantize import QuantizedWeight
+
+class OwnProduct(Protocol):
+    """A weight that runs its own product (model/quantize.py's QuantizedWeight, `--quantize`); a
+    protocol here, so that this leaf module imports none of the model's."""
+
+    def linear(self, x: Tensor, bias: Tensor | None) -> Tensor: ...
 
 MODES = ("fast", "reference")
 
@@ -124,7 +128,7 @@ if os.environ.get("MINT_SKINNY_ROWS", "").strip():
     pin_skinny_rows(int(os.environ["MINT_SKINNY_ROWS"]))
 
 
-def linear(x: Tensor, weight: Tensor | QuantizedWeight, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor | OwnProduct, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias); a product of at most `skinny_rows()` rows (outside autograd, fast
     kernels) is taken as weight × xᵀ, which reads the weight once whatever the row count. A quantized
     base weight (model/quantize.py, `--quantize`) runs its own product."""
