@@ -5,7 +5,7 @@
 - the engine's run at LENGTH tokens (chunked prefill at CHUNK tokens a step, default the Batcher's
   2,048, then 3 greedy tokens): seconds, and the peak memory above the KV blocks — the process's
   peak resident set (VmHWM, reset through /proc/self/clear_refs just before the run) minus its
-  resident set just before, with the KV pool already written (so resident) and the model loaded.
+  resident set just before, with the KV pool already written and every weight read (so both resident).
   A [T × T] float32 score tensor at 32K tokens alone is 4 GiB, so the 1 GB bound leaves no room for one;
 - at ORACLE_LENGTH (0: none; LENGTH: the same run) our prompt logprobs of every position and the top-20
   logprobs of the 3 greedy tokens, and transformers' own model of the family loaded from the same
@@ -58,6 +58,9 @@ def run_ours(model_dir: Path, length: int, measure: bool, chunk: int = CHUNK) ->
     params = types.SamplingParams(stop=[], max_tokens=NEW_TOKENS, temperature=0.0)
     kv_bytes = 0
     if measure:
+        with torch.no_grad():  # weights loaded lazily (mapped from the file) become resident now, not in the run
+            for p in model.parameters():
+                p.sum()
         cache = sampler.sampler.cache
         for pool in cache.pools.values():  # resident from here on: the run's peak is what it adds
             pool.fill_(0.0)
