@@ -55,6 +55,8 @@ STATEFUL_REFUSALS: dict[str, str] = {
     "the last row pointer": "CSR row pointers relate to the data's length",
     "chat template does not support tools": "what the served model's chat template can render",
     "leave no room in the context length": "a prompt's length in tokens: the tokenizer's business, not JSON's",
+    "only text parts are supported": "what the served model can read (the tiny test model reads text only)",
+    "best_of is not supported": "best_of is taken only equal to n: JSON Schema cannot relate two values",
     "reads no images": "what the served model can read (the tiny test model reads text only)",
     "not a regular expression": "a regex metric's targets must compile: a property of the text",
 }

@@ -38,7 +38,7 @@ from mint_server.catalog.fields import (
 )
 from mint_server.catalog.keys import MAX_KEY_NAME
 from mint_server.catalog.refs import _DIGITS_RE, _HEX_RE, ALIAS_NAME_RE, POLICY_NAME_RE
-from mint_server.engine.settings import EngineLimits
+from mint_server.engine.interface import EngineLimits
 
 # How deep a free-form value (metadata, metrics, a dataset row) is described: deeper than any such
 # field needs, and well inside jsonsafe.MAX_DEPTH for the body around it.
@@ -143,6 +143,8 @@ PROPERTIES: dict[tuple[str, str], dict[str, Any]] = {
             {"type": "array", "maxItems": MAX_TARGET_MODULES,
              "items": {"type": "string", "minLength": 1, "maxLength": MAX_MODULE_NAME}}]},
         "train_mlp": {"type": "boolean"}, "train_attn": {"type": "boolean"}, "train_unembed": {"type": "boolean"}}},
+    # api/openai/requests.admit_completion: no suffix (best_of is taken only equal to n: see schema_fuzz)
+    ("CompletionRequest", "suffix"): {"type": "null"},
     # rollouts.pause refuses continue_on_new by name (partial rollouts are not supported)
     ("PauseRequest", "in_flight"): {"type": "string", "enum": ["finish_on_pinned"]},
     ("CreatePolicyBody", "name"): {"type": "string", "pattern": _whole(_POLICY)},
@@ -193,6 +195,11 @@ ONE_OF_SETS: dict[str, list[list[str]]] = {
 
 # A tool_choice needs tools to choose from (api/openai/requests.render_chat)
 TOOLS_FOR_TOOL_CHOICE = ("ChatRequest", "MessagesRequest", "CountTokensRequest")
+
+# A field that needs others beside it (JSON Schema `dependentSchemas`)
+DEPENDENT_REQUIRED: dict[str, dict[str, tuple[str, ...]]] = {
+    "LoadWeightsRequest": {"session_id": ("model_seq_id",)},  # api/tinker/training: a new model's seq id
+}
 
 # Exactly one of these fields (JSON Schema `oneOf` of `required`; each stated non-null in NON_NULL)
 EXACTLY_ONE: dict[str, list[str]] = {
@@ -378,6 +385,9 @@ def state_bounds(spec: dict[str, Any], served_base_models: list[str] | None = No
         if component in components:
             components[component]["dependentSchemas"] = {
                 "tool_choice": {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}}
+    for component, needs in DEPENDENT_REQUIRED.items():
+        if component in components:
+            components[component]["dependentSchemas"] = {f: {"required": list(rest)} for f, rest in needs.items()}
     for component, fields in EXACTLY_ONE.items():
         if component in components:
             components[component]["oneOf"] = [{"required": [field]} for field in fields]
