@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 from tinker.types._pydantic_types.forward_backward_input import ForwardBackwardInput as WireFwdBwdInput
 
 from mint_server.api.http.spec_bounds import state_bounds
-from mint_server.engine.settings import EngineLimits
+from mint_server.engine.interface import EngineLimits
 
 REF = "#/components/schemas/{model}"
 _COMPONENTS: dict[str, Any] = {}
