@@ -74,8 +74,10 @@ CHECKPOINT_PATH = {"type": "string", "pattern": _whole(_CHECKPOINT_PATH)}
 REF = {"type": "string", "pattern": _whole(_REF)}
 
 # admin.service.usage_events: an hour boundary in UTC (a whole-hour offset keeps it one)
-HOUR = {"type": "string", "pattern": "^(?!0000)[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])T(?:[01][0-9]|2[0-3])"
-                                     ":00:00(?:Z|[+-](?:0[0-9]|1[0-4]):00)$"}  # (29-31 left out: not every month has them)
+# Every real date: days 29-30 in months that have them, 31 in the long months, 02-29 in leap years.
+_DATE = (r"(?:[0-9]{4}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"
+         r"|(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)-02-29)")
+HOUR = {"type": "string", "pattern": "^(?!0000)" + _DATE + "T(?:[01][0-9]|2[0-3]):00:00(?:Z|[+-](?:0[0-9]|1[0-4]):00)$"}
 
 # Anthropic content blocks (api/anthropic/service._messages): other fields of a block are ignored
 _TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
