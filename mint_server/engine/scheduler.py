@@ -16,11 +16,11 @@ Policy, in order:
    so no active key skips a step and none of those forced items crowds out the work the step is
    capped for; then the key with the fewest tokens
    served goes next, one item at a time, counting the tokens planned in this step, so a key with one
-   request gets its turn whatever another key queues. Within a key its policies (adapters; a flow
-   each) share its turns the same way: the policy served least goes next, so one application's
-   request to a quiet policy does not queue behind its own flood to others; within a policy, decode
-   rows, then prompts being prefilled, then waiting requests, then arrival. A key that becomes active starts at the least count among the active keys (no credit hoarded while
-   idle). A key whose ready work no step has taken for `starve_steps` steps in a row (the latency
+   request gets its turn whatever another key queues. Within a key: a quiet policy's request first (see
+   4.: one application's request to a quiet policy does not queue behind its own flood to its other
+   policies), then decode rows, then prompts being prefilled, then waiting requests; among those the
+   policy (adapter) served least, then arrival. A key that becomes active starts at the least count
+   among the active keys (no credit hoarded while idle). A key whose ready work no step has taken for `starve_steps` steps in a row (the latency
    cap below left no room for it) gets one item forced into the next: a light key's closed loop
    never starves the others.
 3. **Budget.** A step runs at most `max_step_tokens` decode rows and, in all, at most
@@ -33,7 +33,8 @@ Policy, in order:
    own cost). While a light key (cheaper work than the heaviest) or a higher priority class has work
    in the step, the step is capped so it costs at most `max_slowdown` × what that work alone would
    cost: a quiet key's 8-token request is not stuck in 200-row steps of a flood (nor a key's request
-   to a policy lighter than its heaviest one in that key's own flood); the flood gets the
+   to a quiet policy — less than half the mean demand of the key's other policies — in that key's own
+   flood); the flood gets the
    rest of the budget, and all of it when the quiet key is gone — `linger_s` after it is gone, since
    a closed-loop client's next request is usually on its way. In such a capped step a key's next item
    is, within its turn's stage, one on an adapter already in the step where it has one (a further
@@ -231,42 +232,30 @@ class Scheduler:
         rows = tokens = chunks = 0  # decode rows, prefill tokens and prefill chunks planned so far
         policies: set[str] = set()  # distinct adapters planned so far
         planned: dict[str, float] = {}
-        planned_flow: dict[tuple[str, str], float] = {}
         preempted: set[int] = set()
         admitting = True
         for cls in sorted({w.priority for w in candidates}):
-            queues = self._queues(w for w in candidates if w.priority == cls)
-            # First one item of each protected key and of each light flow inside a key (the step is
-            # capped for their work: it must not be crowded out by the forced items below), then one
-            # running item of every other key (least served first): no active key skips a step.
-            forced_keys = sorted((k for k, flows in queues.items() if (cls, k) in protected
-                                  or any(q[0].running for q in flows.values())
-                                  or self._untaken.get(k, 0) >= self.starve_steps),
-                                 key=lambda k: ((cls, k) not in protected, self.served.get(k, 0.0), k))
-            first: deque[tuple[str, str | None]] = deque(
-                [(k, None) for k in forced_keys if (cls, k) in protected]
-                + sorted(((k, p) for c, k, p in light_flows if c == cls and (cls, k) not in protected),
-                         key=lambda kp: (self.served_policy.get(kp, 0.0), kp))  # type: ignore[arg-type]
-                + [(k, None) for k in forced_keys if (cls, k) not in protected
-                   and not any(f[:2] == (cls, k) for f in light_flows)])
+            light = {(k, p) for c, k, p in light_flows if c == cls}
+            queues = self._queues((w for w in candidates if w.priority == cls), light)
+            # First one item of each protected key, and of each key with a light policy (that policy's
+            # item: its queue starts with it) — the step is capped for their work: it must not be
+            # crowded out by the forced items below —, then one running item of every other key
+            # (least served first): no active key skips a step.
+            first = deque(sorted((k for k, q in queues.items() if (cls, k) in protected or q[0].running
+                                  or (k, q[0].policy) in light or self._untaken.get(k, 0) >= self.starve_steps),
+                                 key=lambda k: ((cls, k) not in protected and (k, queues[k][0].policy) not in light,
+                                                self.served.get(k, 0.0), k)))
             share = max(1, tokens_left // len(queues))  # a forced item's most: the others' turns must fit too
             while queues and tokens_left >= 1 and (first or self._room(rows, tokens, chunks, len(policies), allowed, True) >= 1
                                                    or self._room(rows, tokens, chunks, len(policies), allowed, False) >= 1):
                 forced = bool(first)  # a running key's one item per step: within the budget, past the latency cap
                 if first:
-                    key, flow = first.popleft()
-                    if key not in queues or (flow is not None and flow not in queues[key]):
-                        continue  # its light flow's one item was already taken
+                    key = first.popleft()
                 else:
-                    key, flow = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k)), None
-                flows = queues[key]
-                if flow is None:
-                    flow = self._flow(key, flows, planned_flow, policies if capped else None)
-                item = flows[flow].pop(0)
-                if not flows[flow]:
-                    del flows[flow]
-                    if not flows:
-                        del queues[key]
+                    key = min(queues, key=lambda k: (self.served.get(k, 0.0) + planned.get(k, 0.0), k))
+                item = self._take(queues[key], policies) if capped else queues[key].pop(0)
+                if not queues[key]:
+                    del queues[key]
                 adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
                 room = max(self._room(rows, tokens, chunks, adapters, allowed, item.decoding), int(forced))
                 if id(item) in preempted or room < 1 or (item.decoding and rows >= self.max_step_tokens):
@@ -291,7 +280,6 @@ class Scheduler:
                                     (rows, tokens - n, chunks - 1)
                                 tokens_left += n
                                 planned[w.key] -= n
-                                planned_flow[w.key, w.policy] -= n
                         plan.run = [(w, n) for w, n in plan.run if id(w) not in preempted]
                         policies = {w.policy for w, _ in plan.run if w.policy}
                         adapters = len(policies) + (1 if item.policy and item.policy not in policies else 0)
@@ -307,7 +295,6 @@ class Scheduler:
                 rows, tokens, chunks = (rows + 1, tokens, chunks) if item.decoding else (rows, tokens + n, chunks + 1)
                 tokens_left -= n
                 planned[key] = planned.get(key, 0.0) + n
-                planned_flow[key, item.policy] = planned_flow.get((key, item.policy), 0.0) + n
         self._untaken = {k: 0 if k in planned else self._untaken.get(k, 0) + 1 for k in {w.key for w in candidates}}
         return plan
 
@@ -337,29 +324,32 @@ class Scheduler:
             self.served = {k: v for k, v in self.served.items() if k in keys}
             self.served_policy = {kp: v for kp, v in self.served_policy.items() if kp in policies}
 
-    @staticmethod
-    def _queues(items: Iterable[Work]) -> dict[str, dict[str, list[Work]]]:
-        """Per key, per policy (a flow), its items in order: decode rows, then prompts being
-        prefilled (both hold KV; a running stream's next token before a new request's first), then
-        waiting work; within each, arrival."""
-        out: dict[str, dict[str, list[Work]]] = {}
+    def _queues(self, items: Iterable[Work], light: set[tuple[str, str]]) -> dict[str, list[Work]]:
+        """Per key, its items in order: a light policy's first (a quiet policy of a key that floods its
+        others: see _cap), then decode rows, then prompts being prefilled (both hold KV; a running
+        stream's next token before a new request's first), then waiting work; within each the policy
+        served least, then arrival."""
+        out: dict[str, list[Work]] = {}
         for w in items:
-            out.setdefault(w.key, {}).setdefault(w.policy, []).append(w)
-        for flows in out.values():
-            for q in flows.values():
-                q.sort(key=lambda w: (not w.running, not w.decoding, w.arrival))
+            out.setdefault(w.key, []).append(w)
+        for key, q in out.items():
+            q.sort(key=lambda w: ((key, w.policy) not in light, not w.running, not w.decoding,
+                                  self.served_policy.get((key, w.policy), 0.0), w.arrival))
         return out
 
-    def _flow(self, key: str, flows: dict[str, list[Work]], planned: dict[tuple[str, str], float],
-              in_step: set[str] | None) -> str:
-        """A key's next flow (policy): the one served least, counting what this step planned, so a
-        key's policies share its turns as keys share the step — a request to one policy does not
-        queue behind the same key's flood to others. In a capped step (`in_step`: the adapters
-        already in it) the least served of the flows on the base or on those adapters, if any: every
-        further adapter costs the step its own products — on CPUs its launches, ~5 ms an adapter on
-        SmolLM2 — which the protected work's steps would pay."""
-        names = [p for p in flows if in_step is not None and (not p or p in in_step)] or list(flows)
-        return min(names, key=lambda p: (self.served_policy.get((key, p), 0.0) + planned.get((key, p), 0.0), p))
+    @staticmethod
+    def _take(queue: list[Work], policies: set[str]) -> Work:
+        """A key's next item in a capped step: among the items of its turn's stage (decode rows, prompts
+        being prefilled, waiting work), the first on the base or on an adapter already in the step, else
+        the first. Every further adapter costs the step its own products — on CPUs its launches, ~5 ms an
+        adapter on SmolLM2 — which the protected key's steps would pay."""
+        stage = (queue[0].running, queue[0].decoding)
+        for i, w in enumerate(queue):
+            if (w.running, w.decoding) != stage:
+                break
+            if not w.policy or w.policy in policies:
+                return queue.pop(i)
+        return queue.pop(0)
 
     def _room(self, rows: int, tokens: int, chunks: int, adapters: int, allowed: float, decoding: bool) -> int:
         """How many tokens one more item may run within `allowed` (with `adapters` distinct adapters
@@ -376,7 +366,7 @@ class Scheduler:
              ) -> tuple[float, set[tuple[int, str]], set[tuple[int, str, str]]]:
         """The latency bound (4. above): the most a step may cost given who is in it (and who just
         left, within linger_s); the (class, key)s it protects; and the light flows it protects inside
-        a key — a (class, key, policy) whose work costs less than the heaviest of its key's policies,
+        a key — a (class, key, policy) with less than half the mean demand of its key's other policies,
         so one application's request to a quiet policy is not held in the steps of its own flood."""
         demand: dict[tuple[int, str, str], tuple[int, int, int]] = {}  # flow → (rows, prefill tokens, chunks)
         for w in items:
@@ -402,9 +392,13 @@ class Scheduler:
         for k, flows in by_key.items():
             if k in protected or len(flows) < 2:
                 continue
-            flow_costs = {f: cost_of([f]) for f in flows}
-            own_heaviest = max(flow_costs.values())
-            light.update({f: c for f, c in flow_costs.items() if c < own_heaviest})
+            # Light: less than half the mean demand of the key's other policies (tokens to run). A policy
+            # only a little lighter than its siblings is not protected: capping a key's steps for it
+            # would cut the key's own throughput for no latency it would notice.
+            tokens = {f: demand[f][0] + demand[f][1] for f in flows}
+            total = sum(tokens.values())
+            light.update({f: cost_of([f]) for f in flows
+                          if 2 * tokens[f] * (len(flows) - 1) < total - tokens[f]})
         lingering = self._linger(now, costs, {k: costs[k] for k in protected})
         bounds = [self.max_slowdown * costs[k] for k in protected] + [self.max_slowdown * c for c in light.values()]
         bounds += [self.max_slowdown * c for k, c in lingering.items() if k[0] <= top and c < heaviest]

@@ -294,15 +294,17 @@ def test_the_worker_waits_briefly_for_a_protected_key_that_comes_back_quickly():
     assert s.hold(3.999, busy=set()) == 0.0  # it is back
 
 
-def test_a_keys_policies_share_its_turns():
-    """Within one key, the policy served least goes next (counting what the step planned), as keys
-    do between themselves: two policies of 10 rows each in a 4-row step get 2 rows each."""
+def test_a_keys_policies_take_turns_by_what_each_was_served():
+    """Within one key, among items of the same stage, the policy served least goes first (then
+    arrival): a key's policies share its turns over steps as keys share the step."""
     s = Scheduler(max_step_tokens=4, overhead_tokens=100)  # the latency cap does not bind
     a = [Item("k", decoding=True, policy="a") for _ in range(10)]
     b = [Item("k", decoding=True, policy="b") for _ in range(10)]
-    assert sorted(w.policy for w, _ in s.plan([*a, *b], 100, 100).run) == ["a", "a", "b", "b"]
+    assert [w.policy for w, _ in s.plan([*a, *b], 100, 100).run] == ["a"] * 4  # equal counts: arrival
     s.charge("k", "a", 8)
-    assert [w.policy for w, _ in s.plan([*a, *b], 100, 100).run] == ["b"] * 4  # b catches up first
+    assert [w.policy for w, _ in s.plan([*a, *b], 100, 100).run] == ["b"] * 4  # b, served less, first
+    s.charge("k", "b", 16)
+    assert [w.policy for w, _ in s.plan([*a, *b], 100, 100).run] == ["a"] * 4
 
 
 def test_a_request_to_a_quiet_policy_is_not_held_behind_its_own_keys_flood():
