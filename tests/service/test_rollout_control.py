@@ -4,6 +4,7 @@ does: the tinker SDK samples, the MinT routes pause, resume and abort."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +15,7 @@ from tinker import types
 
 from tests.service.live import BASE, KEY_A, KEY_B, LiveServer
 
+WAIT = 120  # seconds: a failure bound only
 PARAMS = types.SamplingParams(max_tokens=4, temperature=0.0)
 PROMPT = types.ModelInput.from_ints([5, 17, 33])
 
@@ -21,6 +23,18 @@ PROMPT = types.ModelInput.from_ints([5, 17, 33])
 def _post(server: LiveServer, route: str, body: dict[str, Any], key: str = KEY_A) -> httpx.Response:
     return httpx.post(f"{server.url}/api/v1/mint/sampling/{route}", json=body, headers={"X-API-Key": key},
                       timeout=60)  # fmt: skip
+
+
+def _pauses(server: LiveServer) -> list[dict[str, Any]]:
+    return httpx.get(f"{server.url}/api/v1/mint/sampling/pauses", headers={"X-API-Key": KEY_A}).json()["paused"]
+
+
+def _until_held(server: LiveServer, count: int) -> None:
+    """Wait until the pause holds `count` requests: the clients send theirs on their own threads. The
+    deadline is a failure bound only; a pass returns as soon as they are all held."""
+    deadline = time.monotonic() + WAIT
+    while _pauses(server)[0]["held"] < count:
+        assert time.monotonic() < deadline, _pauses(server)
 
 
 def _publish(client: tinker.ServiceClient) -> str:
@@ -36,19 +50,19 @@ def test_a_paused_policy_holds_new_samples_until_resumed(server: LiveServer, cli
     on_base = client_a.create_sampling_client(base_model=BASE).result()
     r = _post(server, "pause", {"policy": policy, "timeout_s": 600})
     assert r.status_code == 200 and r.json()["paused"] and r.json()["kind"] == "policy", r.text
-    assert httpx.get(f"{server.url}/api/v1/mint/sampling/pauses", headers={"X-API-Key": KEY_A}).json()["paused"][0][
-        "name"] == policy  # fmt: skip
+    assert [(p["kind"], p["name"], p["held"]) for p in _pauses(server)] == [("policy", policy, 0)]
     held = on_policy.sample(PROMPT, 1, PARAMS).future()
     with ThreadPoolExecutor(1) as pool:  # the OpenAI face's requests on the policy are held the same way
         completion = pool.submit(httpx.post, f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY_A}"},
                                  json={"model": policy, "prompt": [5, 17, 33], "max_tokens": 4, "temperature": 0},
                                  timeout=120)  # fmt: skip
+        _until_held(server, 2)  # both faces' requests were accepted, and wait before the engine
         assert on_base.sample(PROMPT, 1, PARAMS).result(timeout=120).sequences  # the engine runs others meanwhile
-        assert not held.done() and not completion.done()  # accepted, held before the engine while paused
+        assert not held.done() and not completion.done()
         assert _post(server, "resume", {"policy": policy}).json()["paused"] is False
         assert len(held.result(timeout=120).sequences[0].tokens) == PARAMS.max_tokens
         assert completion.result().status_code == 200, completion.result().text
-    assert httpx.get(f"{server.url}/api/v1/mint/sampling/pauses", headers={"X-API-Key": KEY_A}).json()["paused"] == []
+    assert _pauses(server) == []
 
 
 def test_abort_cancels_a_sessions_held_requests_and_a_pause_ends_at_its_timeout(
@@ -59,10 +73,7 @@ def test_abort_cancels_a_sessions_held_requests_and_a_pause_ends_at_its_timeout(
     assert _post(server, "pause", {"sampling_session_id": session}).status_code == 200
     held = [sampler.sample(PROMPT, 1, PARAMS).future() for _ in range(3)]
     pending = server.service.core.samplers[session].pending
-    for _ in range(600):  # the SDK's requests arrive on its own threads: wait until all three are held
-        if len(pending) == 3:
-            break
-        httpx.get(f"{server.url}/api/v1/healthz")
+    _until_held(server, 3)
     out = _post(server, "abort", {"sampling_session_id": session}).json()
     assert out == {"kind": "session", "name": session, "aborted": 3}
     for f in held:

@@ -26,15 +26,15 @@ MAX_PAUSES_PER_OWNER = 1024  # pauses are cheap, but not unbounded
 class Pause:
     until: float  # time.monotonic() deadline
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    held: int = 0  # requests waiting on it now
 
 
 class PauseBoard:
     def __init__(self) -> None:
         self._pauses: dict[tuple[str, str, str], Pause] = {}  # (owner, kind, name) → its pause
 
-    def pause(self, owner: str, target: Target, timeout_s: float) -> float:
-        """Pause `target` for at most `timeout_s` seconds (a repeated pause moves the deadline);
-        returns the seconds until it ends by itself."""
+    def pause(self, owner: str, target: Target, timeout_s: float) -> None:
+        """Pause `target` for at most `timeout_s` seconds (a repeated pause moves the deadline)."""
         self._expire()
         key = (owner, *target)
         until = time.monotonic() + timeout_s
@@ -42,7 +42,6 @@ class PauseBoard:
             current.until = until
         else:
             self._pauses[key] = Pause(until)
-        return timeout_s
 
     def full(self, owner: str, target: Target) -> bool:
         """Whether pausing `target` would pass MAX_PAUSES_PER_OWNER (pausing it again never does)."""
@@ -50,18 +49,15 @@ class PauseBoard:
         return (owner, *target) not in self._pauses and \
             sum(k[0] == owner for k in self._pauses) >= MAX_PAUSES_PER_OWNER
 
-    def resume(self, owner: str, target: Target) -> bool:
-        """Release `target`'s waiting requests; False if it was not paused."""
-        pause = self._pauses.pop((owner, *target), None)
-        if pause is None:
-            return False
-        pause.released.set()
-        return pause.until > time.monotonic()
+    def resume(self, owner: str, target: Target) -> None:
+        """Release `target`'s waiting requests (a target not paused: nothing to do)."""
+        if (pause := self._pauses.pop((owner, *target), None)) is not None:
+            pause.released.set()
 
     def paused(self, owner: str) -> list[dict[str, object]]:
         self._expire()
         now = time.monotonic()
-        return [{"kind": kind, "name": name, "remaining_s": round(p.until - now, 3)}
+        return [{"kind": kind, "name": name, "remaining_s": round(p.until - now, 3), "held": p.held}
                 for (o, kind, name), p in sorted(self._pauses.items()) if o == owner]  # fmt: skip
 
     async def wait(self, owner: str, targets: Iterable[Target]) -> None:
@@ -73,8 +69,12 @@ class PauseBoard:
                 return
             left = pause.until - time.monotonic()
             if left > 0:
-                with contextlib.suppress(TimeoutError):  # its deadline: _expire ends it
-                    await asyncio.wait_for(pause.released.wait(), timeout=left)
+                pause.held += 1
+                try:
+                    with contextlib.suppress(TimeoutError):  # its deadline: _expire ends it
+                        await asyncio.wait_for(pause.released.wait(), timeout=left)
+                finally:
+                    pause.held -= 1
             self._expire()
 
     def _expire(self) -> None:

@@ -100,8 +100,8 @@ class RolloutControl:
         if self.pauses.full(p.owner, target):
             raise InvalidInput(f"at most {MAX_PAUSES_PER_OWNER} paused targets per owner",
                                field="policy" if req.policy else "sampling_session_id")
-        remaining = self.pauses.pause(p.owner, target, req.timeout_s)
-        return PauseResponse(kind=target[0], name=target[1], paused=True, remaining_s=remaining)
+        self.pauses.pause(p.owner, target, req.timeout_s)
+        return PauseResponse(kind=target[0], name=target[1], paused=True, remaining_s=req.timeout_s)
 
     def resume(self, p: Principal, req: RolloutTarget) -> PauseResponse:
         target = self._target(p, req)
