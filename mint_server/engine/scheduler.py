@@ -20,9 +20,9 @@ Policy, in order:
    4.: one application's request to a quiet policy does not queue behind its own flood to its other
    policies), then decode rows, then prompts being prefilled, then waiting requests; among those the
    policy (adapter) served least, then arrival. A key that becomes active starts at the least count
-   among the active keys (no credit hoarded while idle). A key whose ready work no step has taken for `starve_steps` steps in a row (the latency
-   cap below left no room for it) gets one item forced into the next: a light key's closed loop
-   never starves the others.
+   among the active keys (no credit hoarded while idle). A key whose ready work no step has taken
+   for `starve_steps` steps in a row (the latency cap below left no room for it) gets one item
+   forced into the next: a light key's closed loop never starves the others.
 3. **Budget.** A step runs at most `max_step_tokens` decode rows and, in all, at most
    `max_chunk_tokens` tokens (no fewer than `max_step_tokens`): prompt tokens reach their best
    throughput in bigger chunks than decode rows do, since a chunk yields one row's logits and draw
@@ -448,7 +448,7 @@ class Scheduler:
         return {key for _, key in self._protected} | {key for (_, key), (until, _) in self._lingering.items()
                                                        if until > now}
 
-    def _linger(self, now: float | None, demand: Collection[tuple[int, str]],
+    def _linger(self, now: float | None, present: Collection[tuple[int, str]],
                 protected: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
         """Keys protected last step whose work is gone now linger, with their cost alone, until
         linger_s has passed (or they come back); returns the ones still lingering."""
@@ -456,9 +456,9 @@ class Scheduler:
             self._protected, self._lingering = {}, {}
             return {}
         for k, cost in self._protected.items():
-            if k not in demand:
+            if k not in present:
                 self._lingering[k] = (now + self.linger_s, cost)
-        self._lingering = {k: v for k, v in self._lingering.items() if v[0] > now and k not in demand}
+        self._lingering = {k: v for k, v in self._lingering.items() if v[0] > now and k not in present}
         self._protected = protected
         return {k: cost for k, (_, cost) in self._lingering.items()}
 
