@@ -32,7 +32,6 @@ class Family:
     vision: bool = False  # Qwen3-VL: an image tower, multimodal RoPE and deepstack (vision_spec.py)
     sinks: bool = False  # gpt-oss: a learned per-head sink logit joins every attention softmax
     o_bias: bool = False  # o_proj has a bias too (gpt-oss; attention_bias covers q/k/v)
-    yarn: bool = False  # YaRN rope scaling allowed (MLA families allow it too)
     index_rope_interleave: bool = False  # GLM-5: the DSA indexer's rope rotates pairs (mla_spec.MLASpec)
     tp_unsupported: str = ""  # why tensor parallelism refuses this family ("" = it splits)
     hybrid: bool = False  # Qwen3.5: gated delta-net linear-attention layers between gated full attention (hybrid_spec.py)
@@ -54,7 +53,7 @@ FAMILIES: dict[str, Family] = {
     "Qwen3VLMoeForConditionalGeneration": Family("qwen3_vl_moe", qk_norm=True, attention_bias=False, moe=True,
                                                  vision=True),
     "GptOssForCausalLM": Family("gpt_oss", qk_norm=False, attention_bias=True, moe=True, sinks=True, o_bias=True,
-                                yarn=True, tp_unsupported="attention sinks and biased experts do not split yet"),
+                                tp_unsupported="attention sinks and biased experts do not split yet"),
     "GlmMoeDsaForCausalLM": Family("glm_moe_dsa", qk_norm=False, attention_bias=False, moe=True, mla=True, dsa=True,
                                    index_rope_interleave=True, tp_unsupported="shared DSA indexer layers do not split yet"),
     "Qwen3_5ForCausalLM": Family("qwen3_5", qk_norm=True, attention_bias=False, hybrid=True),
