@@ -3,7 +3,10 @@
 Random-weight checkpoints in SmolLM2-135M and Qwen3-1.7B shapes are made on the spot. For each: the
 decode step at 1, 8 and 64 adapters (rank 32) eager vs compiled (on CUDA: inductor's Triton kernels
 replayed as CUDA graphs, one per row bucket) against the memory floor, and a 4K-token prefill against
-its FLOP floor. `--tiny` runs the same logic on a tiny config (CPU, CI).
+its FLOP floor; then the training rows (issue: training at the machine's limit): one LoRA step
+(r16 on every target, 8 × 256 tokens) ours vs transformers + PEFT on the same batch, and 4 policies'
+steps fused in one pass vs one after another, with peak device memory. `--tiny` runs the same logic
+on a tiny config (CPU, CI).
 
     python -m benchmarks.gpu_check [--tiny] [--shapes smollm2 qwen3-1.7b]
 """
@@ -71,6 +74,41 @@ def prefill_row(model_dir: Path, device: str, dtype: torch.dtype, tokens: int) -
     return f"| {tokens}-token prefill | {t * 1e3:.1f} ms | floor {floor * 1e3:.1f} ms | {t / floor:.2f}x |"
 
 
+def training_rows(model_dir: Path, device: str, dtype: torch.dtype, tiny: bool) -> list[str]:
+    """Markdown rows: our LoRA training step vs PEFT's on the same batch; 4 policies fused vs in turn.
+    The workers are benchmarks/train.py's, run in this process one after another (peak memory is
+    reset between them on CUDA; on CPU it is not measured here)."""
+    import argparse as _argparse
+
+    from benchmarks import train
+    from mint_server.engine.settings import EngineSettings
+
+    args = _argparse.Namespace(model_dir=str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."),
+                               rows=8, seq=16 if tiny else 256, rank=4 if tiny else 16, adapters=4,
+                               warmup=1 if tiny else 2, steps=2 if tiny else 5, checkpoint_from_tokens=0,
+                               logits_chunk_mb=EngineSettings.logits_chunk_mb, variant="ours")
+    cuda = device.startswith("cuda")
+
+    def measure(variant: str) -> tuple[float, float]:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        step = train.peft_step(args) if variant == "peft" else \
+            train.worker_ours(_argparse.Namespace(**{**vars(args), "variant": variant}), build_only=True)
+        t = statistics.median(train.timed(step, args)["step_s"])
+        return t, (torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"))
+
+    (ours, ours_mb), (peft, peft_mb) = measure("ours"), measure("peft")
+    (fused, fused_mb), (seq, seq_mb) = measure("fused"), measure("sequential")
+    tokens = args.rows * args.seq
+    return [f"| training step, {args.rows} × {args.seq} tokens, r{args.rank} | ours {ours * 1e3:.1f} ms "
+            f"({tokens / ours:.0f} tok/s, {ours_mb:.0f} MB peak) | PEFT {peft * 1e3:.1f} ms ({peft_mb:.0f} MB) "
+            f"| {peft / ours:.2f}x PEFT |",
+            f"| {args.adapters} policies fused vs in turn | fused {fused * 1e3:.1f} ms ({fused_mb:.0f} MB) "
+            f"| in turn {seq * 1e3:.1f} ms ({seq_mb:.0f} MB) | {seq / fused:.2f}x faster, "
+            f"{fused_mb / seq_mb if seq_mb == seq_mb else float('nan'):.2f}x peak |"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tiny", action="store_true", help="the logic at tiny size (CPU)")
@@ -88,6 +126,7 @@ def main() -> None:
             print("\n".join(decode_table(d, device, dtype, rows, 4 if args.tiny else 32, 32 if args.tiny else 512,
                                          3 if args.tiny else 10)))
             print(prefill_row(d, device, dtype, 64 if args.tiny else 4096))
+            print("\n".join(training_rows(d, device, dtype, args.tiny)))
 
 
 if __name__ == "__main__":

@@ -21,4 +21,6 @@ def test_gpu_check_runs_at_tiny_size():
     rows = [line for line in lines if line.startswith(("| 1 row", "| 2 rows"))]
     assert len(rows) == 3, out.stdout
     assert any("prefill" in line for line in lines)
+    assert any(line.startswith("| training step") and "x PEFT" in line for line in lines), out.stdout
+    assert any(line.startswith("| 4 policies fused vs in turn") for line in lines), out.stdout
     assert "'recompiles': 0" in out.stdout and "'failures': 0" in out.stdout
