@@ -33,6 +33,11 @@ ratio = loaded / quiet (medians unless named otherwise):
   max_tokens 1, fresh tokens each try so no prefix is shared). Goal ≤ 3×. And the long prompt's own
   prefill time next to its FLOP floor (2·params·tokens + attention 2·layers·tokens²·hidden, over the
   matmul peak from benchmarks.common.machine_floors).
+* abandon — --abandon (200) requests in flight, then let go at once: first as OpenAI-face streams
+  (`stream=true`, ignore_eos, 512 tokens) whose clients all hang up, then as tinker-wire sample
+  requests of one sampling session cancelled by one `POST /api/v1/mint/sampling/abort`. Each side
+  reports the seconds from letting go until `mint_kv_blocks_in_use` (/metrics, polled every 20 ms)
+  is back to its idle value, and the blocks held when let go. Goal ≤ 1 s.
 * single — one streaming request alone: time to first token on a short prompt and seconds per
   decoded token, next to the memory floor (every weight read once per token / read bandwidth).
 
@@ -248,6 +253,38 @@ async def load_flood(spec: dict, stop: asyncio.Event) -> dict:
             "setup_s": started - t0}  # fmt: skip
 
 
+async def load_streams(spec: dict, stop: asyncio.Event) -> dict:
+    """spec["count"] OpenAI-face streams (key B) held open once each has its first chunk; "started"
+    when all have. The driver kills this process to hang them all up at once."""
+    n = spec["count"]
+    http = httpx.AsyncClient(base_url=f"{spec['url']}/v1", headers={"Authorization": f"Bearer {KEY_B}"},
+                             timeout=httpx.Timeout(900.0), limits=httpx.Limits(max_connections=n + 8))
+    first = asyncio.Semaphore(0)
+
+    async def one() -> None:
+        body = {"model": spec["policy"], "messages": [{"role": "user", "content": QUESTION}],
+                "max_tokens": spec["max_tokens"], "temperature": 0.0, "stream": True, "ignore_eos": True}
+        async with http.stream("POST", "/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"stream refused: {r.status_code} {(await r.aread())[:300]!r}")
+            async for _ in r.aiter_lines():
+                first.release()
+                await stop.wait()  # hold the connection until killed
+                return
+
+    streams = asyncio.gather(*(one() for _ in range(n)))
+
+    async def all_first() -> None:
+        for _ in range(n):
+            await first.acquire()
+
+    await first_of(all_first(), streams)
+    emit("started", streams=n)
+    await streams
+    await http.aclose()
+    return {"streams": n}
+
+
 async def load_storm(spec: dict, stop: asyncio.Event) -> dict:
     """Every cold policy sampled once, all submitted at once."""
     base = spec["base"]
@@ -312,7 +349,7 @@ async def first_of(*aws: Awaitable[object]) -> None:
 
 def load_main(spec_text: str) -> None:
     spec = json.loads(spec_text)
-    run = {"flood": load_flood, "storm": load_storm, "train": load_train}[spec["mode"]]
+    run = {"flood": load_flood, "storm": load_storm, "train": load_train, "streams": load_streams}[spec["mode"]]
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -575,6 +612,53 @@ async def case_long(c: Ctx) -> tuple[dict, list[Row]]:
                  row(f"prefill {c.long_tokens} tok s (floor | run)", floor["floor_s"], out["long_prefill_s"])]  # fmt: skip
 
 
+def kv_blocks_in_use(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("mint_kv_blocks_in_use "):
+            return float(line.rsplit(" ", 1)[1])
+    raise RuntimeError("/metrics has no mint_kv_blocks_in_use")
+
+
+async def blocks_back(url: str, idle: float) -> float:
+    """Seconds until the KV blocks in use are back to `idle` (polled every 20 ms; bound 120 s)."""
+    t0 = time.perf_counter()
+    while await asyncio.to_thread(kv_blocks_in_use, url) > idle:
+        if time.perf_counter() - t0 > 120:
+            raise RuntimeError("KV blocks not back to idle within 120 s")
+        await asyncio.sleep(0.02)  # a poll interval, not a wait for work
+    return time.perf_counter() - t0
+
+
+async def case_abandon(c: Ctx) -> tuple[dict, list[Row]]:
+    n, max_tokens = c.args.abandon, min(512, c.cfg.max_position_embeddings // 2)
+    idle = await asyncio.to_thread(kv_blocks_in_use, c.url)
+    # 1. OpenAI-face streams whose clients hang up: the load process holding them is killed, so
+    # the OS closes all their connections at once (as many clients going away together).
+    load = c.load("streams", count=n, policy=c.b_policy, max_tokens=max_tokens)
+    async with load:
+        held_streams = await asyncio.to_thread(kv_blocks_in_use, c.url)  # every stream has its first chunk
+        t0 = time.perf_counter()
+        load.proc.kill()
+        await blocks_back(c.url, idle)
+        hangup_s = time.perf_counter() - t0
+    # 2. tinker-wire sample requests of one session, cancelled by one abort.
+    a = Wire(c.url, KEY_B, connections=16)
+    sampler = await a.sampler(await a.session(), c.base, c.b_policy)
+    rids = [await a.submit_sample(sampler, PROBE_PROMPT, max_tokens, 0.0) for _ in range(n)]
+    while (held_wire := await asyncio.to_thread(kv_blocks_in_use, c.url)) <= idle:
+        await asyncio.sleep(0.05)  # a poll until the engine has started some of them
+    t0 = time.perf_counter()
+    aborted = (await a.post("mint/sampling/abort", {"sampling_session_id": sampler}))["aborted"]
+    await blocks_back(c.url, idle)
+    abort_s = time.perf_counter() - t0
+    await a.close()
+    out = {"requests": n, "idle_blocks": idle, "blocks_held_streams": held_streams,
+           "hangup_blocks_back_s": hangup_s, "wire_request_ids": len(rids), "blocks_held_wire": held_wire,
+           "aborted": aborted, "abort_blocks_back_s": abort_s}  # fmt: skip
+    return out, [row("hang-up: blocks back s (goal | run)", 1.0, hangup_s, "<= 1"),
+                 row("abort: blocks back s (goal | run)", 1.0, abort_s, "<= 1")]  # fmt: skip
+
+
 async def case_single(c: Ctx) -> tuple[dict, list[Row]]:
     from benchmarks.common import decode_floor
 
@@ -598,6 +682,7 @@ CASES: dict[str, Callable[[Ctx], Awaitable[tuple[dict, list[Row]]]]] = {
     "train": case_train,
     "long": case_long,
     "single": case_single,
+    "abandon": case_abandon,
 }
 
 
@@ -711,6 +796,7 @@ def main() -> None:
         default=None,
         help="the long prompt (default 6000; on --tiny the model's context less 8)",
     )
+    ap.add_argument("--abandon", type=int, default=200, help="requests let go at once (abandon)")
     ap.add_argument("--client-nice", type=int, default=10, help="niceness of the load-generator process")
     ap.add_argument("--load", help=argparse.SUPPRESS)  # internal: run a load generator
     args = ap.parse_args()
