@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from mint_server.engine.sampler_ops import score_targets
-from mint_server.model.compiled import CompileStats, DecodeGraph, configure_cache, unsupported
+from mint_server.model.compiled import CompileStats, StepGraph, configure_cache, unsupported
 from mint_server.model.images import PromptImages
 from mint_server.model.kv_cache import CacheView, KVCache, RaggedView
 from mint_server.model.lora import LoraBank, LoraBatch
@@ -221,11 +221,11 @@ class Executor:
             self.states = StateCache.for_model(model.config, state_slots, device, dtype)
             self.rank = LocalRank(model, bank, device, self.cache, states=self.states)
         self.compile_stats = CompileStats()
-        self.graph: DecodeGraph | None = None
+        self.graph: StepGraph | None = None
         self._eager_reason = "compile off" if compile == "off" else unsupported(model)
         if self._eager_reason is None:
             configure_cache(compile_cache_dir)
-            self.graph = DecodeGraph(model, bank, self.cache, self.compile_stats)
+            self.graph = StepGraph(model, bank, self.cache, self.compile_stats)
 
     def start_compile(self) -> None:
         """Compile the decode step in the background (steps run eagerly until it is ready)."""
@@ -242,7 +242,7 @@ class Executor:
         reason = self._eager_reason if graph is None else graph.eager_reason(batch.lengths, batch.slots,
                                                                             bool(batch.scoring), bool(batch.images))
         if graph is not None and reason is None:
-            hidden = graph.hidden(batch.tokens, batch.positions, batch.tables, batch.slots)
+            hidden = graph.hidden(batch.tokens, batch.positions, batch.lengths, batch.tables, batch.slots)
             if hidden is not None:
                 return step(self.rank, batch, hidden)
             reason = "compile failed"

@@ -1,27 +1,35 @@
-"""The compiled decode step: a step's decode rows through one compiled decoder-layer function.
+"""The compiled serving step: a step's decoder layers through one compiled layer function.
 
 Eager PyTorch runs a decode step as ~400 small ATen ops a layer, each a dispatch of a few µs, beside
 matmuls that for one row are a few hundred µs a layer (docs/engine.md). `torch.compile` (inductor)
 fuses the elementwise work (norms, rope, masks, softmax, SiLU·mul, residual adds, LoRA scaling)
 into a few C++ / Triton kernels and leaves the products to BLAS.
 
-What is static, so the compiler can keep one graph for every step and every layer:
-- **one layer function** (`_layer`) reused by all layers: a layer's weights, its LoRA stacks and
-  its KV pool are inputs, so compile time does not grow with depth;
-- **the LoRA bank as it lies** (`model/lora.py`): A [slots, r_max, in], B [slots, out, r_max] of a
-  layer, read through each row's slot id (`slots`, a tensor; base rows carry scale 0); an adapter
-  swap writes its slot in place and never recompiles;
-- **the paged KV pool**: the step writes each row's key/value at its flat index and reads a
-  window of `W` positions per row through a flat index table (`read_idx`, from the block tables),
-  masked past each row's own position; no Python per row;
-- **dynamic sizes instead of buckets on CPU**: the rows and the window are symbolic dimensions
-  (`mark_dynamic`), so any batch runs the same graph; one row has its own graph (size 1
-  specialises). Two variants: with LoRA and without (a step of base rows reads no bank).
+Two layer functions, each one graph reused by every layer (a layer's weights, its LoRA stacks and
+its KV pool are inputs, so compile time does not grow with depth):
+- **decode** (`_decode_layer`), a step of decode rows only. The LoRA bank is read as it lies
+  (`model/lora.py`: A [slots, r_max, in], B [slots, out, r_max] of a layer) through each row's slot
+  id (`slots`, a tensor; base rows carry scale 0), so an adapter swap writes its slot in place and
+  never recompiles. The paged KV pool: each row's key/value written at its flat index, a window of
+  `W` positions per row read through a flat index table (`read_idx`, from the block tables),
+  masked past each row's own position; no Python per row.
+- **prefill** (`_prefill_layer`), a step with prefill chunks (beside decode rows or not; a chunk
+  may start mid-prompt, after earlier chunks or a cached prefix): the step's N tokens packed back
+  to back run the norms, projections, rope, KV write and MLP in the graph; attention over each
+  segment's blocks and the LoRA deltas (per segment: one adapter's tokens are one product pair)
+  are two opaque custom ops (`compiled_ops.py`) reading the step's segments from a per-step context,
+  the eager step's own code inside them.
+
+Sizes: on the CPU the rows, the window and the step's tokens are symbolic dimensions
+(`mark_dynamic`), so any batch runs the same graph; one decode row has its own graph (size 1
+specialises). On CUDA decode rows and window are padded to powers of two, a CUDA graph per bucket;
+prefill runs without CUDA graphs (its ops' work follows the segments). Each graph has a variant
+with LoRA and one without (a step of base rows reads no bank).
 
 What stays eager: the embedding, rope's cos/sin, the final norm and the logits (one large product,
-nothing to fuse), and every step that is not all decode rows (prefill chunks, prompt scoring,
-images), every family whose layer is not the dense one below, tensor parallelism, and the
-batch-invariant mode (its kernels are fixed-shape on purpose) — each counted by its reason.
+nothing to fuse), steps that score the prompt or carry images, every family whose layer is not the
+dense one below, tensor parallelism, and the batch-invariant mode (its kernels are fixed-shape on
+purpose) — each counted by its reason.
 
 A compile failure never fails a step: the step runs eagerly, the reason is logged once and counted.
 """
@@ -44,7 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from mint_server.model import invariant, kernels
-from mint_server.model.kv_cache import KVCache
+from mint_server.model.compiled_ops import StepContext, set_step
+from mint_server.model.kv_cache import KVCache, RaggedView
 from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBank
 from mint_server.model.transformer import MLP, Block, Transformer, signed_sin
 
@@ -101,28 +110,58 @@ def _project(x: Tensor, w: Tensor, b: Tensor | None, lora: tuple[Tensor, Tensor]
     return y + (xa[:, None, :] * B[slots]).sum(-1)
 
 
-def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callable[..., Tensor]:
+def _project_ragged(x: Tensor, w: Tensor, b: Tensor | None, lora: tuple[Tensor, Tensor] | None) -> Tensor:
+    """A prefill step's tokens through the base weight, plus their LoRA deltas from the opaque op
+    (one adapter's tokens are a plain product pair there; compiled_ops.py)."""
+    y = F.linear(x, w, b)
+    return y if lora is None else y + torch.ops.mint.step_lora(x, *lora)
+
+
+def _qkv(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...], lora: tuple | None,
+         proj: Callable[..., Tensor], heads: int, kv_heads: int, head_dim: int,
+         eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's queries [n, heads, D] and rotated keys / values [n, kv_heads, D] of x [n, hidden]."""
+    ln1, _, wq, bq, wk, bk, wv, bv, _, _, qn, kn, _, _, _ = w
+    lq, lk, lv = lora[:3] if lora is not None else (None,) * 3
+    n = x.shape[0]
+    h = _rms(x, ln1, eps)
+    q = proj(h, wq, bq, lq).view(n, heads, head_dim)
+    k = proj(h, wk, bk, lk).view(n, kv_heads, head_dim)
+    v = proj(h, wv, bv, lv).view(n, kv_heads, head_dim)
+    if qn is not None:
+        q, k = _rms(q, qn, eps), _rms(k, kn, eps)
+    c, s = cos[:, None], ssin[:, None]
+    q = q * c + torch.cat(q.chunk(2, -1)[::-1], -1) * s
+    k = k * c + torch.cat(k.chunk(2, -1)[::-1], -1) * s
+    return q, k, v
+
+
+def _out(x: Tensor, y: Tensor, w: tuple[Tensor | None, ...], lora: tuple | None, proj: Callable[..., Tensor],
+         eps: float) -> Tensor:
+    """The rest of the layer after attention's output y [n, heads · D]: o_proj, the residual, the MLP."""
+    _, ln2, _, _, _, _, _, _, wo, bo, _, _, wg, wu, wd = w
+    lo, lg, lu, ld = lora[3:] if lora is not None else (None,) * 4
+    x = x + proj(y, wo, bo, lo)
+    h = _rms(x, ln2, eps)
+    return x + proj(F.silu(proj(h, wg, None, lg)) * proj(h, wu, None, lu), wd, None, ld)
+
+
+def _make_decode_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callable[..., Tensor]:
     group, scale = heads // kv_heads, head_dim**-0.5
 
-    def _layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
-               lora: tuple[tuple[Tensor, Tensor], ...] | None, slots: Tensor, row_scale: Tensor,
-               k_pool: Tensor, v_pool: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor,
-               skinny: bool) -> Tensor:
+    def _decode_layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
+                      lora: tuple[tuple[Tensor, Tensor], ...] | None, slots: Tensor, row_scale: Tensor,
+                      k_pool: Tensor, v_pool: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor,
+                      skinny: bool) -> Tensor:
         """One decoder layer over n decode rows: x [n, hidden] → [n, hidden]; the row's key/value
         written at write_idx [n] of the layer's flat pools [positions, kv_heads, head_dim]; its keys
         read at read_idx [n, W] where visible [n, W]."""
-        ln1, ln2, wq, bq, wk, bk, wv, bv, wo, bo, qn, kn, wg, wu, wd = w
-        lq, lk, lv, lo, lg, lu, ld = lora if lora is not None else (None,) * 7
+
+        def proj(h: Tensor, wt: Tensor, b: Tensor | None, ab: tuple[Tensor, Tensor] | None) -> Tensor:
+            return _project(h, wt, b, ab, slots, row_scale, skinny)
+
         n = x.shape[0]
-        h = _rms(x, ln1, eps)
-        q = _project(h, wq, bq, lq, slots, row_scale, skinny).view(n, heads, head_dim)
-        k = _project(h, wk, bk, lk, slots, row_scale, skinny).view(n, kv_heads, head_dim)
-        v = _project(h, wv, bv, lv, slots, row_scale, skinny).view(n, kv_heads, head_dim)
-        if qn is not None:
-            q, k = _rms(q, qn, eps), _rms(k, kn, eps)
-        c, s = cos[:, None], ssin[:, None]
-        q = q * c + torch.cat(q.chunk(2, -1)[::-1], -1) * s
-        k = k * c + torch.cat(k.chunk(2, -1)[::-1], -1) * s
+        q, k, v = _qkv(x, cos, ssin, w, lora, proj, heads, kv_heads, head_dim, eps)
         k_pool.index_copy_(0, write_idx, k)
         v_pool.index_copy_(0, write_idx, v)
         keys, values = k_pool[read_idx], v_pool[read_idx]  # [n, W, kv_heads, head_dim]
@@ -130,12 +169,26 @@ def _make_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callabl
         scores = torch.einsum("nhgd,nwhd->nhgw", qg.float(), keys.float()) * scale
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf")).softmax(-1)
         y = torch.einsum("nhgw,nwhd->nhgd", scores.to(values.dtype), values).reshape(n, heads * head_dim)
-        x = x + _project(y, wo, bo, lo, slots, row_scale, skinny)
-        h = _rms(x, ln2, eps)
-        m = F.silu(_project(h, wg, None, lg, slots, row_scale, skinny)) * _project(h, wu, None, lu, slots, row_scale, skinny)
-        return x + _project(m, wd, None, ld, slots, row_scale, skinny)
+        return _out(x, y, w, lora, proj, eps)
 
-    return _layer
+    return _decode_layer
+
+
+def _make_prefill_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callable[..., Tensor]:
+    def _prefill_layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
+                       lora: tuple[tuple[Tensor, Tensor], ...] | None, k_pool: Tensor, v_pool: Tensor,
+                       write_idx: Tensor) -> Tensor:
+        """One decoder layer over a step's N tokens packed back to back (prefill chunks and decode
+        rows): x [N, hidden] → [N, hidden]; keys/values written at write_idx [N], attention and the
+        LoRA deltas through the opaque per-segment ops (compiled_ops.py)."""
+        n = x.shape[0]
+        q, k, v = _qkv(x, cos, ssin, w, lora, _project_ragged, heads, kv_heads, head_dim, eps)
+        k_pool.index_copy_(0, write_idx, k)
+        v_pool.index_copy_(0, write_idx, v)
+        y = torch.ops.mint.ragged_attention(q, k_pool, v_pool).reshape(n, heads * head_dim)
+        return _out(x, y, w, lora, _project_ragged, eps)
+
+    return _prefill_layer
 
 
 @dataclass
@@ -179,30 +232,33 @@ def configure_cache(cache_dir: Path | None) -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
-class DecodeGraph:
-    """The compiled decode step of one model, its LoRA bank and its KV cache (see the module doc)."""
+class StepGraph:
+    """The compiled serving step of one model, its LoRA bank and its KV cache (see the module doc)."""
 
     def __init__(self, model: Transformer, bank: LoraBank, cache: KVCache, stats: CompileStats,
                  buckets: bool | None = None) -> None:
-        """buckets: pad rows and the KV window to powers of two (default: on CUDA, where each bucket
-        is captured as a CUDA graph and replayed; the CPU needs no padding under dynamic sizes)."""
+        """buckets: pad decode rows and the KV window to powers of two (default: on CUDA, where each
+        bucket is captured as a CUDA graph and replayed; the CPU needs no padding under dynamic sizes)."""
         self.model, self.bank, self.cache, self.stats = model, bank, cache, stats
         cuda = model.embed_tokens.weight.device.type == "cuda"
         self.buckets = cuda if buckets is None else buckets
-        self._ready: set[tuple[str, bool]] = set()  # variants (rows kind, LoRA) compiled: steps may use them
+        self._ready: set[tuple[str, bool]] = set()  # variants (step kind, LoRA) compiled: steps may use them
         self._warming = threading.local()  # set on the thread running warm_up: its compiles are expected
         self._broken: str | None = None
         self._lock = threading.Lock()
         cfg = model.config
-        self._fn = torch.compile(_make_layer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps),
-                                 fullgraph=True, dynamic=None, backend=self._backend)
+        shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self._decode = torch.compile(_make_decode_layer(*shape), fullgraph=True, dynamic=None,
+                                     backend=self._backend(cudagraphs=cuda))
+        # no CUDA graphs for prefill: its ops' work depends on the step's segments, which a replay would not see
+        self._prefill = torch.compile(_make_prefill_layer(*shape), fullgraph=True, dynamic=None,
+                                      backend=self._backend(cudagraphs=False))
         self._weights = [self._layer_weights(b) for b in model.layers]
         has_lora = all(t in bank.A for t in _LAYER_TARGETS) and bank.num_slots > 0
         self._lora = ([tuple((bank.A[t][:, i], bank.B[t][:, i]) for t in _LAYER_TARGETS)
                        for i in range(len(model.layers))] if has_lora else None)
         D, Hkv = cfg.head_dim, cfg.num_kv_heads
         self._pools = [(cache.k[i].view(-1, Hkv, D), cache.v[i].view(-1, Hkv, D)) for i in range(len(model.layers))]
-        self._cudagraphs = cuda
         if cuda:  # weights, bank and pools are read (and the pools written) in place by every replay
             for t in (*[w for ws in self._weights for w in ws if w is not None],
                       *[x for layer in self._lora or () for ab in layer for x in ab],
@@ -218,29 +274,34 @@ class DecodeGraph:
                 a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
                 a.o_proj.weight, a.o_proj.bias, qn, kn, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Any:
-        from torch._inductor.compile_fx import compile_fx
+    def _backend(self, cudagraphs: bool) -> Callable[..., Any]:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Tensor]) -> Any:
+            from torch._inductor.compile_fx import compile_fx
 
-        t0 = time.perf_counter()
-        compiled = compile_fx(gm, example_inputs,
-                              config_patches={"triton.cudagraphs": True} if self._cudagraphs else None)
-        self.stats.compile_seconds += time.perf_counter() - t0
-        self.stats.graphs += 1
-        if not getattr(self._warming, "on", False):
-            self.stats.recompiles += 1
-        return compiled
+            t0 = time.perf_counter()
+            compiled = compile_fx(gm, example_inputs, config_patches={"triton.cudagraphs": True} if cudagraphs else None)
+            self.stats.compile_seconds += time.perf_counter() - t0
+            self.stats.graphs += 1
+            if not getattr(self._warming, "on", False):
+                self.stats.recompiles += 1
+            return compiled
+
+        return backend
 
     # --- warm-up --------------------------------------------------------------------------------
     def warm_up(self) -> None:
-        """Compile every variant on dummy rows that write and read only the scratch block, the most
-        used first (one row, on an adapter); steps use each variant once it is compiled."""
+        """Compile every variant on dummy steps that write and read only the scratch block, the most
+        used first (one decode row, on an adapter); steps use each variant once it is compiled."""
         self._warming.on = True
         try:
-            for rows, lora in self._examples():
-                variant = self._variant(rows, lora)
+            for lengths, lora in self._examples():
+                variant = self._variant(lengths, lora)
                 if variant in self._ready:
                     continue
-                self._run([0] * rows, [0] * rows, [[KVCache.SCRATCH] * 2] * rows, [0 if lora else -1] * rows)
+                n = sum(lengths)
+                positions = [i for m in lengths for i in range(m)]
+                self._run([0] * n, positions, lengths, [[KVCache.SCRATCH] * 2] * len(lengths),
+                          [0 if lora else -1] * len(lengths))
                 self._ready.add(variant)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
             self._fail(e)
@@ -255,20 +316,25 @@ class DecodeGraph:
     @property
     def ready(self) -> bool:
         """Every variant compiled (and nothing failed)."""
-        return self._broken is None and self._ready >= {self._variant(r, lora) for r, lora in self._examples()}
+        return self._broken is None and self._ready >= {self._variant(n, lora) for n, lora in self._examples()}
 
-    def _examples(self) -> list[tuple[int, bool]]:
-        """(rows, LoRA) of a step of each variant, the most used first: one row (on an adapter, on the base)."""
+    def _examples(self) -> list[tuple[list[int], bool]]:
+        """(segment lengths, LoRA) of a step of each variant, the most used first: one decode row (on
+        an adapter, on the base), a few, many; a prefill chunk beside a decode row."""
         lora = (True, False) if self._lora is not None else (False,)
-        out = [(rows, on) for on in lora for rows in (1, 2, kernels.skinny_rows() + 1)]
-        return sorted(out, key=lambda s: (s[0] != 1, not s[1]))
+        out = [([1] * rows, on) for on in lora for rows in (1, 2, kernels.skinny_rows() + 1)]
+        out += [([2, 1], on) for on in lora]
+        return sorted(out, key=lambda s: (s[0] != [1], not s[1]))
 
-    def _variant(self, rows: int, lora: bool) -> tuple[str, bool]:
-        """Which graph a step of `rows` rows (after bucketing) runs: one row, a few (skinny products) or more."""
-        if self.buckets:
-            rows = _bucket(rows)
+    def _variant(self, lengths: list[int], lora: bool) -> tuple[str, bool]:
+        """Which graph a step runs: a prefill layer if a segment is a chunk; else the decode layer for
+        one row, a few (skinny products) or more (after bucketing)."""
+        lora = lora and self._lora is not None
+        if any(n != 1 for n in lengths):
+            return "prefill", lora
+        rows = _bucket(len(lengths)) if self.buckets else len(lengths)
         kind = "one" if rows == 1 else "skinny" if kernels.fast() and rows <= kernels.skinny_rows() else "wide"
-        return kind, lora and self._lora is not None
+        return kind, lora
 
     def _fail(self, e: BaseException) -> None:
         import torch._dynamo.exc as dynamo_exc
@@ -277,7 +343,7 @@ class DecodeGraph:
             self.stats.graph_breaks += 1
         self.stats.failures += 1
         self._broken = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-        log.warning("compiled decode step disabled, running eagerly: %s", self._broken)
+        log.warning("compiled serving step disabled, running eagerly: %s", self._broken)
 
     # --- the step -------------------------------------------------------------------------------
     def eager_reason(self, lengths: list[int], slots: list[int], scoring: bool, images: bool) -> str | None:
@@ -286,26 +352,73 @@ class DecodeGraph:
             return "compile failed"
         if invariant.enabled():
             return "batch-invariant mode"
-        if scoring or images or any(n != 1 for n in lengths):
-            return "prefill in the step"
-        if self._variant(len(lengths), any(s >= 0 for s in slots)) not in self._ready:
+        if scoring:
+            return "prompt scoring"
+        if images:
+            return "images"
+        if self._variant(lengths, any(s >= 0 for s in slots)) not in self._ready:
             return "compiling"
         return None
 
-    def hidden(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor | None:
-        """Final-norm hidden states [rows, hidden] of decode rows (row i: token i at positions[i] on
-        its blocks tables[i] and adapter slot slots[i], -1 the base); None if the compiled step
-        failed (the caller runs it eagerly; the reason is counted)."""
+    def hidden(self, tokens: list[int], positions: list[int], lengths: list[int], tables: list[list[int]],
+               slots: list[int]) -> Tensor | None:
+        """Final-norm hidden states [tokens, hidden] of a step's segments packed back to back (segment
+        i: lengths[i] tokens of one sequence, on its blocks tables[i] and adapter slot slots[i], -1
+        the base); None if the compiled step failed (the caller runs it eagerly; the reason is counted)."""
         try:
             with self._lock:
-                out = self._run(tokens, positions, tables, slots)
+                out = self._run(tokens, positions, lengths, tables, slots)
         except Exception as e:  # noqa: BLE001 - a compiler or runtime failure: eager from now on
             self._fail(e)
             return None
         self.stats.compiled_steps += 1
         return out
 
-    def _run(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor:
+    def _run(self, tokens: list[int], positions: list[int], lengths: list[int], tables: list[list[int]],
+             slots: list[int]) -> Tensor:
+        if any(n != 1 for n in lengths):
+            return self._run_prefill(tokens, positions, lengths, tables, slots)
+        return self._run_decode(tokens, positions, tables, slots)
+
+    def _rope(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin [n, head_dim] of positions [n] (the eager step's values)."""
+        model = self.model
+        cos, sin = model.rope(pos[:, None])  # [n, 1, 1, D]
+        if model.rope_factor != 1.0:
+            cos, sin = cos * model.rope_factor, sin * model.rope_factor
+        return cos[:, 0, 0].to(dtype), signed_sin(sin[:, 0, 0]).to(dtype)
+
+    def _run_prefill(self, tokens: list[int], positions: list[int], lengths: list[int], tables: list[list[int]],
+                     slots: list[int]) -> Tensor:
+        model, dev, bs = self.model, self.model.embed_tokens.weight.device, self.cache.block_size
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [KVCache.SCRATCH] * (width - len(t)) for t in tables], device=dev)
+        pos = torch.tensor(positions, device=dev)
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        view = RaggedView(self.cache, table, pos[:, None], [(a, n, i) for i, (a, n) in enumerate(zip(starts, lengths, strict=True))])
+        write_idx = (view.write_block * bs + view.write_offset).flatten()
+        used = [s for s in slots if s >= 0]
+        use_lora = self._lora is not None and bool(used)
+        lora = None
+        if use_lora:
+            lora = self.bank.batch([s for s, n in zip(slots, lengths, strict=True) for _ in range(n)], dev)
+        set_step(StepContext(view, lora, max((self.bank.rank[s] for s in used), default=0)))
+        try:
+            with torch.no_grad():
+                x = model.embed_tokens(torch.tensor(tokens, device=dev))
+                cos, ssin = self._rope(pos, x.dtype)
+                for t in (x, cos, ssin, write_idx):
+                    torch._dynamo.mark_dynamic(t, 0)
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
+                    for i, w in enumerate(self._weights):
+                        k_pool, v_pool = self._pools[i]
+                        x = self._prefill(x, cos, ssin, w, self._lora[i] if use_lora else None, k_pool, v_pool,
+                                          write_idx)
+                return model.norm(x)
+        finally:
+            set_step(None)
+
+    def _run_decode(self, tokens: list[int], positions: list[int], tables: list[list[int]], slots: list[int]) -> Tensor:
         model, dev = self.model, self.model.embed_tokens.weight.device
         n, bs = len(tokens), self.cache.block_size
         # the window every row reads: its blocks up to the longest row's last position (at least 2
@@ -328,10 +441,7 @@ class DecodeGraph:
         skinny = kernels.fast() and len(tokens) <= kernels.skinny_rows()
         with torch.no_grad():
             x = model.embed_tokens(torch.tensor(tokens, device=dev))
-            cos, sin = model.rope(pos[:, None])  # [rows, 1, 1, D]
-            if model.rope_factor != 1.0:
-                cos, sin = cos * model.rope_factor, sin * model.rope_factor
-            cos, ssin = cos[:, 0, 0].to(x.dtype), signed_sin(sin[:, 0, 0]).to(x.dtype)
+            cos, ssin = self._rope(pos, x.dtype)
             if len(tokens) > 1:
                 for t in (x, cos, ssin, slot, row_scale, write_idx, read_idx, visible):
                     torch._dynamo.mark_dynamic(t, 0)
@@ -341,10 +451,10 @@ class DecodeGraph:
             # tell the variants apart (each layer call checks ~40 tensors' guards otherwise).
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
                 for i, w in enumerate(self._weights):
-                    lora = self._lora[i] if use_lora and self._lora is not None else None
+                    lora = self._lora[i] if use_lora else None
                     k_pool, v_pool = self._pools[i]
-                    x = self._fn(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx,
-                                 visible, skinny)
+                    x = self._decode(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx,
+                                     visible, skinny)
             return model.norm(x[:n])
 
 
