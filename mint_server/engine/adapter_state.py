@@ -14,8 +14,7 @@ from tinker import types
 
 from mint_server.engine import state_io
 from mint_server.engine.jobs import OptimJob
-from mint_server.engine.masters import publish, step_params
-from mint_server.engine.optim import STEP_OF, Pairs, check_family, family_named, step_or_rollback
+from mint_server.engine.optim import check_family, family_named
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.state_io import check_shapes
 from mint_server.engine.values import AdamState, EngineError
@@ -29,7 +28,6 @@ class AdapterState:
 
     def __init__(self, residency: Residency, base_model: str, cfg: ModelConfig) -> None:
         self.residency, self.base_model, self.cfg = residency, base_model, cfg
-        self.device = residency.device
 
     def _adapter(self, adapter_id: str | None) -> Adapter:
         if adapter_id is None:
@@ -51,30 +49,15 @@ class AdapterState:
         check_family(params, a.optim.family)
         if not a.grads:
             return types.OptimStepResponse(metrics={"grad_norm:mean": 0.0, "learning_rate:mean": params.learning_rate})
-        runner = self.residency.runner
-        if runner is not None:  # every rank steps its share (global gradient norm)
-            return types.OptimStepResponse(metrics=runner.call(
-                "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
-        views = self._bank_views(a)
-        weights = step_params(views, a.master, self.residency.dtype)
-        if weights is not views:
-            a.master = weights
-        metrics = step_or_rollback(STEP_OF[a.optim.family], weights, a.grads, a.optim, params)
-        publish(views, weights)
-        a.grads.clear()
-        return types.OptimStepResponse(metrics=metrics)
-
-    def _bank_views(self, a: Adapter) -> Pairs:
-        bank = self.residency.bank
-        return {t: (bank.A[t][a.slot][..., : a.rank, :], bank.B[t][a.slot][..., : a.rank]) for t in a.targets}
+        # every rank steps its share (runner.optim_step)
+        return types.OptimStepResponse(metrics=self.residency.runner.call(
+            "optim_step", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets, params=params))
 
     # --- state and weights on disk --------------------------------------------------------------
     def save_state(self, adapter_id: str, dest: Path, include_optimizer: bool = True) -> None:
         """Weights (+ AdamW moments and step) into a state dir, atomically."""
         a = self.residency.on_device(adapter_id)
-        optim = a.optim if include_optimizer else None
-        if optim is not None and self.residency.runner is not None:  # gathered from every rank
-            optim = self.residency.runner.call("gather_optim", aid=a.id)
+        optim = self.residency.runner.call("gather_optim", aid=a.id) if include_optimizer else None
         state_io.save_state(dest, state_io.TrainState(self.residency.weights(adapter_id), optim, self.base_model))
 
     def load_state(self, adapter_id: str | None, src: Path, include_optimizer: bool = True,
@@ -102,16 +85,8 @@ class AdapterState:
         if not a.trainable:
             raise EngineError(f"adapter_id: adapter {adapter_id!r} is sampler-only, not trainable")
         self.residency.set_weights(adapter_id, st.weights)
-        if self.residency.runner is not None:  # every rank takes its share of the loaded state
-            optim = st.optim or AdamState(family=family)
-            self.residency.runner.call("set_optim", aid=a.id, step=optim.step, moments=optim.moments, family=family)
-            return a.id
-        a.grads.clear()
-        dev = self.device
-        a.optim = AdamState(st.optim.step, {t: tuple(m.to(dev) for m in ms)
-                                            for t, ms in st.optim.moments.items()}, family, st.optim.betas) \
-            if st.optim \
-            else AdamState(family=family)
+        # every rank takes its share of the loaded state (pending gradients dropped)
+        self.residency.runner.call("set_optim", aid=a.id, optim=st.optim or AdamState(family=family))
         return a.id
 
     def export_peft(self, adapter_id: str, dest: Path) -> None:
@@ -150,7 +125,7 @@ class AdapterState:
             As, Bs = [], []
             for w, a, c in sources:
                 a_shape, b_shape = lora_shapes(shapes[t], experts, a.rank)
-                zeros = (torch.zeros(a_shape, device=self.device), torch.zeros(b_shape, device=self.device))
+                zeros = (torch.zeros(a_shape), torch.zeros(b_shape))  # weights() are on the host
                 A, B = w.weights.get(t, zeros)
                 As.append(A)
                 Bs.append(B * (c * a.scale / scale))

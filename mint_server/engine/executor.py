@@ -4,9 +4,8 @@ The sampler (scheduling, token choice, bookkeeping) describes a step as a `StepB
 sequences packed back to back: decode rows of one token and prefill chunks of many, each with its
 adapter slot and KV blocks — and the executor runs it as one forward over that ragged batch
 (`RaggedView`), every row on its own adapter through the one `add_lora`. The same op functions run
-on one device or on every tensor-parallel rank: `Executor` calls them directly, or through the
-tensor-parallel `Runner` (tp_runner registers them as its ops), so nothing above this seam knows
-how many ranks there are.
+on every rank: `Executor` calls them through the `Runner` (engine/runner.py; a shard of one on a
+single process), so nothing above this seam knows how many ranks there are.
 
 Preempted sequences swap their KV out to host memory and back in (`swap_out` / `swap_in`): a
 resumed sequence continues from exactly the KV it had, so its tokens are those of an uninterrupted
@@ -24,12 +23,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from mint_server.engine import runner as runner_mod
+from mint_server.engine.runner import Runner
 from mint_server.engine.sampler_ops import score_targets
 from mint_server.model.compiled import CompileStats, StepGraph, configure_cache, unsupported
 from mint_server.model.images import PromptImages
 from mint_server.model.kv_cache import CacheView, KVCache, RaggedView
 from mint_server.model.lora import LoraBank, LoraBatch
-from mint_server.model.qwen3_vl import FeatureCache
 from mint_server.model.recurrent_state import StateCache, StateView
 from mint_server.model.transformer import Transformer
 
@@ -64,24 +64,13 @@ class StepResult:
 
 
 class RankState(Protocol):
-    """What the ops read of one rank: the local sampler state or tp_runner's Shard."""
+    """What the ops read of one rank (runner.Shard)."""
 
     model: Transformer
     bank: LoraBank
     device: torch.device
     cache: KVCache | None
     swapped: dict[int, dict[str, Tensor]]
-
-
-@dataclass
-class LocalRank:
-    model: Transformer
-    bank: LoraBank
-    device: torch.device
-    cache: KVCache | None
-    swapped: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    features: FeatureCache = field(default_factory=FeatureCache)  # encoded images by digest (VL bases)
-    states: StateCache | None = None  # hybrid bases' recurrent states (model/recurrent_state.py)
 
 
 def lora_for(bank: LoraBank, slots: list[int], device: torch.device) -> LoraBatch | None:
@@ -199,6 +188,7 @@ def drop_swapped(st: RankState, handles: list[int]) -> None:
 
 OPS: dict[str, Callable[..., Any]] = {f.__name__: f for f in (step, copy_blocks, swap_out, swap_in, drop_swapped,
                                                               copy_states)}
+runner_mod.OPS.update(OPS)  # the same functions on every rank, through the runner
 
 
 class Executor:
@@ -210,16 +200,14 @@ class Executor:
         """state_slots: a hybrid base's recurrent-state slots (one per sequence in flight, plus scratch).
         compile: "auto" runs decode steps through the compiled graph (model/compiled.py) once
         `start_compile` has built it, where the model allows; "off" stays eager."""
-        self.runner = runner
-        self.states: StateCache | None = None
-        if runner is not None:
-            runner.call("make_cache", num_blocks=num_blocks, block_size=block_size)
-            self.cache: KVCache = runner.shard.cache
-        else:
-            dtype = model.embed_tokens.weight.dtype
-            self.cache = KVCache(model.config, num_blocks, block_size, device, dtype)
-            self.states = StateCache.for_model(model.config, state_slots, device, dtype)
-            self.rank = LocalRank(model, bank, device, self.cache, states=self.states)
+        dtype = model.embed_tokens.weight.dtype
+        self.runner = runner or Runner.single(bank, torch.device(device), dtype)  # default: a shard of one
+        self.rank: runner_mod.Shard = self.runner.shard
+        self.rank.model = model
+        self.runner.call("make_cache", num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                         state_slots=state_slots)
+        self.cache: KVCache = self.rank.cache
+        self.states: StateCache | None = self.rank.states
         self.compile_stats = CompileStats()
         self.graph: StepGraph | None = None
         self._eager_reason = "compile off" if compile == "off" else unsupported(model)
@@ -233,9 +221,7 @@ class Executor:
             self.graph.start_warm_up()
 
     def call(self, name: str, **inputs: Any) -> Any:
-        if self.runner is not None:
-            return self.runner.call(name, **inputs)
-        return OPS[name](self.rank, **inputs)
+        return self.runner.call(name, **inputs)
 
     def step(self, batch: StepBatch) -> StepResult:
         graph = self.graph

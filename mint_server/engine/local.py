@@ -43,10 +43,10 @@ from mint_server.engine.jobs import (
 from mint_server.engine.optim import family_named
 from mint_server.engine.residency import Adapter, Residency
 from mint_server.engine.reverse_kl import ReverseKL
+from mint_server.engine.runner import Runner, Shard
 from mint_server.engine.sampling import Sampler
 from mint_server.engine.settings import EngineSettings
 from mint_server.engine.step_costs import measure_chunk_tokens, measure_step_cost
-from mint_server.engine.tp_runner import Runner, Shard
 from mint_server.engine.training import Trainer
 from mint_server.engine.values import AdamState, AdapterSource, EngineError, EngineReport, NotSupportedError
 from mint_server.model import invariant, kernels
@@ -118,11 +118,10 @@ class LocalEngine(EngineFront):
         self._cv = threading.Condition()
         self._landed = False  # a cold load finished since the worker last looked (LocalEngine._loop)
         self.residency = Residency(cfg, s, self.device, self.dtype, on_loaded=self._wake, tp=tp)
-        self.runner: Runner | None = None
-        if tp is not None:
-            self.runner = Runner(Shard(tp, self.model, self.residency.bank, self.device, self.dtype,
-                                       self.residency.record), followers, control, s.tp_timeout_s)
-            self.residency.runner = self.runner
+        if tp is not None:  # every rank's share (else the residency's own: a shard of one)
+            self.residency.runner = Runner(Shard(tp, self.model, self.residency.bank, self.device, self.dtype,
+                                                 self.residency.record), followers, control, s.tp_timeout_s)
+        self.runner = self.residency.runner
         self.trainer = Trainer(self.model, self.residency, base_model, max_tokens_per_pass=s.max_fused_tokens,
                                checkpoint_from_tokens=s.checkpoint_from_tokens or None,
                                logits_chunk=s.logits_chunk_elements())
@@ -548,6 +547,4 @@ class LocalEngine(EngineFront):
         if self._invariant:
             invariant.set_enabled(False)
         self.residency.close()
-        if self.runner is not None:
-            self.runner.close()
-            self.runner = None
+        self.runner.close()

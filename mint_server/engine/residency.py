@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mint_server.engine.masters import masters_for
+from mint_server.engine.runner import Runner
 from mint_server.engine.settings import EngineSettings
 from mint_server.engine.values import AdamState, AdapterSource, EngineError
 from mint_server.model.config import ModelConfig, ModelError
@@ -68,8 +68,8 @@ class Adapter:
     source: AdapterSource | None = None
     slot: int | None = None  # device tier when set
     host: Pairs | None = None  # host tier: the weights (fp32 masters when the bank is not fp32)
-    # tensor-parallel: `host`, `grads` and the moments off the device are this rank's share (each
-    # rank holds its own) rather than the full layout (fresh from the store or a client)
+    # `host`, `grads` and the moments off the device are this rank's share (each tensor-parallel
+    # rank holds its own; at world size 1 the whole) rather than fresh from the store or a client
     host_split: bool = False
     paged: Path | None = None  # store tier for adapters without a source: the page dir
     grads: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # accumulated since last step
@@ -104,13 +104,14 @@ class Residency:
         self, cfg: ModelConfig, settings: EngineSettings, device: torch.device | str, dtype: torch.dtype,
         on_loaded: Callable[[], None] | None = None, tp: TP | None = None,
     ) -> None:
-        """tp: this process is rank 0 of a tensor-parallel engine: the bank holds its share, and
-        `runner` (set by the engine) fills and reads every rank's share of a slot."""
+        """`runner` fills and reads every rank's share of a slot: a shard of one by default; tp: this
+        process is rank 0 of a tensor-parallel engine, whose bank holds its share and whose runner
+        (set by the engine) reaches every rank."""
         self.cfg, self.settings = cfg, settings
         self.bank = LoraBank(cfg, settings.device_slots, settings.max_rank, device, dtype,
                              shapes=local_target_shapes(cfg, tp.world) if tp is not None else None)
-        self.runner: Any = None
         self.device, self.dtype = torch.device(device), dtype
+        self.runner = Runner.single(self.bank, self.device, dtype, resolve=self.record)
         self.host_budget = int(settings.host_cache_mb * 1024 * 1024)
         if settings.store_dir is not None:
             # Pages belong to this process's live adapters only (durable state is in checkpoints):
@@ -238,12 +239,9 @@ class Residency:
             del self._by_key[a.source.key]
         if a.slot is not None:
             self._slots[a.slot] = None
-            if self.runner is not None:
-                self.runner.call("clear", aid=a.id, slot=a.slot)
-            else:
-                self.bank.clear(a.slot)
+            self.runner.call("clear", aid=a.id, slot=a.slot)
             a.slot = None
-        elif a.host_split and self.runner is not None:
+        elif a.host_split:
             self.runner.call("forget", aid=a.id)
         a.host_split = False
         self._set_host(a, None)
@@ -345,19 +343,12 @@ class Residency:
     def _promote(self, a: Adapter, slot: int) -> None:
         """host → device: write the slot; a training adapter's state follows it to the device."""
         assert a.host is not None
-        dev = self.device
-        if self.runner is not None and a.host_split:  # every rank moves its own host share into the slot
+        if a.host_split:  # every rank moves its own host share into the slot
             self.runner.call("promote_split", aid=a.id, slot=slot, rank=a.rank, alpha=a.alpha, trainable=a.trainable)
             a.host_split = False
-        elif self.runner is not None:  # every rank takes its share of the full host copy
+        else:  # every rank takes its share of the full host copy
             self.runner.call("promote", aid=a.id, slot=slot, weights=a.host, rank=a.rank, alpha=a.alpha,
-                             trainable=a.trainable, grads=a.grads, moments=a.optim.moments, step=a.optim.step,
-                             family=a.optim.family)
-        else:
-            self.bank.write(slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in a.host.items()}, a.rank, a.alpha)
-            a.master = masters_for(_to(a.host, dev), a.trainable, self.dtype)
-            a.grads = _to(a.grads, dev)
-            a.optim.moments = {t: tuple(m.to(dev) for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
+                             trainable=a.trainable, grads=a.grads, optim=a.optim)
         self._slots[slot] = a
         a.slot = slot
         self.stats.loads["host"] += 1
@@ -365,26 +356,13 @@ class Residency:
         a.last_used = next(self._clock)
 
     def _demote(self, a: Adapter) -> None:
-        """device → host: an exact copy of what the slot (or the fp32 masters) held."""
+        """device → host: an exact copy of what the slot (or the fp32 masters) held; every rank keeps
+        its share in its own host memory (runner.demote)."""
         assert a.slot is not None
         slot = a.slot
-        if self.runner is not None:  # every rank keeps its share in its own host memory (tp_runner.demote)
-            self.runner.call("demote", aid=a.id, slot=slot, rank=a.rank, targets=a.targets)
-            a.host_split = True
-            host = a.host
-            self._slots[slot] = None
-            a.slot = None
-            self.stats.evictions["device"] += 1
-            self._set_host(a, host)
-            return
-        if a.master is not None:
-            host = {t: (x.detach().cpu().clone(), y.detach().cpu().clone()) for t, (x, y) in a.master.items()}
-        else:
-            host = {t: (self.bank.A[t][slot][..., : a.rank, :].detach().float().cpu().clone(),
-                        self.bank.B[t][slot][..., : a.rank].detach().float().cpu().clone()) for t in a.targets}
-        a.master = None
-        a.grads = _to(a.grads, torch.device("cpu"))
-        a.optim.moments = {t: tuple(m.cpu() for m in ms) for t, ms in a.optim.moments.items()}  # type: ignore[misc]
+        self.runner.call("demote", aid=a.id, slot=slot, rank=a.rank, targets=a.targets)
+        a.host_split = True
+        host = a.host
         self._slots[slot] = None
         a.slot = None
         self.stats.evictions["device"] += 1
@@ -519,13 +497,8 @@ class Residency:
     def weights(self, adapter_id: str) -> LoraWeights:
         """The adapter's weights (fp32 masters where kept), wherever it lives on device or host."""
         a = self.get(adapter_id)
-        if self.runner is not None and a.slot is not None:
+        if a.slot is not None:
             pairs = self.runner.call("weights", aid=a.id, slot=a.slot, rank=a.rank, targets=a.targets)
-        elif a.master is not None:
-            pairs = a.master
-        elif a.slot is not None:
-            pairs = {t: (self.bank.A[t][a.slot][..., : a.rank, :], self.bank.B[t][a.slot][..., : a.rank])
-                     for t in a.targets}
         elif a.host is not None and a.host_split:
             pairs = self.runner.call("host_weights", aid=a.id)
         elif a.host is not None:
@@ -543,15 +516,9 @@ class Residency:
                 f"weights of rank {weights.rank} on {sorted(weights.weights)} do not fit adapter {adapter_id!r} "
                 f"(rank {a.rank} on {list(a.targets)})"
             )
-        dev = self.device
         a.alpha = weights.alpha
-        if self.runner is not None:
-            self.runner.call("set_weights", aid=a.id, slot=a.slot, weights=weights.weights, rank=weights.rank,
-                             alpha=weights.alpha, trainable=a.trainable)
-            return
-        self.bank.write(a.slot, {t: (x.to(dev), y.to(dev)) for t, (x, y) in weights.weights.items()},  # type: ignore[arg-type]
-                        weights.rank, weights.alpha)
-        a.master = masters_for(_to(weights.weights, dev), a.trainable, self.dtype)
+        self.runner.call("set_weights", aid=a.id, slot=a.slot, weights=weights.weights, rank=weights.rank,
+                         alpha=weights.alpha, trainable=a.trainable)
 
     def close(self) -> None:
         """Pages belong to this process's adapters: they go with it."""
@@ -573,10 +540,6 @@ def _start_loader_thread(nice: int) -> None:
         # a sandbox that refuses it: loads still work, at the engine's priority
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-
-
-def _to(pairs: dict[str, tuple[Tensor, Tensor]], device: torch.device) -> dict[str, tuple[Tensor, Tensor]]:
-    return {t: (x.to(device), y.to(device)) for t, (x, y) in pairs.items()}
 
 
 def _nbytes(pairs: Pairs | None) -> int:

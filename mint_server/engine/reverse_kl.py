@@ -12,10 +12,9 @@ from tinker import types
 
 from mint_server.engine.jobs import ReverseKLJob
 from mint_server.engine.losses import KLRow
-from mint_server.engine.optim import Pairs
-from mint_server.engine.residency import Adapter
+from mint_server.engine.runner import Shard, op
 from mint_server.engine.training import OUTPUT_TYPE, Output, Row, Trainer
-from mint_server.engine.training_lora import accumulate, leaf_grads, training_lora
+from mint_server.engine.training_lora import LoraRef, accumulate, leaf_grads, training_lora
 from mint_server.model.lora import LoraBank
 
 
@@ -37,48 +36,29 @@ class ReverseKL:
         rows, temperature = job.rows, job.temperature
         plan = self.trainer.plan([Row(0, i, max(len(r.student), len(r.reference))) for i, r in enumerate(rows)])
         out: dict[int, np.ndarray] = {}
-        pending: dict[str, Pairs] = {}
         total = 0.0
         runner = self.trainer.residency.runner
         try:
             for mb in plan:
                 batch = [rows[r.datum] for r in mb]
-                if runner is not None:  # every rank runs the pass on its share; gradients stay pending there
-                    el = runner.call("reverse_kl_pass", rows=batch, student=self.trainer.lora_ref(student),
-                                     reference_slot=None if reference is None else reference.slot,
-                                     temperature=temperature, recomputed_blocks=self._recomputed_blocks(batch))
-                else:
-                    el, grads = self._kl_micro_batch(batch, student, reference, temperature)
-                    accumulate(pending, grads)
+                # every rank runs the pass on its share; the gradients stay pending there
+                el = runner.call("reverse_kl_pass", rows=batch, student=self.trainer.lora_ref(student),
+                                 reference_slot=None if reference is None else reference.slot,
+                                 temperature=temperature, recomputed_blocks=self._recomputed_blocks(batch))
                 for r, row, e in zip(mb, batch, el, strict=True):
                     out[r.datum] = e[: len(row.student)].copy()
                     total += float(out[r.datum].sum(dtype=np.float64))
         except BaseException:
-            if runner is not None:
-                runner.call("train_commit", keep=False)
+            runner.call("train_commit", keep=False)  # every rank drops the pass's gradients
             raise
-        if runner is not None:
-            if runner.call("train_commit", keep=True):
-                raise self.trainer._non_finite(student.id)
-        else:
-            failed = self.trainer.commit(pending, {student.id: student})
-            if failed:
-                raise failed[student.id]
+        if runner.call("train_commit", keep=True):
+            raise self.trainer._non_finite(student.id)
         return Output(loss_fn_output_type=OUTPUT_TYPE, metrics={"loss:sum": total},
                       loss_fn_outputs=[{"loss": types.TensorData.from_numpy(out[i])} for i in range(len(rows))])
 
     def _recomputed_blocks(self, rows: list[KLRow]) -> int:
         padded = len(rows) * max(len(r.student) for r in rows)  # one student's rows: nothing fused
         return self.trainer.memory_plan(padded, padded)[0]
-
-    def _kl_micro_batch(
-        self, rows: list[KLRow], student: Adapter, reference: Adapter | None, temperature: float
-    ) -> tuple[np.ndarray, dict[str, Pairs]]:
-        tr = self.trainer
-        ref_slot = reference.slot if reference is not None else None
-        el, leaves = kl_micro_batch(tr.model, tr.residency.bank, rows, student, ref_slot, temperature, tr.device,
-                                    tr.residency.dtype, self._recomputed_blocks(rows))
-        return el, leaf_grads(leaves)
 
 
 def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, reference_slot: int | None,
@@ -111,3 +91,14 @@ def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, 
         el = kl * torch.from_numpy(w * valid).to(dev)
         el.sum().backward()
     return el.detach().float().cpu().numpy(), leaves
+
+
+@op
+def reverse_kl_pass(sh: Shard, rows: list[Any], student: LoraRef, reference_slot: int | None, temperature: float,
+                    recomputed_blocks: int) -> Any:
+    """One reverse-KL micro-batch on every rank's share (the KL over the gathered logits is the same on
+    every rank); the student's gradients stay pending until `train_commit`."""
+    el, leaves = kl_micro_batch(sh.model, sh.bank, rows, student, reference_slot, temperature, sh.device, sh.dtype,
+                                recomputed_blocks)
+    accumulate(sh.pending, leaf_grads(leaves))
+    return el

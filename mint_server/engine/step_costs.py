@@ -73,7 +73,7 @@ def measure_step_cost(batcher: Batcher, sizes: tuple[int, ...] = (1, 2, 4, 8, 16
         # the same rows on one (empty bank slots probed as adapters; on one rank only: under tensor
         # parallelism each rank's bank is its own)
         bank, spread = batcher.residency.bank, 0
-        lora = batcher.executor.runner is None and bank.num_slots > 0
+        lora = batcher.executor.runner.tp.world == 1 and bank.num_slots > 0
         if lora:
             runs["base row"], runs["adapter row"] = decode(1), decode(1, [0])
             if (spread := min(8, bank.num_slots, batcher.max_batch_rows // 2)) > 1:

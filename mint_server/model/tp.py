@@ -247,15 +247,21 @@ def split_dim(target: str, factor: str) -> int | None:
 
 
 def shard_tensor(x: Tensor, target: str, factor: str, tp: TP) -> Tensor:
+    """This rank's share of a full factor (a copy); at world 1 the tensor itself (nothing to split)."""
+    if tp.world == 1:
+        return x
     dim = split_dim(target, factor)
-    if dim is None or tp.world == 1:
+    if dim is None:
         return x.clone()
     return _slice(x, dim % x.dim(), tp)
 
 
 def gather_tensor(x: Tensor, target: str, factor: str, tp: TP) -> Tensor:
+    """The full factor from every rank's share (a copy); at world 1 the tensor itself."""
+    if tp.world == 1:
+        return x
     dim = split_dim(target, factor)
-    if dim is None or tp.world == 1:
+    if dim is None:
         return x.clone()
     return tp.all_gather_dim(x, dim % x.dim())
 

@@ -57,23 +57,32 @@ class TP:
         return _VocabTargetLogprobs.apply(local_logits, targets, vocab_start, self.group)
 
     # --- plain (no autograd) helpers ------------------------------------------------------------
+    # At world size 1 (a single process: a shard of one) each is the identity, with no process group.
     def all_gather_dim(self, x: Tensor, dim: int) -> Tensor:
+        if self.world == 1:
+            return x
         y = x.to(self.device).contiguous()
         parts = [torch.empty_like(y) for _ in range(self.world)]
         dist.all_gather(parts, y, group=self.group)
         return torch.cat(parts, dim=dim).to(x.device)
 
     def all_reduce_sum(self, x: Tensor) -> Tensor:
+        if self.world == 1:
+            return x
         out = x.to(self.device).contiguous().clone()
         dist.all_reduce(out, group=self.group)
         return out.to(x.device)
 
     def sum(self, value: float) -> float:
+        if self.world == 1:
+            return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return float(t.item())
 
     def all_true(self, flag: bool) -> bool:
+        if self.world == 1:
+            return flag
         t = torch.tensor([0 if flag else 1], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, group=self.group)
         return int(t.item()) == 0

@@ -183,7 +183,7 @@ class ReplicaActor:
         return {"kv_blocks_in_use": self.engine.sampler.kv_blocks_in_use, "queue_depth": self.engine.queue_depth(),
                 "cancels": self.cancels, "incarnation": self.incarnation, "sampler": self.engine.sampler.totals(),
                 "torch_threads": torch.get_num_threads(),
-                "tp_ranks": 1 if self.engine.runner is None else 1 + len(self.engine.runner.followers)}
+                "tp_ranks": self.engine.runner.tp.world}
 
     def pause(self, after_tokens: int | None = None) -> None:
         """Hold the engine's worker before its next turn, or, with `after_tokens`, once that many
