@@ -381,7 +381,7 @@ def test_kill_a_replica_mid_load(fleet: FleetEngine, tiny_dir: Path, tmp_path: P
         tc.save_state("two-steps").result()
         resumed_loss = tc.forward_backward(batch(), "cross_entropy").result().metrics["loss:sum"]
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # live progress, never saved: lost
-        model = server.service.core.models[tc.model_id]
+        model = server.service.core.stores.models[tc.model_id]
         victim = fleet.replica_of(model.adapter_id)
         pid = fleet.replica_pids()[victim]
 

@@ -520,15 +520,15 @@ def snapshot(ctx: Ctx) -> dict[str, Any]:
     owner = owner_id(KEY_A)
     policies = catalog.list_policies(owner, limit=1000).items
     return {
-        "runs": [asdict(r) for r in core.runs.list_runs(owner)],
-        "checkpoints": [asdict(r) for r in core.runs.list_owner_checkpoints(owner)],
-        "sessions": [s.session_id for s in core.sessions.owned(owner)],
+        "runs": [asdict(r) for r in core.stores.runs.list_runs(owner)],
+        "checkpoints": [asdict(r) for r in core.stores.runs.list_owner_checkpoints(owner)],
+        "sessions": [s.session_id for s in core.stores.sessions.owned(owner)],
         "policies": policies,
         "revisions": {p.name: catalog.list_revisions(owner, p.name, limit=1000).items for p in policies},
         "aliases": {p.name: catalog.list_aliases(owner, p.name, limit=1000).items for p in policies},
         "evals": catalog.list_evals(owner, f"{ctx.policy}@1", limit=1000).items,
-        "models": sorted(core.models),
-        "samplers": sorted(core.samplers),
+        "models": sorted(core.stores.models),
+        "samplers": sorted(core.stores.samplers),
         "engine": {k: ctx.server.engine.stats[k] for k in ("train_passes", "fused_requests", "ops")},
         "files": _files(ctx.server.settings.data_dir / "runs"),
     }
@@ -547,8 +547,9 @@ def ctx(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ct
         assert api.put("/policies/pol/aliases/prod", json={"revision": 1}).status_code == 200
         api.close()
         assert sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result().sequences
-        model = server.service.core.models[tc.model_id]
-        sampler_id = next(s.sampler_id for s in server.service.core.samplers.values() if s.model_path == sampler_path)
+        model = server.service.core.stores.models[tc.model_id]
+        samplers = server.service.core.stores.samplers.values()
+        sampler_id = next(s.sampler_id for s in samplers if s.model_path == sampler_path)
         ctx = Ctx(server, model.session_id, tc.model_id, sampler_id, weights, sampler_path, "pol",
                   model.sequencer.next_seq)  # fmt: skip
         with ctx.http:
@@ -576,7 +577,7 @@ def test_bad_input(ctx: Ctx, case: Case) -> None:
 
 def test_refused_requests_gave_up_their_seq_ids(ctx: Ctx) -> None:
     """Every refused ordered request above took a seq_id; the model's next request still runs."""
-    sequencer = ctx.server.service.core.models[ctx.model_id].sequencer
+    sequencer = ctx.server.service.core.stores.models[ctx.model_id].sequencer
     api = httpx.Client(base_url=f"{ctx.server.url}/api/v1", headers={"X-API-Key": KEY_A}, timeout=60)
     with api:
         r = api.post("forward", json={"model_id": ctx.model_id, "seq_id": ctx.seq(), "forward_input": {

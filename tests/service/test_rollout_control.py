@@ -69,10 +69,10 @@ def test_abort_cancels_a_sessions_held_requests_and_a_pause_ends_at_its_timeout(
         server: LiveServer, client_a: tinker.ServiceClient) -> None:  # fmt: skip
     sampler = client_a.create_sampling_client(base_model=BASE).result()
     session = sampler._sampling_session_id  # the SDK keeps it private; the server knows it as this
-    assert session in server.service.core.samplers
+    assert session in server.service.core.stores.samplers
     assert _post(server, "pause", {"sampling_session_id": session}).status_code == 200
     held = [sampler.sample(PROMPT, 1, PARAMS).future() for _ in range(3)]
-    pending = server.service.core.samplers[session].pending
+    pending = server.service.core.stores.samplers[session].pending
     _until_held(server, 3)
     out = _post(server, "abort", {"sampling_session_id": session}).json()
     assert out == {"kind": "session", "name": session, "aborted": 3}

@@ -89,7 +89,7 @@ def test_shutdown_drains_in_flight_work(tiny_dir: Path, tmp_path: Path) -> None:
     for seq in range(1, 3):
         submit("forward_backward", {"model_id": model_id, "seq_id": seq, "forward_backward_input": fb_input})
     step = submit("optim_step", {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 0.01}})
-    futures = server.service.core.futures
+    futures = server.service.core.stores.futures
     pending = [futures.get(rid, owner_id(KEY_A)).future for rid in (sample, step)]
     assert not any(f.done() for f in pending)
     api.close()

@@ -32,7 +32,7 @@ class Model:
     def __init__(self, server: LiveServer, model_id: str) -> None:
         self.server, self.model_id = server, model_id
         self.http = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": KEY_A}, timeout=60)
-        self.next_seq = server.service.core.models[model_id].sequencer.next_seq
+        self.next_seq = server.service.core.stores.models[model_id].sequencer.next_seq
 
     def seq(self) -> int:
         """A fresh seq_id: every request below takes one, refused or not (a refused one gives it up)."""
@@ -213,7 +213,7 @@ def test_an_unnamed_engine_exception_is_never_a_bare_500(model: Model, monkeypat
 
     monkeypatch.setattr(engine, "prepare_sample", broken)
     session = model.http.post("create_sampling_session", json={
-        "session_id": model.server.service.core.models[model.model_id].session_id,
+        "session_id": model.server.service.core.stores.models[model.model_id].session_id,
         "sampling_session_seq_id": 9000, "base_model": BASE}).json()["sampling_session_id"]
     r = model.http.post("asample", json={"sampling_session_id": session, "seq_id": 1, "num_samples": 1,
                                          "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2]}]},

@@ -16,7 +16,7 @@ PROMPT = [5, 6, 7, 8]
 
 
 def _grads(server: LiveServer, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    adapter_id = server.service.core.models[model_id].adapter_id
+    adapter_id = server.service.core.stores.models[model_id].adapter_id
     return server.engine.residency.get(adapter_id).grads
 
 
@@ -120,7 +120,7 @@ def test_inflight_sampling_reads_the_live_adapter(client_a: tinker.ServiceClient
     assert tokens(snapshot_old) == before
     # The inflight session holds no copy: it samples on the training model's own slot.
     core = server.service.core
-    assert core.samplers[inflight_a._sampling_session_id].live is core.models[tc.model_id]
+    assert core.stores.samplers[inflight_a._sampling_session_id].live is core.stores.models[tc.model_id]
     loaded_before = len(server.engine.residency)
 
     train(tc, 3)
@@ -176,7 +176,7 @@ def _custom_data() -> list[types.Datum]:
 
 
 def _adapter_weights(server: LiveServer, model_id: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    adapter_id = server.service.core.models[model_id].adapter_id
+    adapter_id = server.service.core.stores.models[model_id].adapter_id
     return server.engine.residency.weights(adapter_id).weights
 
 
@@ -275,7 +275,7 @@ def test_hostile_custom_loss_graphs_are_refused(server: LiveServer, tmp_path) ->
                    content=deep, timeout=60)
     assert r.status_code == 400, r.text
     assert not canary.exists()
-    assert server.service.core.custom_losses == {}
+    assert server.service.core.stores.custom_losses == {}
 
     # Bad-input table for the route: each a 400 naming the field.
     ok_nodes = _graph()
@@ -319,7 +319,7 @@ def test_dimuon_trains_resumes_bit_exactly_and_refuses_mixing(client_a: tinker.S
     w_a, w_b = _adapter_weights(server, tc.model_id), _adapter_weights(server, resumed.model_id)
     for t in w_a:
         assert torch.equal(w_a[t][0], w_b[t][0]) and torch.equal(w_a[t][1], w_b[t][1]), t
-    moments = server.engine.residency.get(server.service.core.models[resumed.model_id].adapter_id).optim
+    moments = server.engine.residency.get(server.service.core.stores.models[resumed.model_id].adapter_id).optim
     assert moments.family == "dimuon" and moments.step == 8
 
     # Mixing families: a clear 400, both ways, at submission.
@@ -364,7 +364,7 @@ def test_retrieve_futures_and_cancel_round_trip(client_a: tinker.ServiceClient, 
     sid = sc._sampling_session_id
     # The SDK's own samples complete through the session's completion queue.
     assert sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result().sequences
-    cursor_after_sdk = server.service.core.samplers[sid].completions[0].cursor
+    cursor_after_sdk = server.service.core.stores.samplers[sid].completions[0].cursor
     assert cursor_after_sdk >= 1
 
     def asample(seq_id: int, max_tokens: int) -> str:
@@ -584,7 +584,7 @@ def test_a_late_acknowledgement_after_the_session_ended_is_answered_empty(server
     sid = sc._sampling_session_id
     assert sc.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result().sequences
     client.close("success").result()
-    assert sid not in server.service.core.samplers
+    assert sid not in server.service.core.stores.samplers
 
     def poll(key: str, **extra: object) -> httpx.Response:
         body = {"target": {"sampling_session_id": sid, "cloned_sampler_id": 0}, "prev_cursor": 1,

@@ -132,11 +132,11 @@ async def overview(request: Request, cursor: str | None = None) -> Response:
     except InvalidArgument:
         page = await asyncio.to_thread(core.policies.catalog.list_policies, p.owner, limit=PAGE)
     runs = []
-    for run in core.runs.list_runs(p.owner)[:PAGE]:
-        model = core.models.get(run.run_id)
+    for run in core.stores.runs.list_runs(p.owner)[:PAGE]:
+        model = core.stores.models.get(run.run_id)
         runs.append({"run_id": run.run_id, "project_id": run.project_id, "last_request_time": run.last_request_time,
                      "steps": model.steps if model is not None else "—",
-                     "checkpoints": len(core.runs.list_checkpoints(run.run_id))})
+                     "checkpoints": len(core.stores.runs.list_checkpoints(run.run_id))})
     return _html(html.overview(page.items, page.next_cursor, runs, engine_figures(request, p), _who(p), _csrf(request)))
 
 
@@ -202,11 +202,11 @@ async def run_page(run_id: str, request: Request, poll_ms: int = Query(POLL_MS, 
         return _login_redirect()
     core = service(request).core
     try:
-        run = core.runs.get_run(run_id, p.owner)
+        run = core.stores.runs.get_run(run_id, p.owner)
     except (NotFound, ValueError):
         return _missing(request, p, f"No training run {run_id!r}.")
     checkpoints = [{**asdict(c), "checkpoint_id": c.ref.checkpoint_id, "tinker_path": c.ref.tinker_path}
-                   for c in core.runs.list_checkpoints(run.run_id)]
+                   for c in core.stores.runs.list_checkpoints(run.run_id)]
     view = {"run_id": run.run_id, "base_model": run.base_model, "rank": run.lora.get("rank"),
             "project_id": run.project_id, "created_at": run.created_at}
     return _html(html.run(view, checkpoints, _who(p), _csrf(request), poll_ms))

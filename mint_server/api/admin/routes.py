@@ -42,7 +42,7 @@ async def revoke_my_api_key(request: Request, p: Principal = needs(SERVE)) -> Re
     if p.key_id is None:
         raise InvalidInput("this key is configured on the server (--api-key, MINT_API_KEYS); it cannot revoke itself")
     await asyncio.to_thread(request.app.state.authenticator.keys.revoke, p.owner, p.key_id)
-    service(request).core.meter.audit(p.owner, "organization_api_key_revoked", key_id=p.key_id, actor=p.urn)
+    service(request).core.stores.meter.audit(p.owner, "organization_api_key_revoked", key_id=p.key_id, actor=p.urn)
     return Response(status_code=204)
 
 
@@ -82,7 +82,7 @@ async def assign_session_project(session_id: str, request: Request, p: Principal
 @router.get("/sessions/{session_id}/trace_export")
 async def trace_export(session_id: str, request: Request, p: Principal = needs(TRAIN)) -> dict[str, Any]:
     """Answered as a failed export (the SDK raises it at once, naming the reason)."""
-    service(request).core.sessions.get(session_id, p.owner)  # another key's session: 404
+    service(request).core.stores.sessions.get(session_id, p.owner)  # another key's session: 404
     return {"status": "failed", "error": TRACE_EXPORT_UNSUPPORTED}
 
 

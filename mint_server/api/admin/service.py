@@ -59,7 +59,7 @@ def _status(session: Session) -> Any:
 
 class AdminService:
     def __init__(self, core: Core) -> None:
-        self.core = core
+        self.stores = core.stores
 
     # --- audit log and usage -------------------------------------------------------------------
     async def audit_log(self, p: Principal, event_type: str, day: str | None) -> types.AuditLogResponse:
@@ -71,8 +71,8 @@ class AdminService:
             end = start + timedelta(days=1)
         except (ValueError, OverflowError):
             raise InvalidInput(f"day: expected a date YYYY-MM-DD before 9999-12-31; got {day!r}") from None
-        await asyncio.to_thread(self.core.meter.flush)
-        entries = await asyncio.to_thread(self.core.meter.ledger.audit, p.owner, start, end, AUDIT_TYPES[event_type])
+        await asyncio.to_thread(self.stores.meter.flush)
+        entries = await asyncio.to_thread(self.stores.meter.ledger.audit, p.owner, start, end, AUDIT_TYPES[event_type])
         out = []
         for e in entries:
             checkpoint = e.event.startswith("checkpoint_")
@@ -97,8 +97,8 @@ class AdminService:
             raise InvalidInput("starting_on: must not be in the future")
         if not start < end <= start + MAX_USAGE_WINDOW:
             raise InvalidInput("ending_before: must be after starting_on and at most 14 days after it")
-        await asyncio.to_thread(self.core.meter.flush)
-        rows = await asyncio.to_thread(self.core.meter.ledger.usage, p.owner, start, end)
+        await asyncio.to_thread(self.stores.meter.flush)
+        rows = await asyncio.to_thread(self.stores.meter.ledger.usage, p.owner, start, end)
         events = [
             types.BillingUsageEvent(bucket_start=r.bucket_start, bucket_end=r.bucket_start + timedelta(hours=1),
                                     base_model=r.base_model, session_id=r.session_id, project_id=r.project_id,
@@ -109,7 +109,7 @@ class AdminService:
         events.sort(key=lambda e: e.bucket_start)
         sessions = {}
         for sid in {e.session_id for e in events if e.session_id}:
-            if (s := self.core.sessions.find(sid)) is not None and s.owner == p.owner:
+            if (s := self.stores.sessions.find(sid)) is not None and s.owner == p.owner:
                 meta = {k: str(v) for k, v in s.user_metadata.items()} if s.user_metadata else None
                 sessions[sid] = types.BillingUsageSession(user_metadata=meta)
         return types.BillingUsageResponse(data=events, sessions=sessions)
@@ -118,8 +118,8 @@ class AdminService:
         """GB-hours of the checkpoints that exist now, over the hours of the window they existed in
         (a deleted checkpoint's past storage is not kept)."""
         gb_hours: dict[tuple[datetime, str | None], float] = defaultdict(float)
-        for rec in self.core.runs.list_owner_checkpoints(owner):
-            run = self.core.runs.find_run(rec.run_id)
+        for rec in self.stores.runs.list_owner_checkpoints(owner):
+            run = self.stores.runs.find_run(rec.run_id)
             project = run.project_id if run is not None else None
             t = max(start, datetime.fromtimestamp(rec.created_at, UTC))
             while t < end:
@@ -135,8 +135,8 @@ class AdminService:
         """The tenant's live checkpoints, counted and sized per project."""
         check_project(project_id)
         totals: dict[str | None, list[int]] = defaultdict(lambda: [0, 0])
-        for rec in self.core.runs.list_owner_checkpoints(p.owner, project_id):
-            run = self.core.runs.find_run(rec.run_id)
+        for rec in self.stores.runs.list_owner_checkpoints(p.owner, project_id):
+            run = self.stores.runs.find_run(rec.run_id)
             item = totals[run.project_id if run is not None else None]
             item[0] += 1
             item[1] += rec.size_bytes
@@ -175,7 +175,7 @@ class AdminService:
         def order(s: Session) -> tuple[datetime, str]:  # the cursor's own precision: microseconds
             return (datetime.fromtimestamp(s.created_at, UTC), s.session_id)
 
-        found = sorted((s for s in self.core.sessions.owned(p.owner) if matches(s)), key=order, reverse=True)
+        found = sorted((s for s in self.stores.sessions.owned(p.owner) if matches(s)), key=order, reverse=True)
         if req.cursor is not None:
             after = (req.cursor.last_created_at, req.cursor.last_session_id)
             found = [s for s in found if order(s) < after]
@@ -197,8 +197,8 @@ class AdminService:
         return False  # cancelled (from a console) and failed sessions do not exist here
 
     def _summary(self, s: Session) -> types.SessionSummary:
-        runs = [r.run_id for r in self.core.runs.list_runs(s.owner) if r.session_id == s.session_id]
-        checkpoints = [c for run_id in runs for c in self.core.runs.list_checkpoints(run_id)]
+        runs = [r.run_id for r in self.stores.runs.list_runs(s.owner) if r.session_id == s.session_id]
+        checkpoints = [c for run_id in runs for c in self.stores.runs.list_checkpoints(run_id)]
         return types.SessionSummary(
             session_id=s.session_id, created_at=datetime.fromtimestamp(s.created_at, UTC), owner=s.owner,
             project_id=s.project_id or "", status=_status(s), checkpoints_count=len(checkpoints),
@@ -213,48 +213,49 @@ class AdminService:
         if not isinstance(project, str) or set(body) - {"project_id"}:
             raise InvalidInput("expected {'project_id': <project id>} (a session cannot be moved out of a project)")
         check_project(project)
-        session = self.core.sessions.get(session_id, p.owner)
+        session = self.stores.sessions.get(session_id, p.owner)
         session.project_id = project
-        for run in self.core.runs.list_runs(p.owner):
+        for run in self.stores.runs.list_runs(p.owner):
             if run.session_id == session_id:
-                self.core.runs.set_project(run.run_id, project)
-        self.core.meter.audit(p.owner, "project_session_assigned", session_id=session_id, project_id=project,
-                              actor=p.urn)
+                self.stores.runs.set_project(run.run_id, project)
+        self.stores.meter.audit(p.owner, "project_session_assigned", session_id=session_id, project_id=project,
+                                actor=p.urn)
 
     # --- run metrics ---------------------------------------------------------------------------
     def run_metrics(self, owner: str, run_id: str, after: int) -> dict[str, Any]:
-        run = self.core.runs.get_run(run_id, owner)
-        records, upto = self.core.run_metrics.read(run.run_id, after)
+        run = self.stores.runs.get_run(run_id, owner)
+        records, upto = self.stores.run_metrics.read(run.run_id, after)
         return {"run_id": run.run_id, "records": records, "next": upto}
 
     def report_metrics(self, p: Principal, run_id: str, body: RunMetricsReport) -> dict[str, Any]:
-        run = self.core.runs.get_run(run_id, p.owner)
+        run = self.stores.runs.get_run(run_id, p.owner)
         step = body.step
         if step is None:
-            model = self.core.models.get(run.run_id)
+            model = self.stores.models.get(run.run_id)
             if model is None:
                 raise InvalidInput(f"step: required for run {run_id!r}, which is not loaded in this server")
             step = model.steps
-        return self.core.run_metrics.report(run.run_id, step, body.metrics)
+        return self.stores.run_metrics.report(run.run_id, step, body.metrics)
 
 
 class EvalService:
     """`POST /api/v1/mint/evals`: an eval comparing revisions, run as a future (api/catalog/evals.py)."""
 
     def __init__(self, core: Core, tokenizer: Any) -> None:
-        self.core = core
+        self.admission = core.admission
+        self.policies = core.policies
+        self.work = core.work
         self._tokenizer = tokenizer  # () → the base model's tokenizer (loaded once, shared)
 
     def start(self, p: Principal, req: EvalRequest) -> types.UntypedAPIFuture:
-        self.core.admission.admit(p.owner)
         examples = examples_from(req.dataset, req.metric)
         dataset = dataset_id(req.dataset_name, examples)
-        catalog = self.core.policies.catalog
-        targets = resolve_targets(catalog, p.owner, req.revisions, self.core.engine.base_model)
+        catalog = self.policies.catalog
+        targets = resolve_targets(catalog, p.owner, req.revisions, self.work.engine.base_model)
 
         async def run() -> EvalResponse:
             # Tokenizing and parsing off the loop; the engine's futures are awaited, holding no thread.
-            evaluation = await asyncio.to_thread(Evaluation, self.core.engine, self._tokenizer(), req.metric,
+            evaluation = await asyncio.to_thread(Evaluation, self.work.engine, self._tokenizer(), req.metric,
                                                  examples, max_tokens=req.max_tokens, chat=req.chat, key=p.owner)
             submitted = await asyncio.to_thread(evaluation.submit, targets)
             try:
@@ -274,4 +275,5 @@ class EvalService:
                 for i, s in enumerate(scores)
             ])
 
-        return self.core.register(p.owner, "eval", self.core.spawn(run()))
+        with self.admission.enter(p.owner) as ticket:
+            return self.work.register(ticket, "eval", self.work.spawn(run()))

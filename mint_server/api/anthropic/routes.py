@@ -135,8 +135,9 @@ async def messages(request: Request, p: Principal = principal()) -> Any:
     anthropic = face(request)
     reply, _chat = await anthropic.admit(p.owner, req)
     if req.stream:
-        return AnthropicEventStream(anthropic.stream(reply, req))
-    return await unless_disconnected(request, anthropic.message(reply, req))
+        return AnthropicEventStream(anthropic.stream(reply, req), reply.ticket)
+    with reply.ticket:
+        return await unless_disconnected(request, anthropic.message(reply, req))
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=body_doc(CountTokensRequest))

@@ -40,8 +40,8 @@ async def create_key(request: Request, p: Principal = needs(ADMIN)) -> dict[str,
     `serve`, `train`, `admin`."""
     body = await parse(request, CreateKeyBody)
     record, key = await asyncio.to_thread(issue_key, _store(request), p.owner, body.name, body.scopes)
-    service(request).core.meter.audit(p.owner, "organization_api_key_created", key_id=record.key_id,
-                                      name=record.name, scopes=record.scopes, actor=p.urn)
+    service(request).core.stores.meter.audit(p.owner, "organization_api_key_created", key_id=record.key_id,
+                                             name=record.name, scopes=record.scopes, actor=p.urn)
     return {"key": key, **to_dict(record)}
 
 
@@ -55,5 +55,5 @@ async def list_keys(request: Request, include_revoked: bool = Query(False),
 @router.delete("/{key_id}", status_code=204)
 async def revoke_key(key_id: str, request: Request, p: Principal = needs(ADMIN)) -> Response:
     await asyncio.to_thread(_store(request).revoke, p.owner, key_id)
-    service(request).core.meter.audit(p.owner, "organization_api_key_revoked", key_id=key_id, actor=p.urn)
+    service(request).core.stores.meter.audit(p.owner, "organization_api_key_revoked", key_id=key_id, actor=p.urn)
     return Response(status_code=204)

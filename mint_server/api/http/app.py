@@ -74,7 +74,7 @@ def create_app(engine: Engine, settings: Settings) -> FastAPI:
     app.include_router(
         make_catalog_router(
             lambda: catalog, catalog_owner, max_upload_bytes=settings.max_body_bytes,
-            served_base_models=[engine.base_model], scratch_dir=svc.core.ephemeral_root,
+            served_base_models=[engine.base_model], scratch_dir=svc.core.stores.ephemeral_root,
         ),
         prefix=CATALOG_PREFIX,
     )

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mint_server.api.core import Core, same_base_model
+from mint_server.api.core import Core
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.reply import ServedModel
+from mint_server.api.sources import same_base_model
 from mint_server.api.state.runs import NotFound
 from mint_server.api.tinker.paths import PathError, is_checkpoint_path, parse_policy_ref
 from mint_server.api.tinker.validate import InvalidInput
@@ -19,12 +20,13 @@ OWNED_BY = "mint"
 
 class ServedModels:
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.policies = core.policies
+        self.sources = core.sources
+        self.engine = core.work.engine
 
     def list_models(self, owner: str, limit: int, after: str | None) -> dict[str, Any]:
         """The base model, then each servable policy as NAME (its latest revision) and NAME@ALIAS."""
-        catalog = self.core.policies.catalog
+        catalog = self.policies.catalog
         data = [] if after else [self._model(self.engine.base_model, 0)]
         try:
             page = catalog.list_policies(owner, cursor=after, limit=limit)
@@ -60,20 +62,20 @@ class ServedModels:
         try:
             ref = parse_policy_ref(model) if is_checkpoint_path(model) else model
             if ref is None:
-                rec, run = self.core.resolve(model, owner)
+                rec, run = self.sources.resolve(model, owner)
                 if rec.kind != "sampler_weights":  # training state is for resuming, not for serving
                     raise OpenAIError(400, f"model {model!r} is a {rec.kind} checkpoint; this face serves "
                                            "sampler weights (tinker://RUN/sampler_weights/NAME) and policy revisions",
                                       "model")  # fmt: skip
-                source = self.core.source_of(rec, run)
+                source = self.sources.source_of(rec, run)
                 return ServedModel(model, source, source.key)
-            revision, policy = self.core.policies.resolve(ref, owner)
-            self.core.policies.check_servable(ref, policy)
+            revision, policy = self.policies.resolve(ref, owner)
+            self.policies.check_servable(ref, policy)
         except NotFound as e:
             raise OpenAIError(404, f"model {model!r} not found: {e}", "model", "model_not_found") from None
         except (InvalidInput, PathError) as e:
             raise OpenAIError(400, f"model {model!r}: {e}", "model") from None
         # The Tinker face's own source for this revision, named by number so it stays the one resolved now.
-        source = self.core.read_source(f"tinker://{revision.policy}@{revision.number}", owner)
+        source = self.sources.read_source(f"tinker://{revision.policy}@{revision.number}", owner)
         return ServedModel(model, source, f"{revision.policy}@{revision.number}:{revision.sha256[:12]}",
                            policy=revision.policy)

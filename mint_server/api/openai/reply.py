@@ -10,6 +10,7 @@ from typing import Any
 
 from tinker import types
 
+from mint_server.api.admission import Ticket
 from mint_server.engine.interface import AdapterSource, SampleJob, TopLogprobs
 from mint_server.serving.chat import ToolCall, ToolCallGate
 from mint_server.serving.text import TextStream
@@ -56,6 +57,9 @@ class Reply:
     n: int
     jobs: list[SampleJob]
     choices: list[Choice]
+    # Its admission: held by `OpenAIService.run` until its engine requests end; a reply whose run
+    # never starts (the client left first) has it closed by its route (`with reply.ticket`).
+    ticket: Ticket
     created: int = field(default_factory=lambda: int(time.time()))
     cancel: threading.Event = field(default_factory=threading.Event)
     # `max_tokens: 0` (scoring the prompt): the engine draws one token (its least), which is dropped

@@ -1,7 +1,7 @@
 """The OpenAI face's requests turned into the one sampling request: a completion's or a chat's body
 becomes its prompts (tokenized, or rendered by the model's chat template) and the typed `SampleJob`s
-the Tinker face builds too, through `Core.sample_job`: the same parser and rules (every bound is the
-engine's, checked once), the same fair admission by owner. What stays here is this face's own:
+the Tinker face builds too, through `sample_job` (api/core.py): the same parser and rules (every
+bound is the engine's, checked once), the same fair admission by owner. What stays here is this face's own:
 the wire shape (schemas.py), OpenAI's defaults (max_tokens: the rest of the context; 16 on
 /completions), the byte bound that refuses a giant text before it is tokenized, and the names this
 face gives the engine's fields in its errors (`CHAT`, `COMPLETIONS`).
@@ -18,7 +18,7 @@ from typing import Any
 
 from tinker import types
 
-from mint_server.api.core import Core, SamplingFace
+from mint_server.api.core import Core, SamplingFace, sample_job
 from mint_server.api.openai.errors import OpenAIError
 from mint_server.api.openai.models import ServedModels
 from mint_server.api.openai.reply import Choice, Reply, ServedModel
@@ -66,8 +66,8 @@ class Requests:
     is a 400 before any stream starts. Uses the engine's own tokenizer (one per base per process)."""
 
     def __init__(self, core: Core, models: ServedModels, decode: Callable[[list[int]], str]) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.admission = core.admission
+        self.engine = core.work.engine
         self.models = models
         self.decode = decode
         self.tokenized = 0  # texts tokenized for prompts (tests check that a refused giant never was)
@@ -107,8 +107,8 @@ class Requests:
     def prepare(self, owner: str, target: ServedModel, prompt: list[int] | Prompt, n: int,
                 params: types.SamplingParams, req: _Sampling, top_logprobs: int, response_format: dict[str, Any] | None,
                 format_from: str = "response_format", prompt_logprobs: int | None = None) -> SampleJob:  # fmt: skip
-        """One prompt's engine job, parsed now by `Core.sample_job` (the door the Tinker face's samples
-        take). `format_from`: the request field the response_format came from (a forced tool call's
+        """One prompt's engine job, parsed now by `sample_job` (api/core.py; the door the Tinker face's
+        samples take). `format_from`: the request field the response_format came from (a forced tool call's
         is built from `tools`). `prompt_logprobs`: score the prompt too, with that many alternatives
         per position: the engine request the Tinker face makes for `prompt_logprobs` and
         `topk_prompt_logprobs` (one prefill scores the prompt and starts the samples)."""
@@ -120,9 +120,9 @@ class Requests:
             min_p=req.min_p or 0.0, logit_bias=req.logit_bias, response_format=response_format,
             stop_token_ids=req.stop_token_ids, logprobs_mode=req.logprobs_mode)  # fmt: skip
         try:
-            return self.core.sample_job(owner, target.source, prompt, n, params, prompt_logprobs is not None,
-                                        prompt_logprobs or 0, top_logprobs=top_logprobs, priority=req.priority,
-                                        controls=controls, face=CHAT if chat else COMPLETIONS)  # fmt: skip
+            return sample_job(self.engine, owner, target.source, prompt, n, params, prompt_logprobs is not None,
+                              prompt_logprobs or 0, top_logprobs=top_logprobs, priority=req.priority,
+                              controls=controls, face=CHAT if chat else COMPLETIONS)  # fmt: skip
         except EngineError as e:  # its field already in this face's terms; `param` is the field's first part
             param = re.split(r"[.\[]", e.field or "", maxsplit=1)[0]  # response_format.json_schema → response_format
             if param == "response_format":
@@ -156,10 +156,11 @@ class Requests:
         fmt, source = (req.response_format, "response_format") if forced_call is None else (forced_call, "tools")
         jobs = [self.prepare(owner, target, parsed or p, n, params, req, top_logprobs, fmt, source, prompt_logprobs)
                 for p in prompts]  # fmt: skip
-        self.core.admission.check_samples(len(prompts))
         choices = [Choice(i, TextStream(self.decode, req.stops()), ToolCallGate() if tools else None)
                    for i in range(len(prompts) * n)]  # fmt: skip
-        return Reply(target, prompts, n, jobs, choices, score_only=score_only)
+        # Admitted last, with nothing left to refuse: the reply holds its ticket (see Reply.ticket).
+        ticket = self.admission.enter(owner, samples=len(prompts))
+        return Reply(target, prompts, n, jobs, choices, ticket, score_only=score_only)
 
     # --- chat completions -------------------------------------------------------------------------
     async def admit_chat(self, owner: str, req: ChatRequest, max_tokens_at_most: int | None = None) -> Reply:
@@ -167,7 +168,6 @@ class Requests:
         jobs. The one chat admission: the Anthropic face admits its requests here too, as ChatRequests.
         `max_tokens_at_most`: the request's max_tokens as a ceiling, lowered to what the context leaves
         (the Anthropic face's max_tokens) rather than refused when it does not fit."""
-        self.core.admission.check_accepting()
         target = self.models.resolve(req.model, owner)  # an unknown model is a 404 whatever else is wrong
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
@@ -231,7 +231,6 @@ class Requests:
 
     # --- completions ------------------------------------------------------------------------------
     async def admit_completion(self, owner: str, req: CompletionRequest) -> Reply:
-        self.core.admission.check_accepting()
         target = self.models.resolve(req.model, owner)
         for name, bad in (("suffix", req.suffix is not None), ("best_of", req.best_of not in (None, req.n))):
             if bad:

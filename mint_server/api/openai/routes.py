@@ -18,6 +18,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer, SecurityS
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
+from mint_server.api.admission import Ticket
 from mint_server.api.auth.keys import SERVE, AuthError, Principal
 from mint_server.api.http.openapi import body_doc
 from mint_server.api.http.plumbing import API_KEY_HEADER, authorized, json_body, service
@@ -69,23 +70,25 @@ class EventStream(Response):
     """An SSE response that notices a disconnect while it waits for the next event (not only when a
     write fails), so a client that leaves releases its sequences at once."""
 
-    def __init__(self, events: AsyncIterator[dict[str, Any]]) -> None:
+    def __init__(self, events: AsyncIterator[dict[str, Any]], ticket: Ticket) -> None:
         super().__init__(status_code=200, media_type="text/event-stream")
         self.events = events
+        self.ticket = ticket  # the reply's admission: closed here if its run never started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         headers += [(k.lower().encode(), v.encode()) for k, v in SSE_HEADERS.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        writer = asyncio.ensure_future(self._write(send))
-        watcher = asyncio.ensure_future(_disconnected(receive))
-        try:
-            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (writer, watcher):
-                task.cancel()
-            await asyncio.gather(writer, watcher, return_exceptions=True)
-            await self.events.aclose()  # runs the generator's cleanup: cancels what still runs
+        with self.ticket:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            writer = asyncio.ensure_future(self._write(send))
+            watcher = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (writer, watcher):
+                    task.cancel()
+                await asyncio.gather(writer, watcher, return_exceptions=True)
+                await self.events.aclose()  # runs the generator's cleanup: cancels what still runs
 
     async def _write(self, send: Send) -> None:
         try:
@@ -143,8 +146,9 @@ def make_router(prefix: str) -> APIRouter:
         face = openai(request)
         reply = await face.admit_chat(p.owner, req)
         if req.stream:
-            return EventStream(face.chat_stream(reply, req))
-        return await unless_disconnected(request, face.chat(reply, req))
+            return EventStream(face.chat_stream(reply, req), reply.ticket)
+        with reply.ticket:
+            return await unless_disconnected(request, face.chat(reply, req))
 
     @router.post("/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(request: Request, p: Principal = principal()) -> Any:
@@ -152,8 +156,9 @@ def make_router(prefix: str) -> APIRouter:
         face = openai(request)
         reply = await face.admit_completion(p.owner, req)
         if req.stream:
-            return EventStream(face.complete_stream(reply, req))
-        return await unless_disconnected(request, face.complete(reply, req))
+            return EventStream(face.complete_stream(reply, req), reply.ticket)
+        with reply.ticket:
+            return await unless_disconnected(request, face.complete(reply, req))
 
     return router
 

@@ -72,8 +72,10 @@ class OpenAIService:
     what they return."""
 
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.metrics = core.metrics
+        self.stores = core.stores
+        self.work = core.work
+        self.engine = core.work.engine
         self._mailbox: Mailbox | None = None
         self.models = ServedModels(core)
         self.requests = Requests(core, self.models, lambda ids: self.decode(ids))
@@ -139,11 +141,11 @@ class OpenAIService:
         streamed = job.streaming(on_token, cancel) if on_token is not None else job
         future = self.engine.submit(streamed)
         try:
-            result = await self.core.call(future)
+            result = await self.work.call(future)
         except asyncio.CancelledError:  # the client went away: stop the work and free its KV
             self.engine.cancel(future)
             raise
-        self.core.note_sampled(job.key, job, result)
+        self.stores.note_sampled(job.key, job, result)
         return result
 
     # --- running ----------------------------------------------------------------------------------
@@ -165,8 +167,9 @@ class OpenAIService:
             # Through the mailbox too, so the result never overtakes the request's last tokens.
             running.add_done_callback(lambda t, k=k: mailbox.post(events, ("done", k, t, None)))
             tasks.append(running)
-        self.core.admission.samples_started(len(tasks))
-        self.core.metrics.streams.inc()
+        # The admission ticket lasts until every engine request has ended (cancelled ones too).
+        reply.ticket.hold(asyncio.gather(*tasks, return_exceptions=True))
+        self.metrics.streams.inc()
         pending = len(tasks)
         try:
             while pending:
@@ -195,7 +198,7 @@ class OpenAIService:
                     for update in self._finish(choice, seq):
                         yield update
         finally:
-            self.core.metrics.streams.dec()
+            self.metrics.streams.dec()
             if pending:
                 reply.cancel.set()  # streams: the engine frees their KV at its next step
                 for task in tasks:  # others (and streams still queued): `sample` cancels their engine work
@@ -205,12 +208,9 @@ class OpenAIService:
                 task.add_done_callback(_consume)
 
     async def _one(self, reply: Reply, engine_job: SampleJob, on_token: TokenCallback | None) -> types.SampleResponse:
-        try:
-            if reply.target.policy is not None:  # held here while its policy is paused (rollout control)
-                await self.core.pauses.wait(engine_job.key, [("policy", reply.target.policy)])
-            return await self.sample(engine_job, on_token, reply.cancel)
-        finally:
-            self.core.admission.samples_done()
+        if reply.target.policy is not None:  # held here while its policy is paused (rollout control)
+            await self.stores.pauses.wait(engine_job.key, [("policy", reply.target.policy)])
+        return await self.sample(engine_job, on_token, reply.cancel)
 
     @staticmethod
     def _push(choice: Choice, token: int, logprob: float, top: TopLogprobs | None) -> Update | None:

@@ -48,8 +48,11 @@ def checkpoint_view(rec: CheckpointRecord) -> types.Checkpoint:
 
 class CheckpointService:
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.runs = core.runs
+        self.stores = core.stores
+        self.policies = core.policies
+        self.sources = core.sources
+        self.work = core.work
+        self.runs = core.stores.runs
         self._copies: dict[tuple[str, str], types.CopyWeightsResponse] = {}  # (owner, idempotency key) → answer
 
     def ref(self, run_id: str, kind: str, name: str) -> CheckpointRef:
@@ -105,15 +108,15 @@ class CheckpointService:
         if req.weights_access_token is not None:
             raise InvalidInput("weights_access_token: access tokens are not supported by this server; copy "
                                "checkpoints you own or that are published")
-        rec, run = self.core.resolve(req.source_path, p.owner)
+        rec, run = self.sources.resolve(req.source_path, p.owner)
         expires = check_ttl(req.ttl_seconds)
         if req.session_id is not None:
             if req.model_seq_id is None or req.model_seq_id < 0:
                 raise InvalidInput("model_seq_id (>= 0) is required with session_id")
-            session = self.core.sessions.live(req.session_id, p.owner)
+            session = self.stores.sessions.live(req.session_id, p.owner)
             run_id, session_id, project = f"{session.session_id}:train:{req.model_seq_id}", session.session_id, \
                 session.project_id
-            if run_id in self.core.models or self.runs.find_run(run_id) is not None:
+            if run_id in self.stores.models or self.runs.find_run(run_id) is not None:
                 raise InvalidInput(f"model_seq_id {req.model_seq_id} was already used in this session")
         elif req.destination_project_id is not None:
             project, session_id = check_project(req.destination_project_id), ""
@@ -132,40 +135,40 @@ class CheckpointService:
             expires_at=expires, user_metadata=rec.user_metadata,
         ))
         answer = types.CopyWeightsResponse(tinker_path=ref.tinker_path)
-        self.core.meter.audit(p.owner, "checkpoint_copied", tinker_path=ref.tinker_path, source=rec.ref.tinker_path,
-                              project_id=project)
+        self.stores.meter.audit(p.owner, "checkpoint_copied", tinker_path=ref.tinker_path, source=rec.ref.tinker_path,
+                                project_id=project)
         if idempotency_key is not None:
             self._copies[(p.owner, idempotency_key)] = answer
         return answer
 
     def delete(self, p: Principal, ref: CheckpointRef) -> None:
         self.runs.get_checkpoint(ref, p.owner, write=True)
-        self.core.forget_checkpoint(ref)
+        self.sources.forget_checkpoint(ref)
         self.runs.delete_checkpoint(ref)
-        self.core.meter.audit(p.owner, "checkpoint_deleted", tinker_path=ref.tinker_path, model_id=ref.run_id)
+        self.stores.meter.audit(p.owner, "checkpoint_deleted", tinker_path=ref.tinker_path, model_id=ref.run_id)
 
     def set_public(self, p: Principal, ref: CheckpointRef, public: bool) -> None:
         rec = self.runs.get_checkpoint(ref, p.owner, write=True)
         rec.public = public
         self.runs.update_checkpoint(rec)
-        self.core.meter.audit(p.owner, "checkpoint_published" if public else "checkpoint_unpublished",
-                              tinker_path=ref.tinker_path, model_id=ref.run_id)
+        self.stores.meter.audit(p.owner, "checkpoint_published" if public else "checkpoint_unpublished",
+                                tinker_path=ref.tinker_path, model_id=ref.run_id)
 
     def set_ttl(self, p: Principal, ref: CheckpointRef, ttl_seconds: int | None) -> None:
         rec = self.runs.get_checkpoint(ref, p.owner, write=True)
         rec.expires_at = check_ttl(ttl_seconds)
         self.runs.update_checkpoint(rec)
-        self.core.meter.audit(p.owner, "checkpoint_ttl_set", tinker_path=ref.tinker_path, model_id=ref.run_id,
-                              ttl_seconds=ttl_seconds)
+        self.stores.meter.audit(p.owner, "checkpoint_ttl_set", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                                ttl_seconds=ttl_seconds)
 
     def weights_info(self, p: Principal, tinker_path: str) -> types.WeightsInfoResponse:
         if (policy_ref := parse_policy_ref(tinker_path)) is not None:
-            revision, policy = self.core.policies.resolve(policy_ref, p.owner)
+            revision, policy = self.policies.resolve(policy_ref, p.owner)
             # The rank is the revision's own; the switches are the policy's (revisions do not record
             # them), or those its target modules imply (an imported adapter's policy).
             base_model, lora = policy.base_model, lora_of(revision.rank, policy.lora_config).model_dump()
         else:
-            _rec, run = self.core.resolve(tinker_path, p.owner)
+            _rec, run = self.sources.resolve(tinker_path, p.owner)
             base_model, lora = run.base_model, run.lora
         return types.WeightsInfoResponse(
             base_model=base_model,
@@ -177,16 +180,16 @@ class CheckpointService:
         )
 
     def tied_embeddings(self) -> bool:
-        return self.core.tied_embeddings()
+        return self.sources.tied_embeddings()
 
     def readable(self, p: Principal, ref: CheckpointRef, purpose: str) -> CheckpointRecord:
         """A checkpoint `p` may read, about to be handed out (a download link): audited as a read."""
         rec = self.runs.get_checkpoint(ref, p.owner)
-        self.core.meter.audit(p.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
-                              purpose=purpose, reader=p.urn)
+        self.stores.meter.audit(p.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                                purpose=purpose, reader=p.urn)
         if rec.owner != p.owner:  # a published checkpoint: its owner learns it was read, not by whom
-            self.core.meter.audit(rec.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
-                                  purpose=purpose, reader="another tenant")
+            self.stores.meter.audit(rec.owner, "checkpoint_read", tinker_path=ref.tinker_path, model_id=ref.run_id,
+                                    purpose=purpose, reader="another tenant")
         return rec
 
     def external_files(self, p: Principal, ref: CheckpointRef) -> tuple[CheckpointRecord, list[str]]:
@@ -223,18 +226,18 @@ class CheckpointService:
         run = self.runs.find_run(rec.run_id)
         if run is None:
             raise NotFound(f"checkpoint {ref.tinker_path!r} not found")
-        source = self.core.source_of(rec, run)
-        tmp = Path(tempfile.mkdtemp(dir=self.core.ephemeral_root, prefix="export-"))
+        source = self.sources.source_of(rec, run)
+        tmp = Path(tempfile.mkdtemp(dir=self.stores.ephemeral_root, prefix="export-"))
         (tmp / "peft").mkdir()
         try:
-            await self.core.call(self.core.engine.export_peft(source, tmp / "peft"))
+            await self.work.call(self.work.engine.export_peft(source, tmp / "peft"))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return tmp / "peft", lambda: shutil.rmtree(tmp, ignore_errors=True)
 
     def session_view(self, p: Principal, session_id: str) -> types.GetSessionResponse:
-        s = self.core.sessions.get(session_id, p.owner)
+        s = self.stores.sessions.get(session_id, p.owner)
         return types.GetSessionResponse(
             training_run_ids=list(s.model_ids),
             sampler_ids=list(s.sampler_ids),
@@ -243,5 +246,5 @@ class CheckpointService:
         )
 
     def list_sessions(self, p: Principal, limit: int, offset: int) -> types.ListSessionsResponse:
-        sessions = self.core.sessions.owned(p.owner)
+        sessions = self.stores.sessions.owned(p.owner)
         return types.ListSessionsResponse(sessions=[s.session_id for s in sessions[offset : offset + limit]])

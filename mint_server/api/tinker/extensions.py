@@ -13,7 +13,8 @@ import numpy as np
 from tinker import types
 
 from mint_server.api.auth.keys import Principal
-from mint_server.api.core import Core, TrainingModel
+from mint_server.api.core import Core
+from mint_server.api.state.clients import TrainingModel
 from mint_server.api.tinker.codec import check_tensor, tensor_json
 from mint_server.api.tinker.mint_types import (
     ForwardBackwardReverseKLRequest,
@@ -56,8 +57,11 @@ def _datums(req: ForwardBackwardReverseKLRequest) -> list[ReverseKLDatum]:
 
 class MintService:
     def __init__(self, core: Core, training: TrainingService) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.admission = core.admission
+        self.stores = core.stores
+        self.sources = core.sources
+        self.work = core.work
+        self.engine = core.work.engine
         self.training = training
 
     def reverse_kl(self, p: Principal, req: ForwardBackwardReverseKLRequest) -> types.UntypedAPIFuture:
@@ -65,13 +69,13 @@ class MintService:
             # Every refusal happens in here, so that a refused request still gives up its seq_id.
             reference: AdapterSource | None = None
             if is_checkpoint_path(req.reference_model_path):
-                reference = self.core.read_source(req.reference_model_path, p.owner)
+                reference = self.sources.read_source(req.reference_model_path, p.owner)
             else:
-                self.core.check_base_model(req.reference_model_path, "reference_model_path")
+                self.sources.check_base_model(req.reference_model_path, "reference_model_path")
             job = self.engine.prepare_reverse_kl(_datums(req), req.temperature, reference)
 
             async def run() -> ForwardBackwardReverseKLResponse:
-                out = await self.core.call(self.engine.submit(job.on(model.adapter())))
+                out = await self.work.call(self.engine.submit(job.on(model.adapter())))
                 return ForwardBackwardReverseKLResponse(
                     outputs=[ReverseKLItemOutput(loss=WireTensor(**tensor_json(_loss_of(o)))) for o in out.loss_fn_outputs],
                     metrics=dict(out.metrics),
@@ -82,7 +86,6 @@ class MintService:
         return self.training.sequenced(p, req.model_id, req.seq_id, "forward_backward_reverse_kl", check)
 
     def interpolate(self, p: Principal, req: InterpolateCheckpointsRequest) -> types.UntypedAPIFuture:
-        self.core.admission.admit(p.owner)
         if not req.source_paths:
             raise InvalidInput("source_paths: at least one checkpoint is required")
         if len(req.coefficients) != len(req.source_paths):
@@ -93,22 +96,22 @@ class MintService:
             raise InvalidInput("coefficients must be finite")
         if parse_policy_ref(req.source_paths[0]) is not None:
             raise InvalidInput("the first source path must be a checkpoint of one of your runs: the result is saved in its run")
-        first_rec, first_run = self.core.resolve(req.source_paths[0], p.owner)
+        first_rec, first_run = self.sources.resolve(req.source_paths[0], p.owner)
         if first_run.owner != p.owner:
             raise InvalidInput("the first source path must be one of your own checkpoints: the result is saved in its run")
         name = check_name(req.output_path or f"interpolated-{int(time.time() * 1000)}", "output_path")
         out_ref = CheckpointRef(first_run.run_id, "sampler_weights", name)
-        if self.core.runs.exists(out_ref):
+        if self.stores.runs.exists(out_ref):
             raise InvalidInput(f"checkpoint {out_ref.tinker_path!r} already exists")
         # Later sources may be policy revisions too (tinker://NAME@prod).
-        specs = [self.core.source_of(first_rec, first_run)]
-        specs += [self.core.read_source(path, p.owner) for path in req.source_paths[1:]]
+        specs = [self.sources.source_of(first_rec, first_run)]
+        specs += [self.sources.read_source(path, p.owner) for path in req.source_paths[1:]]
 
         async def run() -> InterpolateCheckpointsResponse:
-            merged = await self.core.call(self.engine.interpolate(specs, list(req.coefficients)))
+            merged = await self.work.call(self.engine.interpolate(specs, list(req.coefficients)))
             try:
                 await self.training.save_checkpoint(
-                    p.owner, out_ref, None, None, lambda dest: self.core.call(self.engine.export_peft(merged, dest))
+                    p.owner, out_ref, None, None, lambda dest: self.work.call(self.engine.export_peft(merged, dest))
                 )
             finally:
                 await asyncio.wrap_future(self.engine.release_adapter(merged))
@@ -116,7 +119,8 @@ class MintService:
                 path=out_ref.tinker_path, source_paths=list(req.source_paths), coefficients=list(req.coefficients)
             )
 
-        return self.core.register(p.owner, "interpolate_checkpoints", self.core.spawn(run()))
+        with self.admission.enter(p.owner) as ticket:
+            return self.work.register(ticket, "interpolate_checkpoints", self.work.spawn(run()))
 
 
 def _loss_of(output: dict[str, types.TensorData]) -> types.TensorData:

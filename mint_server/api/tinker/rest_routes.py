@@ -147,7 +147,7 @@ async def download_archive(token: str, request: Request) -> Response:
     ref = CheckpointRef(claims["run"], claims["kind"], claims["name"])
     peft_dir, cleanup = await svc.peft_dir(claims["sub"], ref)
     try:
-        archive = await asyncio.to_thread(_archive, peft_dir, svc.tied_embeddings(), svc.core.ephemeral_root)
+        archive = await asyncio.to_thread(_archive, peft_dir, svc.tied_embeddings(), svc.stores.ephemeral_root)
     finally:
         cleanup()
     return FileResponse(

@@ -11,9 +11,10 @@ base and refuses what it cannot compute exactly), and turned once into a weights
 dir under the ephemeral root, keyed by its content (sha256): the engine's own `load_state` then
 starts the new model from it, and a model whose replica dies resumes from it like from any state.
 
-Used by api/tinker/training.py (`create_from_state`, `load_weights`): `resolve(core, path, owner)` returns
-None for a checkpoint path, else the revision's LoRA config and state dir; `await
-ensure_state(core, state)` before the engine's `load_state(None | adapter, state.state_dir, False, …)`.
+Used by api/tinker/training.py (`create_from_state`, `load_weights`): `resolve(policies, states_root,
+path, owner)` returns None for a checkpoint path, else the revision's LoRA config and state dir;
+`await ensure_state(work, policies, state)` before the engine's `load_state(None | adapter,
+state.state_dir, False, …)`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from mint_server.catalog.records import Revision
 from mint_server.engine.interface import AdapterSource
 
 if TYPE_CHECKING:
-    from mint_server.api.core import Core
+    from mint_server.api.catalog.policies import Policies
+    from mint_server.api.work import Work
 
 # PEFT module names by the LoraConfig switch that trains them (strings only: no model code here).
 _UNEMBED = frozenset({"lm_head", "unembed_tokens"})
@@ -59,33 +61,35 @@ def lora_of(rank: int, lora_config: dict[str, Any]) -> types.LoraConfig:
     return types.LoraConfig(rank=rank, **{k: bool(v) for k, v in flags.items()})
 
 
-def resolve(core: Core, path: str, owner: str, with_optimizer: bool = False) -> RevisionState | None:
+def resolve(policies: Policies, states_root: Path, path: str, owner: str,
+            with_optimizer: bool = False) -> RevisionState | None:
     """None for a checkpoint path; for a policy reference, the revision it names now (own, servable
-    on this base) as a training start. InvalidInput for `with_optimizer` (a revision has none)."""
+    on this base) as a training start, its state kept under `states_root`. InvalidInput for
+    `with_optimizer` (a revision has none)."""
     ref = parse_policy_ref(path)
     if ref is None:
         return None
-    revision, policy = core.policies.resolve(ref, owner)
-    core.policies.check_servable(ref, policy)
+    revision, policy = policies.resolve(ref, owner)
+    policies.check_servable(ref, policy)
     if with_optimizer:
         raise InvalidInput(f"path {path!r}: a policy revision holds adapter weights only, no optimizer state; "
                            "load it without the optimizer (create_training_client_from_state / load_state), "
                            "which starts the optimizer fresh")
     return RevisionState(
         path=f"tinker://{revision.ref}", revision=revision, base_model=policy.base_model,
-        lora=lora_of(revision.rank, policy.lora_config), state_dir=core.ephemeral_root / STATES_DIR / revision.sha256,
+        lora=lora_of(revision.rank, policy.lora_config), state_dir=states_root / STATES_DIR / revision.sha256,
     )
 
 
-async def ensure_state(core: Core, state: RevisionState) -> Path:
+async def ensure_state(work: Work, policies: Policies, state: RevisionState) -> Path:
     """The revision's weights-only training-state dir, written once (atomically) by the engine: the
     revision loaded as sampling loads it, copied unchanged (one source, coefficient 1), saved."""
     if (state.state_dir / "state.json").is_file():
         return state.state_dir
-    source = AdapterSource.of_revision(state.revision.sha256, core.policies.reader(state.revision))
-    adapter = await core.call(core.engine.interpolate([source], [1.0]))
+    source = AdapterSource.of_revision(state.revision.sha256, policies.reader(state.revision))
+    adapter = await work.call(work.engine.interpolate([source], [1.0]))
     try:
-        await core.call(core.engine.save_state(adapter, state.state_dir, False))
+        await work.call(work.engine.save_state(adapter, state.state_dir, False))
     finally:
-        await core.call(core.engine.release_adapter(adapter))
+        await work.call(work.engine.release_adapter(adapter))
     return state.state_dir

@@ -16,7 +16,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mint_server.api.auth.keys import Principal
-from mint_server.api.core import Core, SamplingSession
+from mint_server.api.core import Core
+from mint_server.api.state.clients import SamplingSession
 from mint_server.api.state.pauses import DEFAULT_PAUSE_S, MAX_PAUSE_S, MAX_PAUSES_PER_OWNER, Target
 from mint_server.api.state.runs import NotFound
 from mint_server.api.tinker.paths import parse_policy_ref
@@ -78,17 +79,19 @@ def targets_of(sampler: SamplingSession) -> list[Target]:
 
 class RolloutControl:
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.pauses = core.pauses
+        self.stores = core.stores
+        self.policies = core.policies
+        self.work = core.work
+        self.pauses = core.stores.pauses
 
     def _target(self, p: Principal, req: RolloutTarget) -> Target:
         if req.sampling_session_id is not None:
-            sampler = self.core.samplers.get(req.sampling_session_id)
+            sampler = self.stores.samplers.get(req.sampling_session_id)
             if sampler is None or sampler.owner != p.owner:
                 raise NotFound(f"sampling session {req.sampling_session_id!r} not found", field="sampling_session_id")
             return "session", sampler.sampler_id
         assert req.policy is not None
-        self.core.policies.resolve(req.policy, p.owner)  # 404 for a policy the caller does not have
+        self.policies.resolve(req.policy, p.owner)  # 404 for a policy the caller does not have
         return "policy", parse_ref(req.policy, field="policy").policy
 
     def pause(self, p: Principal, req: PauseRequest) -> PauseResponse:
@@ -110,12 +113,12 @@ class RolloutControl:
 
     def abort(self, p: Principal, req: AbortRequest) -> AbortResponse:
         target = self._target(p, req)
-        sessions = [s for s in list(self.core.samplers.values())
+        sessions = [s for s in list(self.stores.samplers.values())
                     if s.owner == p.owner and target in targets_of(s)]  # fmt: skip
         aborted = 0
         for sampler in sessions:
             for request_id in list(sampler.pending):
-                self.core.cancel_sample(request_id, p.owner)
+                self.work.cancel_sample(request_id, p.owner)
                 aborted += 1
         return AbortResponse(kind=target[0], name=target[1], aborted=aborted)
 

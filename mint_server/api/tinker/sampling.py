@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from tinker import types
 
 from mint_server.api.auth.keys import Principal
-from mint_server.api.core import Core, SamplingSession, TrainingModel, waits_on_engine
+from mint_server.api.core import Core, sample_job
+from mint_server.api.state.clients import SamplingSession, TrainingModel
 from mint_server.api.state.futures import CompletionLog
 from mint_server.api.state.runs import NotFound
 from mint_server.api.tinker.codec import describe_validation_error
@@ -33,6 +34,7 @@ from mint_server.api.tinker.mint_types import (
 )
 from mint_server.api.tinker.rollouts import targets_of
 from mint_server.api.tinker.validate import InvalidInput
+from mint_server.api.work import waits_on_engine
 from mint_server.engine.interface import AdapterSource
 
 
@@ -70,8 +72,12 @@ RETIRED_KEPT = 100_000  # ended sampling sessions remembered for late acknowledg
 
 class SamplingService:
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.settings = core.settings
+        self.admission = core.admission
+        self.stores = core.stores
+        self.sources = core.sources
+        self.work = core.work
+        self.engine = core.work.engine
         # Ended sampling sessions → owner, so an SDK poller's last acknowledgement that arrives after
         # its session finished gets an empty answer, not a 404 it would log as a failure.
         self._retired: OrderedDict[str, str] = OrderedDict()
@@ -79,10 +85,10 @@ class SamplingService:
     def create_session(
         self, p: Principal, req: types.CreateSamplingSessionRequest
     ) -> types.CreateSamplingSessionResponse:
-        self.core.admission.check_accepting()
-        session = self.core.sessions.live(req.session_id, p.owner)
+        self.admission.check_accepting()
+        session = self.stores.sessions.live(req.session_id, p.owner)
         sampler_id = f"{session.session_id}:sample:{req.sampling_session_seq_id}"
-        if (existing := self.core.samplers.get(sampler_id)) is not None:
+        if (existing := self.stores.samplers.get(sampler_id)) is not None:
             if existing.model_path != req.model_path:
                 raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
             return types.CreateSamplingSessionResponse(sampling_session_id=sampler_id)
@@ -90,13 +96,13 @@ class SamplingService:
         if req.model_path is not None:
             # A policy reference (tinker://NAME@prod) is resolved here, once: the session keeps that
             # revision even if the alias moves later.
-            source = self.core.read_source(req.model_path, p.owner)
-            self.core.check_base_model(req.base_model)
+            source = self.sources.read_source(req.model_path, p.owner)
+            self.sources.check_base_model(req.base_model)
         elif req.base_model is None:
             raise InvalidInput("either model_path or base_model is required")
         else:
-            self.core.check_base_model(req.base_model)
-        self.core.samplers[sampler_id] = SamplingSession(
+            self.sources.check_base_model(req.base_model)
+        self.stores.samplers[sampler_id] = SamplingSession(
             sampler_id, p.owner, session.session_id, self.engine.base_model, req.model_path, source
         )
         session.sampler_ids.append(sampler_id)
@@ -112,12 +118,12 @@ class SamplingService:
                 sampler_id, model.owner, model.session_id, self.engine.base_model, None,
                 AdapterSource(f"ephemeral:{sampler_id}", peft_dir=peft_dir), ephemeral_dir=peft_dir,
             )
-        self.core.samplers[sampler_id] = sampler
-        session = self.core.sessions.get(model.session_id, model.owner)
+        self.stores.samplers[sampler_id] = sampler
+        session = self.stores.sessions.get(model.session_id, model.owner)
         session.sampler_ids.append(sampler_id)
 
     def sampler(self, p: Principal, sampler_id: str) -> SamplingSession:
-        sampler = self.core.samplers.get(sampler_id)
+        sampler = self.stores.samplers.get(sampler_id)
         if sampler is None or sampler.owner != p.owner:
             raise NotFound(f"sampling session {sampler_id!r} not found")
         return sampler
@@ -130,51 +136,41 @@ class SamplingService:
                 extensions: str | None = None) -> types.UntypedAPIFuture:
         """`extensions`: the X-Mint-Sampling-Params header (a JSON SamplingExtensions object), for
         clients that cannot send those fields in `sampling_params` (the tinker SDK drops them)."""
-        self.core.admission.check_accepting()
         if req.sampling_session_id is None:
             raise InvalidInput("sampling_session_id is required (create one with create_sampling_session)")
         sampler = self.sampler(p, req.sampling_session_id)
-        if (hit := self.core.seen(sampler.sampler_id, req.seq_id)) is not None:
-            return hit
-        self.core.admission.admit(p.owner)
-        controls = _controls(req.sampling_params, extensions) | _prompt_fields(req)
-        # An inflight session samples on the training model's own adapter (no copy): its newest weights.
-        source = sampler.live.adapter() if sampler.live is not None else sampler.source
-        job = self.core.sample_job(
-            p.owner, source, req.prompt, req.num_samples, req.sampling_params, bool(req.prompt_logprobs),
-            req.topk_prompt_logprobs, record=bool(req.record_stability_info),
-            top_logprobs=req.topk_sample_logprobs, priority=priority, controls=controls,
-        )
-        self.core.admission.check_samples()
-        self.core.admission.samples_started()
+        if (hit := self.stores.seen(sampler.sampler_id, req.seq_id)) is not None:
+            return hit  # already admitted: the first answer again, even while draining
+        with self.admission.enter(p.owner, samples=1) as ticket:
+            controls = _controls(req.sampling_params, extensions) | _prompt_fields(req)
+            # An inflight session samples on the training model's own adapter (no copy): its newest weights.
+            source = sampler.live.adapter() if sampler.live is not None else sampler.source
+            job = sample_job(
+                self.engine, p.owner, source, req.prompt, req.num_samples, req.sampling_params,
+                bool(req.prompt_logprobs), req.topk_prompt_logprobs, record=bool(req.record_stability_info),
+                top_logprobs=req.topk_sample_logprobs, priority=priority, controls=controls,
+            )
+            engine_wait: list[Any] = [None]
 
-        engine_wait: list[Any] = [None]
+            async def run() -> types.SampleResponse:
+                await self.stores.pauses.wait(p.owner, targets_of(sampler))  # held while paused (rollout control)
+                waits_on_engine(engine_wait)
+                result = await self.work.call(self.engine.submit(job))
+                self.stores.note_sampled(p.owner, job, result, sampler.session_id)
+                return result
 
-        async def run() -> types.SampleResponse:
-            await self.core.pauses.wait(p.owner, targets_of(sampler))  # held while paused (rollout control)
-            waits_on_engine(engine_wait)
-            result = await self.core.call(self.engine.submit(job))
-            self.core.note_sampled(p.owner, job, result, sampler.session_id)
-            return result
-
-        if job.record and job.sequence_ids:  # scope the records to this session (RecordedSequences.check)
-            prefix = job.sequence_ids[0].rsplit("-", 1)[0]
-            self.core.recorded.note(prefix, p.owner, sampler.sampler_id)
-            sampler.recorded.append(prefix)
-        future = self.core.spawn(run())
-
-        def finished(_f: Any) -> None:
-            # A callback, not a `finally` in run(): a task cancelled before its first step never runs it.
-            self.core.admission.samples_done()
-            sampler.pending.discard(answer.request_id)
-
-        answer = self.core.register(
-            p.owner, "sample", future, scope=sampler.sampler_id, seq_id=req.seq_id,
-            sample_sequence_ids=list(job.sequence_ids),  # the engine's ids: stability records use them
-            engine_wait=engine_wait,
-        )
+            if job.record and job.sequence_ids:  # scope the records to this session (RecordedSequences.check)
+                prefix = job.sequence_ids[0].rsplit("-", 1)[0]
+                self.stores.recorded.note(prefix, p.owner, sampler.sampler_id)
+                sampler.recorded.append(prefix)
+            future = self.work.spawn(run())
+            answer = self.work.register(
+                ticket, "sample", future, scope=sampler.sampler_id, seq_id=req.seq_id,
+                sample_sequence_ids=list(job.sequence_ids),  # the engine's ids: stability records use them
+                engine_wait=engine_wait,
+            )
         sampler.pending.add(answer.request_id)
-        future.add_done_callback(finished)
+        future.add_done_callback(lambda _f: sampler.pending.discard(answer.request_id))
         log = sampler.completions.setdefault((req.seq_id or 0) // CLONE_BLOCK, CompletionLog())
         future.add_done_callback(lambda f: log.add(answer.request_id, f))
         return answer
@@ -186,28 +182,28 @@ class SamplingService:
         "nothing new" with the cursor it sent: it only reports results as retrieved, and those are gone
         with the session. Anyone else's, or a waiting poll, is a 404 like any missing session."""
         sid = req.target.sampling_session_id
-        if sid not in self.core.samplers and req.timeout == 0 and self._retired.get(sid) == p.owner:
+        if sid not in self.stores.samplers and req.timeout == 0 and self._retired.get(sid) == p.owner:
             return types.FuturesRetrieveResponse(completions=[], cursor=max(0, req.prev_cursor))
         sampler = self.sampler(p, sid)
         if req.prev_cursor < 0 or req.target.cloned_sampler_id < 0:
             raise InvalidInput("prev_cursor and target.cloned_sampler_id must be >= 0")
-        limit = self.core.settings.long_poll_s
+        limit = self.settings.long_poll_s
         timeout = limit if req.timeout is None else req.timeout
         if not (timeout >= 0):  # also NaN
             raise InvalidInput("timeout must be >= 0")
         log = sampler.completions.setdefault(req.target.cloned_sampler_id, CompletionLog())
-        return await log.poll(req.prev_cursor, min(timeout, limit), self.core.futures.closing)
+        return await log.poll(req.prev_cursor, min(timeout, limit), self.stores.futures.closing)
 
     def retire(self, sampler: SamplingSession) -> None:
         """The session is over: its samples are abandoned, so they stop (queued or running) and
         free their KV; its snapshot and records go too."""
-        self.core.samplers.pop(sampler.sampler_id, None)
+        self.stores.samplers.pop(sampler.sampler_id, None)
         self._retired[sampler.sampler_id] = sampler.owner
         while len(self._retired) > RETIRED_KEPT:
             self._retired.popitem(last=False)
         for request_id in list(sampler.pending):
-            self.core.cancel_sample(request_id, sampler.owner)
-        self.core.recorded.expire(sampler.recorded)
+            self.work.cancel_sample(request_id, sampler.owner)
+        self.stores.recorded.expire(sampler.recorded)
         if sampler.ephemeral_dir is not None:
-            self.core.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
+            self.work.engine.forget_source(f"ephemeral:{sampler.sampler_id}")
             shutil.rmtree(sampler.ephemeral_dir, ignore_errors=True)

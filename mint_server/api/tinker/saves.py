@@ -18,7 +18,8 @@ from typing import Any
 from tinker import types
 
 from mint_server.api.auth.keys import Principal
-from mint_server.api.core import Core, TrainingModel
+from mint_server.api.core import Core
+from mint_server.api.state.clients import TrainingModel
 from mint_server.api.state.runs import CheckpointRecord
 from mint_server.api.state.usage import CHECKPOINT
 from mint_server.api.tinker.paths import CheckpointRef, Kind, check_name
@@ -80,8 +81,11 @@ def lora_shape(lora: types.LoraConfig | dict[str, Any]) -> dict[str, Any]:
 class Saves:
     def __init__(self, core: Core, sequenced: Sequenced,
                  on_sampler_snapshot: Callable[[TrainingModel, str, Path | None], None]) -> None:
-        self.core = core
-        self.engine = core.engine
+        self.stores = core.stores
+        self.policies = core.policies
+        self.sources = core.sources
+        self.work = core.work
+        self.engine = core.work.engine
         self.sequenced = sequenced
         self._on_sampler_snapshot = on_sampler_snapshot
 
@@ -93,9 +97,9 @@ class Saves:
             async def run() -> types.SaveWeightsResponse:
                 await self.save_checkpoint(
                     model.owner, ref, expires, req.user_metadata,
-                    lambda dest: self.core.call(self.engine.save_state(model.adapter(), dest, True)),
+                    lambda dest: self.work.call(self.engine.save_state(model.adapter(), dest, True)),
                 )
-                model.saved = (self.core.runs.data_dir(ref), True, model.steps)
+                model.saved = (self.stores.runs.data_dir(ref), True, model.steps)
                 return types.SaveWeightsResponse(path=ref.tinker_path)
 
             return run
@@ -110,7 +114,7 @@ class Saves:
             expires = check_ttl(req.ttl_seconds)
 
             async def publish(peft_dir: Path) -> None:
-                model.last_revision = await self.core.policies.publish(
+                model.last_revision = await self.policies.publish(
                     model.owner, model.policy, peft_dir, lora_config=lora_shape(model.lora),
                     parent=model.last_revision, training_run=model.model_id, step=model.steps,
                 )
@@ -118,7 +122,7 @@ class Saves:
             async def run() -> types.SaveWeightsForSamplerResponseInternal:
                 await self.save_checkpoint(
                     model.owner, ref, expires, req.user_metadata,
-                    lambda dest: self.core.call(self.engine.export_peft(model.adapter(), dest)),
+                    lambda dest: self.work.call(self.engine.export_peft(model.adapter(), dest)),
                     before_commit=publish,
                 )
                 return types.SaveWeightsForSamplerResponseInternal(path=ref.tinker_path)
@@ -133,7 +137,7 @@ class Saves:
         if req.sampling_session_seq_id is None:
             raise InvalidInput("save_weights_for_sampler needs either path or sampling_session_seq_id")
         sampler_id = f"{model.session_id}:sample:{req.sampling_session_seq_id}"
-        if sampler_id in self.core.samplers:
+        if sampler_id in self.stores.samplers:
             raise InvalidInput(f"sampling_session_seq_id {req.sampling_session_seq_id} was already used")
 
         if req.kind == "inflight":
@@ -145,9 +149,9 @@ class Saves:
             return inflight
 
         async def run() -> types.SaveWeightsForSamplerResponseInternal:
-            dest = self.core.ephemeral_root / sampler_id.replace(":", "_")
+            dest = self.stores.ephemeral_root / sampler_id.replace(":", "_")
             dest.mkdir(parents=True, exist_ok=True)
-            await self.core.call(self.engine.export_peft(model.adapter(), dest))
+            await self.work.call(self.engine.export_peft(model.adapter(), dest))
             self._on_sampler_snapshot(model, sampler_id, dest)
             return types.SaveWeightsForSamplerResponseInternal(sampling_session_id=sampler_id)
 
@@ -162,12 +166,12 @@ class Saves:
             ref = self._new_ref(model, "external_weights", req.path, overwrite=False)
             expires = check_ttl(req.ttl_seconds)
             recipients = age_recipients(req.age_encryption_recipients)
-            tied = self.core.tied_embeddings()
+            tied = self.sources.tied_embeddings()
 
             async def write(staging: Path) -> None:
-                peft = Path(tempfile.mkdtemp(dir=self.core.ephemeral_root, prefix="external-"))
+                peft = Path(tempfile.mkdtemp(dir=self.stores.ephemeral_root, prefix="external-"))
                 try:
-                    await self.core.call(self.engine.export_peft(model.adapter(), peft))
+                    await self.work.call(self.engine.export_peft(model.adapter(), peft))
                     await asyncio.to_thread(write_archive_dir, peft, staging, tied)
                 finally:
                     shutil.rmtree(peft, ignore_errors=True)
@@ -175,10 +179,10 @@ class Saves:
                     await asyncio.to_thread(encrypt_files, staging, recipients)
 
             async def run() -> types.SaveWeightsExternalResponseInternal:
-                if self.core.runs.exists(ref):  # two saves of one name raced past the check
+                if self.stores.runs.exists(ref):  # two saves of one name raced past the check
                     raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists")
                 await self.save_checkpoint(model.owner, ref, expires, None, write)
-                size = self.core.runs.get_checkpoint(ref, model.owner).size_bytes
+                size = self.stores.runs.get_checkpoint(ref, model.owner).size_bytes
                 return types.SaveWeightsExternalResponseInternal(path=ref.tinker_path, size_bytes=size)
 
             return run
@@ -189,7 +193,7 @@ class Saves:
         if name is None:
             name = f"{kind}-{int(time.time() * 1000)}"
         ref = CheckpointRef(model.model_id, kind, check_name(name))
-        if not overwrite and self.core.runs.exists(ref):
+        if not overwrite and self.stores.runs.exists(ref):
             raise InvalidInput(f"checkpoint {ref.tinker_path!r} already exists (pass overwrite=True to replace it)")
         return ref
 
@@ -211,28 +215,29 @@ class Saves:
         at startup.)
         """
         with full_disk_named(f"checkpoint {ref.kind}/{ref.name}"):
-            staging = self.core.runs.staging_dir(ref.run_id, ref.kind)  # making it may find the disk full too
+            staging = self.stores.runs.staging_dir(ref.run_id, ref.kind)  # making it may find the disk full too
             try:
                 await write(staging)
-                size = await asyncio.to_thread(self.core.runs.publish_data, ref, staging)
+                size = await asyncio.to_thread(self.stores.runs.publish_data, ref, staging)
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
             if before_commit is not None:
                 try:
-                    await before_commit(self.core.runs.data_dir(ref))
+                    await before_commit(self.stores.runs.data_dir(ref))
                 except BaseException:
-                    shutil.rmtree(self.core.runs.data_dir(ref), ignore_errors=True)
+                    shutil.rmtree(self.stores.runs.data_dir(ref), ignore_errors=True)
                     raise
-        self.core.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
-        self.core.runs.register_checkpoint(
+        self.sources.forget_checkpoint(ref)  # an overwrite makes any cached copy stale
+        self.stores.runs.register_checkpoint(
             CheckpointRecord(
                 run_id=ref.run_id, kind=ref.kind, name=ref.name, owner=owner, created_at=time.time(),
                 size_bytes=size, expires_at=expires_at, user_metadata=user_metadata,
             )
         )
-        run = self.core.runs.find_run(ref.run_id)
+        run = self.stores.runs.find_run(ref.run_id)
         session_id = run.session_id if run is not None else None
-        self.core.meter.count(owner, CHECKPOINT, 1, session_id=session_id, project_id=self.core.project_of(session_id))
-        self.core.meter.audit(owner, "checkpoint_created", tinker_path=ref.tinker_path, model_id=ref.run_id,
+        self.stores.meter.count(owner, CHECKPOINT, 1, session_id=session_id,
+                                project_id=self.stores.project_of(session_id))
+        self.stores.meter.audit(owner, "checkpoint_created", tinker_path=ref.tinker_path, model_id=ref.run_id,
                               size_bytes=size)

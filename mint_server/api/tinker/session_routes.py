@@ -88,7 +88,7 @@ async def create_session(request: Request, p: Principal = needs(SERVE)) -> dict[
 @router.post("/session_heartbeat", openapi_extra=body_doc(types.SessionHeartbeatRequest))
 async def session_heartbeat(request: Request, p: Principal = needs(SERVE)) -> dict[str, Any]:
     req = await parse(request, types.SessionHeartbeatRequest)
-    service(request).core.sessions.heartbeat(req.session_id, p.owner)
+    service(request).core.stores.sessions.heartbeat(req.session_id, p.owner)
     return types.SessionHeartbeatResponse().model_dump(mode="json")
 
 
@@ -110,11 +110,11 @@ async def telemetry(_p: Principal = needs(SERVE)) -> dict[str, str]:
 async def retrieve_future(request: Request, p: Principal = needs(SERVE)) -> Response:
     req = await parse(request, types.FutureRetrieveRequest)
     svc = service(request)
-    entry = await svc.core.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
+    entry = await svc.core.stores.futures.wait(req.request_id, p.owner, svc.core.settings.long_poll_s)
     if not entry.future.done():
         state = svc.core.admission.queue_state(p.owner)
         # A key-wide pause names the cause; otherwise a request behind others' work gets MinT's queue fields.
-        if state == "active" and (queued := svc.core.queue_position(req.request_id)) is not None:
+        if state == "active" and (queued := svc.core.work.queue_position(req.request_id)) is not None:
             return _queued_response(req.request_id, *queued)
         body = TryAgainResponse(request_id=req.request_id, queue_state=state).model_dump(mode="json")  # type: ignore[arg-type]
         if state != "active":
@@ -155,7 +155,7 @@ async def cancel_future(request: Request, p: Principal = needs(SERVE)) -> Respon
     request_id = body.get("request_id")
     if not isinstance(request_id, str) or set(body) - {"request_id"}:
         raise codec.DecodeError("expected {'request_id': <id of a sample request>}")
-    service(request).core.cancel_sample(request_id, p.owner)
+    service(request).core.work.cancel_sample(request_id, p.owner)
     return Response(status_code=204)
 
 
