@@ -29,8 +29,8 @@ class Busy(Exception):
 class Ticket:
     """One admitted request: its place in its key's pending count (and its samples in the server's
     in-flight count) until released. Used as a context manager around the request's checks: a
-    request refused after it entered, or answered from an earlier submission, leaves at once; one
-    whose work was queued `hold`s the ticket until that work is done. Release happens once."""
+    request refused after it entered leaves at once; one whose work was queued `hold`s the ticket
+    until that work is done, however it ends. Release happens once."""
 
     def __init__(self, admission: Admission, owner: str, samples: int) -> None:
         self._admission = admission
@@ -53,7 +53,7 @@ class Ticket:
         return self
 
     def __exit__(self, *_exc: object) -> None:
-        if not self._held:  # refused, or answered without queueing work: nothing keeps it
+        if not self._held:  # refused, or its work never started: nothing keeps it
             self.release()
 
 
