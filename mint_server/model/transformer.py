@@ -8,6 +8,7 @@ and reads).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -260,6 +261,8 @@ class Transformer(nn.Module):
     tp: TP | None = None  # set by tp.shard_model: vocab-parallel embedding and lm_head
     ragged = True  # its attention takes a RaggedView (a step's sequences packed as one batch)
     vocab_start = 0  # first vocabulary row this rank holds
+    # compiled_training.TrainingGraph (set by its attach; not imported here: it imports this module)
+    training_graph: Any = None
 
     def __init__(self, cfg: ModelConfig, block: type[nn.Module] | None = None) -> None:
         super().__init__()
@@ -309,7 +312,7 @@ class Transformer(nn.Module):
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = recomputed_blocks if cache is None and torch.is_grad_enabled() else 0
-        return self.norm(self.run_layers(x, cos, sin, lora, cache, recompute, vision))
+        return self.norm(self.blocks(x, cos, sin, lora, cache, recompute, vision))
 
     def packed_hidden_states(self, tokens: Tensor, lengths: list[int], lora: LoraBatch | None = None,
                              recomputed_blocks: int = 0) -> Tensor:
@@ -324,7 +327,23 @@ class Transformer(nn.Module):
             cos, sin = cos * self.rope_factor, sin * self.rope_factor
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         recompute = recomputed_blocks if torch.is_grad_enabled() else 0
-        return self.norm(self.run_layers(x, cos, sin, lora, PackedView(lengths), recompute))  # type: ignore[arg-type]
+        return self.norm(self.blocks(x, cos, sin, lora, PackedView(lengths), recompute))  # type: ignore[arg-type]
+
+    def blocks(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
+               recomputed_blocks: int, vision: VisionInput | None = None) -> Tensor:
+        """run_layers, or for a training pass (no KV cache) the trainer's compiled blocks where they
+        apply (model/compiled_training.py; each eager pass counted with its reason)."""
+        graph = self.training_graph
+        if graph is None or not (cache is None or isinstance(cache, PackedView)):
+            return self.run_layers(x, cos, sin, lora, cache, recomputed_blocks, vision)
+        reason = graph.eager_reason(x, lora, cache, vision)
+        if reason is None:
+            out = graph.run_layers(x, cos, sin, lora, cache, recomputed_blocks)  # type: ignore[arg-type]
+            if out is not None:
+                return out
+            reason = "compile failed"
+        graph.note_eager(reason)
+        return self.run_layers(x, cos, sin, lora, cache, recomputed_blocks, vision)
 
     def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: CacheView | None,
                    recomputed_blocks: int, vision: VisionInput | None = None) -> Tensor:
