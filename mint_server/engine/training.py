@@ -24,7 +24,6 @@ import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,10 +33,9 @@ from torch import Tensor
 from mint_server.engine.custom_loss import run_per_datum
 from mint_server.engine.jobs import CustomJob, TrainJob
 from mint_server.engine.losses import ParsedDatum, TargetLogprobs, pad_inputs
-from mint_server.engine.optim import Pairs
 from mint_server.engine.residency import Adapter, Residency
+from mint_server.engine.runner import Shard, op
 from mint_server.engine.training_lora import (
-    Leaves,
     LoraRef,
     TokenLora,
     accumulate,
@@ -131,6 +129,7 @@ class Trainer:
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
         # compile "auto": the blocks of its passes compiled (model/compiled_training.py), counted in stats
         attach_compiled_blocks(model, compile, self.stats)
+        residency.runner.shard.model = model  # the runner's rank runs it (a residency alone has no model)
 
     # --- forward / forward_backward -------------------------------------------------------------
     def run(self, jobs: Sequence[TrainJob], between: Callable[[], None] | None = None,
@@ -181,7 +180,6 @@ class Trainer:
         logprobs: dict[tuple[int, int], np.ndarray] = {}
         losses: dict[tuple[int, int], np.ndarray] = {}
         loss_sum = [0.0] * len(preps)
-        pending: dict[str, Pairs] = {}
         runner = self.residency.runner
         packed = self._packs()
         # Tokens of the largest request alone (in micro-batches of the same budget).
@@ -191,18 +189,14 @@ class Trainer:
         try:
             batches = self.plan_packed(rows, budget) if packed else self.plan(rows, budget)
             for i, mb in enumerate(batches):
-                grads = micro_batch(mb, preps, backward, logprobs, losses, loss_sum, alone)
-                accumulate(pending, grads)
+                micro_batch(mb, preps, backward, logprobs, losses, loss_sum, alone)
                 if between is not None and i + 1 < len(batches):
                     between()
         except BaseException:
-            if runner is not None:  # every rank drops the pass's gradients
-                runner.call("train_commit", keep=False)
+            runner.call("train_commit", keep=False)  # every rank drops the pass's gradients
             raise
-        if runner is not None:  # tensor-parallel: each rank commits its share (tp_runner.train_commit)
-            failed = {aid: self._non_finite(aid) for aid in runner.call("train_commit", keep=True)}
-        else:
-            failed = self.commit(pending, {p.adapter.id: p.adapter for p in preps if p.adapter is not None})
+        # every rank adds its share of the pass's gradients to the adapters (non-finite ones refused)
+        failed = {aid: self._non_finite(aid) for aid in runner.call("train_commit", keep=True)}
         outs: list[Output | Exception] = []
         for r, p in enumerate(preps):
             if p.adapter is not None and p.adapter.id in failed:
@@ -220,8 +214,6 @@ class Trainer:
     def _packs(self) -> bool:
         """Whether this pass packs its datums; the reason it does not is logged once per reason."""
         reason = (None if self.pack else "packing is off (Trainer(pack=False))") or self._unpacked_reason
-        if reason is None and self.residency.runner is not None:
-            reason = "tensor parallelism (tp_runner pads its share)"
         if reason is None and invariant.enabled():
             reason = "batch-invariant mode (its tiles follow padded rows)"
         self.stats["padded_passes" if reason else "packed_passes"] += 1
@@ -269,8 +261,8 @@ class Trainer:
         losses: dict[tuple[int, int], np.ndarray],
         loss_sum: list[float],
         alone: int,
-    ) -> dict[str, Pairs]:
-        """One padded forward (+ backward) over `mb`; returns the adapters' gradients of this batch."""
+    ) -> None:
+        """One padded forward (+ backward) over `mb`; the adapters' gradients stay pending (train_commit)."""
         datums = [preps[r.req].datums[r.datum] for r in mb]
         T, K = max(r.length for r in mb), max(d.width for d in datums)
         recomputed_blocks, logits_chunk = self.memory_plan(len(mb) * T, alone)
@@ -284,28 +276,15 @@ class Trainer:
             t = d.inputs["target_tokens"]
             targets[i, : len(d.tokens), : d.width] = t if t.ndim == 2 else t[:, None]
         adapters = _unique([a for r in mb if (a := preps[r.req].adapter) is not None])
-        leaves: Leaves = {}
-        lora: LoraBatch | None = None
-        row_adapter: list[int] = []
+        row_adapter = row_slots = None
         if backward:
             index = {a.id: k for k, a in enumerate(adapters)}
             row_adapter = [index[preps[r.req].adapter.id] for r in mb]  # type: ignore[union-attr]
-        runner = self.residency.runner
-        if runner is not None:  # every rank runs the forward on its share; the loss stays here
-            lp = self._tp_forward(runner, tokens, targets, adapters, row_adapter, mb, preps, backward,
-                                  recomputed_blocks, logits_chunk)
-        elif backward:
-            lora, leaves = self.training_lora(adapters, row_adapter)
         elif adapters:
-            lora = self.residency.bank.batch([a.slot if (a := preps[r.req].adapter) else -1 for r in mb])
-        if lora is not None:
-            lora.row_lengths = [r.length for r in mb]
-
+            row_slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb]
+        lp = self._forward(tokens, targets, backward, adapters, row_adapter, row_slots, recomputed_blocks,
+                           logits_chunk, row_lengths=[r.length for r in mb], vision=self._vision(datums, T))
         with torch.set_grad_enabled(backward):
-            if runner is None:
-                h = self.model.hidden_states(torch.from_numpy(tokens).to(self.device), lora=lora,
-                                             recomputed_blocks=recomputed_blocks, vision=self._vision(datums, T))
-                lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
             for q in dict.fromkeys(r.req for r in mb):
@@ -318,11 +297,8 @@ class Trainer:
                 el = p.job.spec.fn(lp_q[..., :k_req], x, mask, p.job.config)
                 total = el.sum() if total is None else total + el.sum()
                 els.append((idx, q, el.detach()))
-            if backward and runner is not None:  # d(loss)/d(logprobs) to every rank, which backpropagates
-                grad = None if total is None else torch.autograd.grad(total, lp, allow_unused=True)[0]
-                runner.call("train_backward", grad=torch.zeros_like(lp) if grad is None else grad)
-            elif backward and total is not None:
-                total.backward()
+            if backward:
+                self._backward(total, lp)
 
         lp_cpu = lp.detach().float().cpu().numpy()
         for idx, q, el in els:
@@ -334,7 +310,6 @@ class Trainer:
                 one_d = d.inputs["target_tokens"].ndim == 1
                 logprobs[key] = lp_cpu[i, :n, 0].copy() if one_d else lp_cpu[i, :n, : d.width].copy()
                 losses[key] = el_cpu[j, :n].copy()
-        return leaf_grads(leaves)
 
     def _packed_micro_batch(
         self,
@@ -345,7 +320,7 @@ class Trainer:
         losses: dict[tuple[int, int], np.ndarray],
         loss_sum: list[float],
         alone: int,
-    ) -> dict[str, Pairs]:
+    ) -> None:
         """One forward (+ backward) over `mb` packed end to end in one row: no padding computed.
 
         Datums are laid out grouped by adapter (each adapter's tokens one contiguous span for its
@@ -368,24 +343,17 @@ class Trainer:
         for s, d in zip(starts, datums, strict=True):
             t = d.inputs["target_tokens"]
             targets[0, s : s + len(d.tokens), : d.width] = t if t.ndim == 2 else t[:, None]
-        leaves: Leaves = {}
-        lora: LoraBatch | None = None
+        row_adapter = row_slots = None  # one adapter for the whole row, or one per token
         if backward:
             per_datum = [index[a.id] for r in mb if (a := adapter_of(r)) is not None]
-            if len(adapters) == 1:  # one row, one adapter: the plain two-matmul LoRA
-                lora, leaves = self.training_lora(adapters, [0])
-            else:
-                lora, leaves = self.training_lora(adapters, np.repeat(per_datum, lengths).tolist())
+            # one row, one adapter: the plain two-matmul LoRA
+            row_adapter = [0] if len(adapters) == 1 else np.repeat(per_datum, lengths).tolist()
         elif adapters:
             slots = [a.slot if (a := adapter_of(r)) is not None else -1 for r in mb]
-            lora = self.residency.bank.batch(slots[:1] if len(set(slots)) == 1 else np.repeat(slots, lengths).tolist())
-        if lora is not None and lora.rows.numel() > 1:
-            lora = TokenLora(weights=lora.weights, rows=lora.rows, scale=lora.scale)
-
+            row_slots = slots[:1] if len(set(slots)) == 1 else np.repeat(slots, lengths).tolist()
+        lp = self._forward(tokens, targets, backward, adapters, row_adapter, row_slots, recomputed_blocks,
+                           logits_chunk, packed=lengths)
         with torch.set_grad_enabled(backward):
-            h = self.model.packed_hidden_states(torch.from_numpy(tokens).to(self.device), lengths, lora,
-                                                recomputed_blocks=recomputed_blocks)
-            lp = target_logprobs(self.model, h, lora, torch.from_numpy(targets).to(self.device), logits_chunk)
             lp_flat = torch.cat([lp[0], lp.new_zeros(1, K)])  # row N: what padded positions read
             total: Tensor | None = None
             els: list[tuple[list[int], int, Tensor]] = []
@@ -402,8 +370,8 @@ class Trainer:
                 el = p.job.spec.fn(lp_q, x, mask, p.job.config)
                 total = el.sum() if total is None else total + el.sum()
                 els.append((idx, q, el.detach()))
-            if backward and total is not None:
-                total.backward()
+            if backward:
+                self._backward(total, lp)
 
         lp_cpu = lp.detach().float().cpu().numpy()[0]
         for idx, q, el in els:
@@ -415,7 +383,6 @@ class Trainer:
                 one_d = d.inputs["target_tokens"].ndim == 1
                 logprobs[key] = lp_cpu[s : s + n, 0].copy() if one_d else lp_cpu[s : s + n, : d.width].copy()
                 losses[key] = el_cpu[j, :n].copy()
-        return leaf_grads(leaves)
 
     def _vision(self, datums: list[ParsedDatum], T: int) -> VisionInput | None:
         """The micro-batch's images (vision-language bases): row i is datum i from position 0."""
@@ -427,29 +394,25 @@ class Trainer:
 
     @staticmethod
     def lora_ref(a: Adapter) -> LoraRef:
-        """What a tensor-parallel op needs of an adapter in a slot."""
+        """What a training op needs of an adapter in a slot."""
         return LoraRef(a.id, a.slot, a.rank, a.targets, a.scale)  # type: ignore[arg-type]
 
-    def _tp_forward(self, runner: Any, tokens: np.ndarray, targets: np.ndarray, adapters: list[Adapter],
-                    row_adapter: list[int], mb: list[Row], preps: list[_Prepared], backward: bool,
-                    recomputed_blocks: int, logits_chunk: int) -> Tensor:
-        refs = [self.lora_ref(a) for a in adapters] if backward else None
-        slots = [a.slot if (a := preps[r.req].adapter) else -1 for r in mb] if adapters and not backward else None
-        return runner.call("train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets),
-                           row_slots=slots, adapters=refs, row_adapter=row_adapter if backward else None,
-                           backward=backward, recomputed_blocks=recomputed_blocks,
-                           logits_chunk=logits_chunk)
+    def _forward(self, tokens: np.ndarray, targets: np.ndarray, backward: bool, adapters: list[Adapter],
+                 row_adapter: list[int] | None, row_slots: list[int] | None, recomputed_blocks: int,
+                 logits_chunk: int, packed: list[int] | None = None, row_lengths: list[int] | None = None,
+                 vision: VisionInput | None = None) -> Tensor:
+        """Every rank runs the forward on its share (train_forward); the target logprobs come back
+        here, where the losses run."""
+        return self.residency.runner.call(
+            "train_forward", tokens=torch.from_numpy(tokens), targets=torch.from_numpy(targets), backward=backward,
+            adapters=[self.lora_ref(a) for a in adapters] if backward else None, row_adapter=row_adapter,
+            row_slots=row_slots, recomputed_blocks=recomputed_blocks, logits_chunk=logits_chunk, packed=packed,
+            row_lengths=row_lengths, vision=vision)
 
-    def training_lora(self, adapters: list[Adapter], row_adapter: list[int]) -> tuple[LoraBatch, Leaves]:
-        """A LoraBatch over the adapters' bank slots with one gradient leaf per (target, layer).
-
-        The weights are per-layer lists
-        (`_PerLayer`) rather than [n, layers, …] stacks: with a stack, autograd's backward of each
-        `[:, layer]` slice zero-fills a gradient of the whole stack, so accumulating over L layers
-        costs O(L²) memory traffic (measurably slow at 30 layers). leaves[id][target] holds the
-        per-layer (A, B) leaves viewing the bank; their .grad is that adapter's gradient.
-        """
-        return training_lora(self.residency.bank, adapters, row_adapter, self.device, self.residency.dtype)
+    def _backward(self, total: Tensor | None, lp: Tensor) -> None:
+        """d(loss)/d(logprobs) to every rank, which backpropagates it through its share (train_backward)."""
+        grad = None if total is None else torch.autograd.grad(total, lp, allow_unused=True)[0]
+        self.residency.runner.call("train_backward", grad=torch.zeros_like(lp) if grad is None else grad)
 
     def memory_plan(self, padded_tokens: int, alone: int) -> tuple[int, int]:
         """(blocks recomputed in backward, most logits elements at once) for a micro-batch of
@@ -472,16 +435,6 @@ class Trainer:
         if self.checkpoint_from_tokens is None:
             return blocks
         return min(blocks, blocks * self.checkpoint_from_tokens // max(1, padded_tokens))
-
-    def commit(self, pending: dict[str, Pairs], adapters: dict[str, Adapter]) -> dict[str, Exception]:
-        """Add a finished pass's gradients to the adapters; refuse non-finite ones (adapter untouched)."""
-        failed: dict[str, Exception] = {}
-        for aid, grads in pending.items():
-            if not all(bool(torch.isfinite(g).all()) for pair in grads.values() for g in pair):
-                failed[aid] = self._non_finite(aid)
-                continue
-            accumulate(adapters[aid].grads, grads)
-        return failed
 
     @staticmethod
     def _non_finite(aid: str) -> EngineError:
@@ -546,6 +499,68 @@ def logprobs_block(model: Transformer, h: Tensor, targets: Tensor, lora: LoraBat
     if getattr(model, "tp", None) is not None:  # vocab-parallel: never gather the [rows, T, vocab] logits
         return model.tp.target_logprobs(model.local_logits(h, lora), targets, model.vocab_start)
     return TargetLogprobs.apply(model.logits(h, lora), targets)
+
+
+# --- the training pass's ops (every rank) ----------------------------------------------------------------------------
+@op
+def train_forward(sh: Shard, tokens: Tensor, targets: Tensor, backward: bool, adapters: list[LoraRef] | None,
+                  row_adapter: list[int] | None, row_slots: list[int] | None, recomputed_blocks: int,
+                  logits_chunk: int, packed: list[int] | None = None, row_lengths: list[int] | None = None,
+                  vision: VisionInput | None = None) -> Tensor:
+    """Target logprobs [rows, T, K] (replicated); with backward, the graph waits for `train_backward`.
+
+    The LoRA: with backward, trainable leaves over `adapters` by `row_adapter` (`training_lora`: per
+    layer, not [n, layers, …] stacks, whose per-layer slices would each zero-fill a whole-stack
+    gradient in backward, O(L²) memory traffic); without, the bank's `row_slots`. Each is per row, or, for one packed row (`packed`: its datums' lengths), one entry
+    for the whole row or one per token. row_lengths: a padded batch's real lengths (batch-invariant
+    mode tiles by them); vision: the rows' images (vision bases)."""
+    leaves = None
+    lora: LoraBatch | None = None
+    if backward:
+        lora, leaves = training_lora(sh.bank, adapters, row_adapter, sh.device, sh.dtype)  # type: ignore[arg-type]
+    elif row_slots is not None:
+        lora = sh.bank.batch(row_slots, sh.device)
+    if packed is not None and lora is not None and lora.rows.numel() > 1:
+        lora = TokenLora(weights=lora.weights, rows=lora.rows, scale=lora.scale)
+    if lora is not None and row_lengths is not None:
+        lora.row_lengths = row_lengths
+    with torch.set_grad_enabled(backward):
+        tokens = tokens.to(sh.device)
+        if packed is not None:
+            h = sh.model.packed_hidden_states(tokens, packed, lora, recomputed_blocks=recomputed_blocks)
+        else:
+            h = sh.model.hidden_states(tokens, lora=lora, recomputed_blocks=recomputed_blocks, vision=vision)
+        lp = target_logprobs(sh.model, h, lora, targets.to(sh.device), logits_chunk)
+    sh.pass_state = (lp, leaves) if backward else None
+    return lp
+
+
+@op
+def train_backward(sh: Shard, grad: Tensor) -> None:
+    """Backpropagate rank 0's d(loss)/d(logprobs) through every rank's share; gradients stay pending."""
+    assert sh.pass_state is not None
+    lp, leaves = sh.pass_state
+    sh.pass_state = None
+    lp.backward(grad.to(lp.device))
+    accumulate(sh.pending, leaf_grads(leaves))
+
+
+@op
+def train_commit(sh: Shard, keep: bool) -> list[str]:
+    """End of a pass: add the pending gradients to the adapters (ids whose gradients are non-finite on
+    any rank are refused and returned), or drop them (`keep` False: the pass failed)."""
+    pending, sh.pending, sh.pass_state = sh.pending, {}, None
+    failed: list[str] = []
+    if not keep:
+        return failed
+    for aid in sorted(pending):
+        grads = pending[aid]
+        finite = all(bool(torch.isfinite(g).all()) for pair in grads.values() for g in pair)
+        if not sh.tp.all_true(finite):
+            failed.append(aid)
+            continue
+        accumulate(sh.record(aid).grads, grads)
+    return failed
 
 
 def packing_unsupported(model: Transformer) -> str | None:
