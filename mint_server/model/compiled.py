@@ -1,18 +1,22 @@
-"""The compiled serving step: a step's decoder layers through one compiled layer function.
+"""The compiled serving step: a step's decoder layers through compiled graphs over static buffers.
 
 Eager PyTorch runs a decode step as ~400 small ATen ops a layer, each a dispatch of a few µs, beside
 matmuls that for one row are a few hundred µs a layer (docs/engine.md). `torch.compile` (inductor)
 fuses the elementwise work (norms, rope, masks, softmax, SiLU·mul, residual adds, LoRA scaling)
 into a few C++ / Triton kernels and leaves the products to BLAS.
 
-Two layer functions, each one graph reused by every layer (a layer's weights, its LoRA stacks and
-its KV pool are inputs, so compile time does not grow with depth):
+Layer functions, each one graph reused by every layer (a layer's weights, its LoRA stacks and its
+KV pool are inputs, so compile time does not grow with depth), and one whole-step graph:
 - **decode** (`_decode_layer`), a step of decode rows only. The LoRA bank is read as it lies
   (`model/lora.py`: A [slots, r_max, in], B [slots, out, r_max] of a layer) through each row's slot
   id (`slots`, a tensor; base rows carry scale 0), so an adapter swap writes its slot in place and
   never recompiles. The paged KV pool: each row's key/value written at its flat index, a window of
   `W` positions per row read through a flat index table (`read_idx`, from the block tables),
   masked past each row's own position; no Python per row.
+- **one decode row** (`_decode_step`, the most common step: a lone request): the decode layer
+  unrolled over every layer, with the embedding, rope and final norm, as one graph — no call per
+  layer, and fusion across layers (a layer's residual add with the next one's norm). It compiles
+  ~L times longer than one layer, so only this variant is whole.
 - **prefill** (`_prefill_layer`), a step with prefill chunks (beside decode rows or not; a chunk
   may start mid-prompt, after earlier chunks or a cached prefix): the step's N tokens packed back
   to back run the norms, projections, rope, KV write and MLP in the graph; attention over each
@@ -26,10 +30,10 @@ specialises). On CUDA decode rows and window are padded to powers of two, a CUDA
 prefill runs without CUDA graphs (its ops' work follows the segments). Each graph has a variant
 with LoRA and one without (a step of base rows reads no bank).
 
-What stays eager: the embedding, rope's cos/sin, the final norm and the logits (one large product,
-nothing to fuse), steps that score the prompt or carry images, every family whose layer is not the
-dense one below, tensor parallelism, and the batch-invariant mode (its kernels are fixed-shape on
-purpose) — each counted by its reason.
+What stays eager: the logits (one large product, nothing to fuse) and, but for one decode row, the
+embedding, rope's cos/sin and the final norm; steps that score the prompt or carry images, every
+family whose layer is not the dense one below, tensor parallelism, and the batch-invariant mode
+(its kernels are fixed-shape on purpose) — each counted by its reason.
 
 A compile failure never fails a step: the step runs eagerly, the reason is logged once and counted.
 """
@@ -174,6 +178,35 @@ def _make_decode_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> 
     return _decode_layer
 
 
+def _rope(model: Transformer, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and signed sin [n, head_dim] of positions [n] (the eager step's values)."""
+    cos, sin = model.rope(pos[:, None])  # [n, 1, 1, D]
+    if model.rope_factor != 1.0:
+        cos, sin = cos * model.rope_factor, sin * model.rope_factor
+    return cos[:, 0, 0].to(dtype), signed_sin(sin[:, 0, 0]).to(dtype)
+
+
+def _make_decode_step(model: Transformer) -> Callable[..., Tensor]:
+    cfg = model.config
+    layer = _make_decode_layer(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+
+    def _decode_step(tokens: Tensor, pos: Tensor, weights: list[tuple[Tensor | None, ...]],
+                     loras: list[tuple[tuple[Tensor, Tensor], ...]] | None, pools: list[tuple[Tensor, Tensor]],
+                     slots: Tensor, row_scale: Tensor, write_idx: Tensor, read_idx: Tensor, visible: Tensor,
+                     skinny: bool) -> Tensor:
+        """One decode row's whole step as one graph: the embedding, rope, every layer (unrolled) and
+        the final norm → its final hidden state [1, hidden]. No call per layer, and the compiler
+        fuses across layers (a layer's residual add with the next one's norm)."""
+        x = model.embed_tokens(tokens)
+        cos, ssin = _rope(model, pos, x.dtype)
+        for i, w in enumerate(weights):
+            x = layer(x, cos, ssin, w, None if loras is None else loras[i], slots, row_scale, *pools[i], write_idx,
+                      read_idx, visible, skinny)
+        return model.norm(x)
+
+    return _decode_step
+
+
 def _make_prefill_layer(heads: int, kv_heads: int, head_dim: int, eps: float) -> Callable[..., Tensor]:
     def _prefill_layer(x: Tensor, cos: Tensor, ssin: Tensor, w: tuple[Tensor | None, ...],
                        lora: tuple[tuple[Tensor, Tensor], ...] | None, k_pool: Tensor, v_pool: Tensor,
@@ -250,6 +283,8 @@ class StepGraph:
         shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self._decode = torch.compile(_make_decode_layer(*shape), fullgraph=True, dynamic=None,
                                      backend=self._backend(cudagraphs=cuda))
+        self._decode_one = torch.compile(_make_decode_step(model), fullgraph=True, dynamic=None,
+                                         backend=self._backend(cudagraphs=cuda))
         # no CUDA graphs for prefill: its ops' work depends on the step's segments, which a replay would not see
         self._prefill = torch.compile(_make_prefill_layer(*shape), fullgraph=True, dynamic=None,
                                       backend=self._backend(cudagraphs=False))
@@ -380,14 +415,6 @@ class StepGraph:
             return self._run_prefill(tokens, positions, lengths, tables, slots)
         return self._run_decode(tokens, positions, tables, slots)
 
-    def _rope(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and signed sin [n, head_dim] of positions [n] (the eager step's values)."""
-        model = self.model
-        cos, sin = model.rope(pos[:, None])  # [n, 1, 1, D]
-        if model.rope_factor != 1.0:
-            cos, sin = cos * model.rope_factor, sin * model.rope_factor
-        return cos[:, 0, 0].to(dtype), signed_sin(sin[:, 0, 0]).to(dtype)
-
     def _run_prefill(self, tokens: list[int], positions: list[int], lengths: list[int], tables: list[list[int]],
                      slots: list[int]) -> Tensor:
         model, dev, bs = self.model, self.model.embed_tokens.weight.device, self.cache.block_size
@@ -406,7 +433,7 @@ class StepGraph:
         try:
             with torch.no_grad():
                 x = model.embed_tokens(torch.tensor(tokens, device=dev))
-                cos, ssin = self._rope(pos, x.dtype)
+                cos, ssin = _rope(model, pos, x.dtype)
                 for t in (x, cos, ssin, write_idx):
                     torch._dynamo.mark_dynamic(t, 0)
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
@@ -439,22 +466,24 @@ class StepGraph:
         row_scale = torch.where(slot >= 0, self.bank.scale[slot.clamp(min=0)], 0.0).to(model.embed_tokens.weight.dtype)
         slot = slot.clamp(min=0)
         skinny = kernels.fast() and len(tokens) <= kernels.skinny_rows()
-        with torch.no_grad():
-            x = model.embed_tokens(torch.tensor(tokens, device=dev))
-            cos, ssin = self._rope(pos, x.dtype)
-            if len(tokens) > 1:
-                for t in (x, cos, ssin, slot, row_scale, write_idx, read_idx, visible):
-                    torch._dynamo.mark_dynamic(t, 0)
-            torch._dynamo.mark_dynamic(read_idx, 1)
-            torch._dynamo.mark_dynamic(visible, 1)
-            # Once every variant is compiled, nothing compiles again, so the per-call guards need only
-            # tell the variants apart (each layer call checks ~40 tensors' guards otherwise).
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
-                for i, w in enumerate(self._weights):
-                    lora = self._lora[i] if use_lora else None
-                    k_pool, v_pool = self._pools[i]
-                    x = self._decode(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx,
-                                     visible, skinny)
+        tok = torch.tensor(tokens, device=dev)
+        torch._dynamo.mark_dynamic(read_idx, 1)
+        torch._dynamo.mark_dynamic(visible, 1)
+        # Once every variant is compiled, nothing compiles again, so the per-call guards need only
+        # tell the variants apart (each layer call checks ~40 tensors' guards otherwise).
+        with torch.no_grad(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.ready):
+            if len(tokens) == 1:  # the most common step: one graph for all of it
+                return self._decode_one(tok, pos, self._weights, self._lora if use_lora else None, self._pools, slot,
+                                        row_scale, write_idx, read_idx, visible, skinny)
+            x = model.embed_tokens(tok)
+            cos, ssin = _rope(model, pos, x.dtype)
+            for t in (x, cos, ssin, slot, row_scale, write_idx, read_idx, visible):
+                torch._dynamo.mark_dynamic(t, 0)
+            for i, w in enumerate(self._weights):
+                lora = self._lora[i] if use_lora else None
+                k_pool, v_pool = self._pools[i]
+                x = self._decode(x, cos, ssin, w, lora, slot, row_scale, k_pool, v_pool, write_idx, read_idx,
+                                 visible, skinny)
             return model.norm(x[:n])
 
 
