@@ -286,10 +286,13 @@ def optim_step(sh: Shard, aid: str, slot: int, rank: int, targets: tuple[str, ..
     if params_ is not views:
         rec.master = params_
     rec.optim.family = family = family_of(params)  # rank 0 checked it against the adapter's
-    split = {}  # one rank holds whole factors: the step's own norm and orthogonalization
-    if sh.tp.world > 1:  # a share: the global norm; Dimuon orthogonalizes over the full factor
-        split = {"norm": tpmod.grad_norm(rec.grads, sh.tp), **({"tp": sh.tp} if family == "dimuon" else {})}
-    metrics = step_or_rollback(STEP_OF[family], params_, rec.grads, rec.optim, params, sh.tp.all_true, **split)
+    # One rank holds whole factors: the step's own norm and orthogonalization (optim.grad_norm's float32
+    # sum, bit for bit as ever). A share: the global norm; Dimuon orthogonalizes over the full factor.
+    across_ranks: dict[str, Any] = {}
+    if sh.tp.world > 1:
+        across_ranks = {"norm": tpmod.grad_norm(rec.grads, sh.tp), **({"tp": sh.tp} if family == "dimuon" else {})}
+    metrics = step_or_rollback(STEP_OF[family], params_, rec.grads, rec.optim, params, sh.tp.all_true,
+                               **across_ranks)
     publish(views, params_)
     rec.grads = {}
     return metrics
