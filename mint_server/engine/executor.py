@@ -192,7 +192,7 @@ runner_mod.OPS.update(OPS)  # the same functions on every rank, through the runn
 
 
 class Executor:
-    """Runs the sampler's ops on this process's model, or on every tensor-parallel rank via `runner`."""
+    """Runs the sampler's ops on every rank through `runner` (default: a shard of one on `model`)."""
 
     def __init__(self, model: Transformer, bank: LoraBank, device: torch.device, num_blocks: int, block_size: int,
                  runner: Any = None, state_slots: int = 0, compile: str = "off",

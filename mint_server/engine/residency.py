@@ -147,7 +147,7 @@ class Residency:
         return a
 
     def record(self, adapter_id: str) -> Adapter:
-        """The adapter, released or not (the tensor-parallel runner's view of rank 0's state)."""
+        """The adapter, released or not (the runner's view of rank 0's state)."""
         return self._adapters[adapter_id]
 
     def on_device(self, adapter_id: str) -> Adapter:

@@ -63,8 +63,8 @@ class ReverseKL:
 
 def kl_micro_batch(model: Any, bank: LoraBank, rows: list[KLRow], student: Any, reference_slot: int | None,
                    temperature: float, dev: torch.device, dtype: torch.dtype, recomputed_blocks: int) -> tuple[np.ndarray, Any]:
-    """One reverse-KL forward + backward over `rows` on any model / bank (a tensor-parallel rank's
-    share too): the per-position losses and the student's gradient leaves."""
+    """One reverse-KL forward + backward over `rows` on one rank's model and bank (`reverse_kl_pass`):
+    the per-position losses and the student's gradient leaves."""
     R = len(rows)
     Ts, Tr = max(len(r.student) for r in rows), max(len(r.reference) for r in rows)
     s_tok, r_tok = np.zeros((R, Ts), dtype=np.int64), np.zeros((R, Tr), dtype=np.int64)
