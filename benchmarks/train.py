@@ -20,8 +20,9 @@ budget pays its block recomputation and logits chunks here as it does through th
 Medians over --steps steps after --warmup (pooled over --rounds interleaved repeats); wall time
 and process CPU time. First it prints the machine's measured read bandwidth and fp32 matmul peak;
 a training step's floor is its FLOPs / that peak, and each step is also given as a multiple of it.
-`--only ab` alternates ours (MINT_KERNELS=fast), ours on the reference kernels and PEFT in one
-process: the before/after ratio of the kernels, measured side by side. Goals: ≥ 1.5× PEFT tokens/s,
+`--only ab` alternates ours (MINT_KERNELS=fast), ours with compiled blocks (`--compile auto`:
+model/compiled_training.py), ours on the reference kernels and PEFT in one process: the
+before/after ratios of the kernels and of the compiled blocks, measured side by side. Goals: ≥ 1.5× PEFT tokens/s,
 ≥ 75% of the matmul peak. The last stdout line is a JSON summary.
 
     python benchmarks/train.py [--model-dir DIR] [--steps 5] [--warmup 2] [--rounds 1] [--device cpu]
@@ -130,8 +131,10 @@ def worker_ours(args, build_only: bool = False):
     memory = EngineSettings(checkpoint_from_tokens=args.checkpoint_from_tokens, logits_chunk_mb=args.logits_chunk_mb)
     trainer = Trainer(model, residency, "bench", max_tokens_per_pass=budget,
                       checkpoint_from_tokens=memory.checkpoint_from_tokens or None,
-                      logits_chunk=memory.logits_chunk_elements())
+                      logits_chunk=memory.logits_chunk_elements(), compile=args.compile)
     ids = [trainer.create_adapter(types.LoraConfig(rank=args.rank, seed=i)) for i in range(n_adapters)]
+    if (warming := model.training_graph.warming) is not None:  # --compile auto: timed steps run compiled
+        warming.join()
     rows_each = args.rows // n_adapters
     reqs = []
     for i, aid in enumerate(ids):
@@ -159,6 +162,7 @@ def worker_ours(args, build_only: bool = False):
             trainer.optim_step(req.adapter_id, adam)  # type: ignore[arg-type]
 
     if build_only:
+        fused.trainer = trainer  # type: ignore[attr-defined]  (its stats: compiled and eager passes)
         return fused
     times = timed(sequential if args.variant == "sequential" else fused, args)
     return {**times, "tokens_per_step": args.rows * args.seq, "setup_rss_mb": setup_rss, "peak_rss_mb": rss_mb(),
@@ -207,31 +211,35 @@ def cuda_peak(args) -> dict:
 
 
 def worker_ab(args) -> dict:
-    """Ours (fast kernels), ours on the reference kernels and PEFT in one process, steps
-    alternated: on a shared machine, slow spells then hit all alike, so their ratios stay
+    """Ours (fast kernels, eager), ours with compiled blocks (model/compiled_training.py; its
+    compile falls in the warm-up steps), ours on the reference kernels and PEFT in one process,
+    steps alternated: on a shared machine, slow spells then hit all alike, so their ratios stay
     meaningful even when absolute times do not."""
     from mint_server.model import kernels
 
     args.variant = "ours"
+    args.compile = "off"
     ours = worker_ours(args, build_only=True)
     ours_ref_step = worker_ours(args, build_only=True)
+    args.compile = "auto"
+    ours_compiled = worker_ours(args, build_only=True)
 
     def ours_ref() -> None:
         with kernels.use("reference"):
             ours_ref_step()
 
     peft = peft_step(args)
-    trio = [("ours", ours), ("ours_reference", ours_ref), ("peft", peft)]
+    trio = [("ours", ours), ("ours_compiled", ours_compiled), ("ours_reference", ours_ref), ("peft", peft)]
     res: dict[str, dict] = {k: {"step_s": [], "step_cpu_s": []} for k, _ in trio}
     for i in range(args.warmup + args.steps):
-        for name, step in trio[i % 3:] + trio[: i % 3]:
+        for name, step in trio[i % len(trio):] + trio[: i % len(trio)]:
             t0, c0 = time.perf_counter(), time.process_time()
             step()
             sync(args.device)
             if i >= args.warmup:
                 res[name]["step_s"].append(time.perf_counter() - t0)
                 res[name]["step_cpu_s"].append(time.process_time() - c0)
-    return {**res, "tokens_per_step": args.rows * args.seq}
+    return {**res, "tokens_per_step": args.rows * args.seq, "compiled_trainer_stats": ours_compiled.trainer.stats}
 
 
 def worker_sdk(args) -> dict:
@@ -311,7 +319,8 @@ def spawn(variant: str, args) -> dict:
            "--rows", str(args.rows), "--seq", str(args.seq), "--rank", str(args.rank),
            "--adapters", str(args.adapters), "--device", args.device, "--dtype", args.dtype,
            "--threads", str(args.threads), f"--serve-args={args.serve_args}",  # "=": the value may start with --
-           "--checkpoint-from-tokens", str(args.checkpoint_from_tokens), "--logits-chunk-mb", str(args.logits_chunk_mb)]
+           "--checkpoint-from-tokens", str(args.checkpoint_from_tokens), "--logits-chunk-mb", str(args.logits_chunk_mb),
+           "--compile", args.compile]
     if args.model_dir:
         cmd += ["--model-dir", args.model_dir]
     print(f"[{variant}] running…", file=sys.stderr, flush=True)
@@ -359,6 +368,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-from-tokens", type=int, default=EngineSettings.checkpoint_from_tokens,
                     help="the Trainer's block-activation budget in padded tokens, as `mint serve` takes it "
                          "(0: never recompute; default: the engine's)")
+    ap.add_argument("--compile", choices=["auto", "off"], default="off",
+                    help="the Trainer's blocks compiled (auto) or eager (off); --only ab runs both side by side")
     ap.add_argument("--logits-chunk-mb", type=float, default=EngineSettings.logits_chunk_mb,
                     help="most fp32 logits materialised at once, as `mint serve` takes it (default: the engine's)")
     args = ap.parse_args()
@@ -421,7 +432,7 @@ def main() -> None:
         }
     if "ab" in only:
         res = spawn("ab", args)  # alternates internally; --rounds does not apply
-        names = ("ours", "ours_reference", "peft")
+        names = ("ours", "ours_compiled", "ours_reference", "peft")
         med = {k: {m: statistics.median(res[k][m]) for m in ("step_s", "step_cpu_s")} for k in names}
         fm = flop_model(model_dir(args.model_dir))
         floor_s = res["tokens_per_step"] * fm["flop_per_token"] / floors["matmul_flop_per_s"]
@@ -429,6 +440,10 @@ def main() -> None:
             "ours_median_step_s": med["ours"]["step_s"], "peft_median_step_s": med["peft"]["step_s"],
             "ours_reference_median_step_s": med["ours_reference"]["step_s"],
             "speedup_vs_peft": med["peft"]["step_s"] / med["ours"]["step_s"],
+            "ours_compiled_median_step_s": med["ours_compiled"]["step_s"],
+            "speedup_compiled_vs_peft": med["peft"]["step_s"] / med["ours_compiled"]["step_s"],
+            "speedup_compiled_over_eager": med["ours"]["step_s"] / med["ours_compiled"]["step_s"],
+            "ours_compiled_fraction_of_peak": floor_s / med["ours_compiled"]["step_s"],
             "speedup_reference_vs_peft": med["peft"]["step_s"] / med["ours_reference"]["step_s"],
             "speedup_fast_over_reference": med["ours_reference"]["step_s"] / med["ours"]["step_s"],
             "speedup_vs_peft_cpu_time": med["peft"]["step_cpu_s"] / med["ours"]["step_cpu_s"],

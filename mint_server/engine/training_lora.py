@@ -16,7 +16,7 @@ from torch import Tensor
 
 from mint_server.engine.optim import Pairs
 from mint_server.model import invariant
-from mint_server.model.lora import ExpertGroups, LoraBank, LoraBatch, add_product, lora_shapes
+from mint_server.model.lora import ExpertGroups, LoraBank, LoraBatch, PerLayer, add_product, lora_shapes
 from mint_server.model.tp_group import TP
 
 
@@ -58,8 +58,8 @@ def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int
             pad = rmax - a.rank  # zero rank-padding keeps the product exact
             per_adapter.append(([F.pad(x, (0, 0, 0, pad)) for x in As] if pad else As,
                                 [F.pad(x, (0, pad)) for x in Bs] if pad else Bs))
-        weights[t] = (_PerLayer([torch.stack([As[i] for As, _ in per_adapter]) for i in range(L)]),
-                      _PerLayer([torch.stack([Bs[i] for _, Bs in per_adapter]) for i in range(L)]))
+        weights[t] = (PerLayer([torch.stack([As[i] for As, _ in per_adapter]) for i in range(L)]),
+                      PerLayer([torch.stack([Bs[i] for _, Bs in per_adapter]) for i in range(L)]))
     scale = torch.tensor([a.scale for a in adapters], device=dev, dtype=torch.float32)
     rows = torch.tensor(row_adapter, dtype=torch.long, device=dev)
     return LoraBatch(weights=weights, rows=rows, scale=scale), leaves  # type: ignore[arg-type]
@@ -103,17 +103,6 @@ class TokenLora(LoraBatch):
             xa = (xf[s:e] @ A[a].transpose(0, 1)) * self.scale[a].to(x.dtype)
             add_product(yf[s:e], xa, B[a].transpose(0, 1))
         return y
-
-
-class _PerLayer:
-    """Stands in for a [n, layers, …] weight stack in a LoraBatch: LoraBatch.delta only ever takes
-    `[:, layer]`, which here returns that layer's own [n, …] tensor."""
-
-    def __init__(self, per_layer: list[Tensor]) -> None:
-        self.per_layer = per_layer
-
-    def __getitem__(self, key: tuple[slice, int]) -> Tensor:
-        return self.per_layer[key[1]]
 
 
 def leaf_grads(leaves: Leaves) -> dict[str, Pairs]:

@@ -19,6 +19,10 @@ What is static, so one pair of graphs serves every layer and every pass:
   exactly eager's two products. Past `WIDE_LORA_FLOPS` of extra work the pass runs eagerly;
 - **dynamic sizes**: rows, tokens and adapters are symbolic, so any batch runs the same graphs.
 
+The graphs compile in a background thread when the trainer attaches them (`attach`; passes run
+eagerly meanwhile, counted as "compiling"), on a dummy packed pass with and without autograd, and
+land in inductor's cache (the data dir's compile-cache/ when model/compiled.configure_cache ran).
+
 What stays eager: the embedding, rope's cos/sin, the final norm, the logits and loss (chunked,
 engine/training.py); every family whose layer is not the dense one (model/compiled.py's
 `unsupported`), vision inputs, a KV cache, the batch-invariant mode (its kernels are fixed-shape on
@@ -40,7 +44,7 @@ import torch.utils.checkpoint
 from torch import Tensor
 
 from mint_server.model import invariant, kernels
-from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBatch
+from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBatch, PerLayer
 from mint_server.model.transformer import Block, PackedView, Transformer, signed_sin
 
 log = logging.getLogger(__name__)
@@ -103,14 +107,19 @@ def _make_post(eps: float) -> Callable[..., Tensor]:
     return post_attention
 
 
-def attach(model: Transformer, compile: str, stats: dict[str, int]) -> TrainingGraph:
+def attach(model: Transformer, compile: str, stats: dict[str, int], background: bool = True) -> TrainingGraph:
     """Give `model`'s training passes their compiled blocks (compile "auto"), or count them eager
     with the reason (compile "off", a family or setup model/compiled.py's decode step cannot run
-    either); `stats` are the trainer's counters."""
+    either); `stats` are the trainer's counters. background: compile in a thread started here
+    (passes run eagerly meanwhile, counted as "compiling"); else on the first pass that needs it."""
     from mint_server.model.compiled import unsupported
 
     graph = TrainingGraph(model, stats, "compile off" if compile == "off" else unsupported(model))
     model.training_graph = graph
+    if background and graph._broken is None:
+        graph._ready = False
+        graph.warming = threading.Thread(target=graph.warm_up, name="mint-compile-training", daemon=True)
+        graph.warming.start()
     return graph
 
 
@@ -118,18 +127,23 @@ class TrainingGraph:
     """The compiled blocks of one model's training passes (see the module doc).
 
     stats: the trainer's counters (they reach /metrics as mint_training{kind=...}): compiled_passes,
-    eager_passes, compile_graphs (graphs compiled), compile_failures.
+    eager_passes, compile_graphs (graphs compiled), compile_recompiles (of those, compiled after the
+    warm-up: a pass of a kind it did not cover), compile_failures.
     """
 
     def __init__(self, model: Transformer, stats: dict[str, int], off: str | None = None) -> None:
         """off: why this model's passes never run compiled (compile off, its family); nothing is
         compiled then, and every pass is counted eager for it."""
         self.model, self.stats = model, stats
-        for key in ("compiled_passes", "eager_passes", "compile_graphs", "compile_failures"):
+        for key in ("compiled_passes", "eager_passes", "compile_graphs", "compile_recompiles", "compile_failures"):
             stats.setdefault(key, 0)
         self.compile_seconds = 0.0
         self._logged: set[str] = set()
         self._broken = off
+        self._lock = threading.Lock()
+        self._ready = True  # False while a background warm-up compiles
+        self._warmed = False
+        self.warming: threading.Thread | None = None  # the background warm-up (attach)
         if off is not None:
             return
         cfg = model.config
@@ -140,7 +154,35 @@ class TrainingGraph:
         base_flops = sum(p.weight.numel() for p in self._linears(model.layers[0]))
         self._lora_io = sum(p.in_features + p.out_features for p in self._linears(model.layers[0]))
         self._max_columns = int(WIDE_LORA_FLOPS * base_flops / self._lora_io)  # n·r beyond one adapter's
-        self._lock = threading.Lock()
+
+    def warm_up(self) -> None:
+        """Compile the graphs packed training passes (the dense families' path) use, forward and
+        backward and forward-only: a dummy row of two datums, all on one adapter (the trainer's
+        LoRA by row) and on two adapters (by token), rank 3 on every block target. (Sizes unlike
+        each other, so the graphs assume no equality between them.)"""
+        model, dev = self.model, self.model.embed_tokens.weight.device
+        dtype, L, lengths = model.embed_tokens.weight.dtype, len(model.layers), [2, 3]
+        tokens = torch.zeros(1, sum(lengths), dtype=torch.long, device=dev)
+        cos, sin = model.rope(torch.tensor([[0, 1, 0, 1, 2]], device=dev))
+        try:
+            with self._lock:
+                for n, rows in ((1, [0]), (2, [0, 0, 1, 1, 1])):
+                    # per-layer tensors, as the trainer's (a view of a stack would compile other graphs)
+                    weights = {t: (PerLayer([torch.zeros(n, 3, lin.in_features, device=dev, dtype=dtype,
+                                                         requires_grad=True) for _ in range(L)]),
+                                   PerLayer([torch.zeros(n, lin.out_features, 3, device=dev, dtype=dtype,
+                                                         requires_grad=True) for _ in range(L)]))
+                               for t, lin in zip(ATTN_TARGETS + MLP_TARGETS, self._linears(model.layers[0]), strict=True)}
+                    lora = LoraBatch(weights, torch.tensor(rows, device=dev), torch.ones(n, device=dev))
+                    for grad in (True, False):
+                        with torch.set_grad_enabled(grad):
+                            out = self._run(model.embed_tokens(tokens), cos.to(dtype), sin.to(dtype), lora,
+                                            PackedView(lengths), 0)
+                        if grad:
+                            out.sum().backward()
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: stay eager
+            self._fail(e)
+        self._ready = self._warmed = True
 
     @staticmethod
     def _linears(block: Block) -> list[torch.nn.Linear]:
@@ -165,6 +207,7 @@ class TrainingGraph:
         compiled = compile_fx(gm, example_inputs)
         self.compile_seconds += time.perf_counter() - t0
         self.stats["compile_graphs"] += 1
+        self.stats["compile_recompiles"] += self._warmed
         return compiled
 
     # --- which passes run compiled ------------------------------------------------------------
@@ -172,6 +215,8 @@ class TrainingGraph:
         """Why these blocks run eagerly (None: compiled)."""
         if self._broken is not None:
             return self._broken
+        if not self._ready:
+            return "compiling"
         if invariant.enabled():
             return "batch-invariant mode"
         if not kernels.fast():
@@ -210,13 +255,16 @@ class TrainingGraph:
             with self._lock:
                 out = self._run(x, cos, sin, lora, cache, recomputed_blocks)
         except Exception as e:  # noqa: BLE001 - a compiler or runtime failure: eager from now on
-            self._broken = "compile failed"
-            self.stats["compile_failures"] += 1
-            log.warning("compiled training blocks disabled, running eagerly: %s",
-                        f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            self._fail(e)
             return None
         self.stats["compiled_passes"] += 1
         return out
+
+    def _fail(self, e: BaseException) -> None:
+        self._broken = "compile failed"
+        self.stats["compile_failures"] += 1
+        log.warning("compiled training blocks disabled, running eagerly: %s",
+                    f"{type(e).__name__}: {e}".splitlines()[0][:300])
 
     def _run(self, x: Tensor, cos: Tensor, sin: Tensor, lora: LoraBatch | None, cache: PackedView | None,
              recomputed_blocks: int) -> Tensor:

@@ -212,6 +212,18 @@ class LoraBatch:
         return add_lora(y, x, A, B, self, groups)
 
 
+class PerLayer:
+    """Stands in for a [n, layers, …] weight stack in a LoraBatch: LoraBatch.apply only ever takes
+    `[:, layer]`, which here returns that layer's own [n, …] tensor (a training pass's leaves,
+    engine/training_lora.py; no layer's tensor is a view of another's)."""
+
+    def __init__(self, per_layer: list[Tensor]) -> None:
+        self.per_layer = per_layer
+
+    def __getitem__(self, key: tuple[slice, int]) -> Tensor:
+        return self.per_layer[key[1]]
+
+
 def add_lora(
     y: Tensor, x: Tensor, A: Tensor, B: Tensor, batch: LoraBatch, groups: ExpertGroups | None = None
 ) -> Tensor:

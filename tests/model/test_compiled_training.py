@@ -94,7 +94,7 @@ def test_compiled_blocks_match_eager_loss_and_lora_grads(family_model, compiles)
     model.training_graph = None
     eager = [loss_and_grads(model, weights, run) for run in cases]
     stats: dict[str, int] = {}
-    graph = compiled_training.attach(model, "auto", stats)
+    graph = compiled_training.attach(model, "auto", stats, background=False)
     try:
         compiled = [loss_and_grads(model, weights, run) for run in cases]
     finally:
@@ -120,7 +120,7 @@ def test_batch_invariant_mode_stays_eager_and_bitwise(family_model):
         model.training_graph = None
         eager = loss_and_grads(model, weights, run)
         stats: dict[str, int] = {}
-        compiled_training.attach(model, "auto", stats)
+        compiled_training.attach(model, "auto", stats, background=False)
         try:
             again = loss_and_grads(model, weights, run)
         finally:
@@ -139,4 +139,28 @@ def test_compile_off_counts_every_pass_eager(family_model):
     finally:
         model.training_graph = None
     assert graph.eager_reason(torch.zeros(1, 3, 1), None, None, None) == "compile off"
-    assert stats == {"compiled_passes": 0, "eager_passes": 1, "compile_graphs": 0, "compile_failures": 0}
+    assert stats == {"compiled_passes": 0, "eager_passes": 1, "compile_graphs": 0, "compile_recompiles": 0,
+                     "compile_failures": 0}
+
+
+@pytest.mark.slow
+def test_the_background_warm_up_covers_a_packed_training_pass(tmp_path):
+    """Passes run eagerly ("compiling") until the warm-up is done, then compiled with no graph
+    compiled again (no recompile) for a packed row of other lengths, adapters and rank."""
+    model = load_model(make_tiny_checkpoint(tmp_path, "llama", tie=False), device="cpu", dtype=torch.float32)
+    model.requires_grad_(False)
+    weights = lora_leaves(model, adapters=2, rank=4, seed=6)
+    lengths = [7, 4]
+    flat = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(7))
+    run = packed(model, flat, lengths, torch.tensor([1] * 7 + [0] * 4), torch.tensor([1.0, 2.0]))
+    stats: dict[str, int] = {}
+    graph = compiled_training.attach(model, "auto", stats)
+    assert graph.warming is not None
+    graph.warming.join()
+    graphs = stats["compile_graphs"]
+    loss_and_grads(model, weights, run)
+    with torch.no_grad():
+        run(weights)
+    model.training_graph = None
+    assert stats["compiled_passes"] == 2 and stats["compile_failures"] == 0, stats
+    assert stats["compile_graphs"] == graphs and stats["compile_recompiles"] == 0, stats
