@@ -147,9 +147,12 @@ class TrainingGraph:
         if off is not None:
             return
         cfg = model.config
-        self._pre = torch.compile(_make_pre(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps),
-                                  fullgraph=True, dynamic=True, backend=self._backend)
-        self._post = torch.compile(_make_post(cfg.rms_norm_eps), fullgraph=True, dynamic=True, backend=self._backend)
+        # Own graph caches (not shared with another model's through the functions' code), of more than
+        # dynamo's default 8 graphs: the warm-up makes 6 of each. (A limit set in dynamo's config
+        # would hold only on the thread that set it.)
+        compile_ = dict(fullgraph=True, dynamic=True, backend=self._backend, recompile_limit=64, isolate_recompiles=True)
+        self._pre = torch.compile(_make_pre(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps), **compile_)
+        self._post = torch.compile(_make_post(cfg.rms_norm_eps), **compile_)
         self._weights = [self._layer_weights(b) for b in model.layers]
         base_flops = sum(p.weight.numel() for p in self._linears(model.layers[0]))
         self._lora_io = sum(p.in_features + p.out_features for p in self._linears(model.layers[0]))

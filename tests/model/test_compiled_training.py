@@ -11,7 +11,7 @@ import torch
 from mint_server.engine.training_lora import TokenLora
 from mint_server.model import compiled_training, invariant
 from mint_server.model.loader import load_model
-from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBatch, target_shapes
+from mint_server.model.lora import ATTN_TARGETS, MLP_TARGETS, LoraBatch, PerLayer, target_shapes
 from tests.tiny import make_tiny_checkpoint
 from tests.tolerance import for_model
 
@@ -146,21 +146,24 @@ def test_compile_off_counts_every_pass_eager(family_model):
 @pytest.mark.slow
 def test_the_background_warm_up_covers_a_packed_training_pass(tmp_path):
     """Passes run eagerly ("compiling") until the warm-up is done, then compiled with no graph
-    compiled again (no recompile) for a packed row of other lengths, adapters and rank."""
+    compiled again (no recompile) for packed rows of other lengths, adapters and rank, with and
+    without autograd (the trainer's LoRA: per-layer leaves, engine/training_lora.py)."""
     model = load_model(make_tiny_checkpoint(tmp_path, "llama", tie=False), device="cpu", dtype=torch.float32)
     model.requires_grad_(False)
-    weights = lora_leaves(model, adapters=2, rank=4, seed=6)
-    lengths = [7, 4]
+    g = torch.Generator().manual_seed(6)
+    weights = {t: (PerLayer([(torch.randn(2, 4, fi, generator=g) * 0.1).requires_grad_() for _ in range(L)]),
+                   PerLayer([(torch.randn(2, fo, 4, generator=g) * 0.1).requires_grad_() for _ in range(L)]))
+               for t, (L, fi, fo) in target_shapes(model.config).items() if t in TARGETS}
     flat = torch.randint(0, model.config.vocab_size, (1, 11), generator=torch.Generator().manual_seed(7))
-    run = packed(model, flat, lengths, torch.tensor([1] * 7 + [0] * 4), torch.tensor([1.0, 2.0]))
+    by_token = packed(model, flat, [7, 4], torch.tensor([1] * 7 + [0] * 4), torch.tensor([1.0, 2.0]))
     stats: dict[str, int] = {}
     graph = compiled_training.attach(model, "auto", stats)
     assert graph.warming is not None
     graph.warming.join()
     graphs = stats["compile_graphs"]
-    loss_and_grads(model, weights, run)
+    by_token(weights).sum().backward()
     with torch.no_grad():
-        run(weights)
+        by_token(weights)
     model.training_graph = None
     assert stats["compiled_passes"] == 2 and stats["compile_failures"] == 0, stats
     assert stats["compile_graphs"] == graphs and stats["compile_recompiles"] == 0, stats
