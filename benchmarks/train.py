@@ -451,6 +451,7 @@ def main() -> None:
             "floor_s": floor_s, "ours_over_floor": med["ours"]["step_s"] / floor_s,
             "ours_fraction_of_peak": floor_s / med["ours"]["step_s"],
             "ours_reference_fraction_of_peak": floor_s / med["ours_reference"]["step_s"],
+            "compiled_trainer_stats": res["compiled_trainer_stats"],
         }
     if "fused" in only:
         res = run_variants(["sequential", "fused", "fused-microbatch"], args)
