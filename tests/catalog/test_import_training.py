@@ -144,13 +144,15 @@ def test_a_revision_becomes_a_training_start_on_a_live_server(base: Path, tmp_pa
         assert (info.base_model, info.lora_rank) == (BASE, 4)
         assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, True, True)
 
-        assert revision_state.resolve(core, "tinker://0123456789abcdef0123456789abcdef:train:0/weights/x",
+        states_root = core.stores.ephemeral_root
+        assert revision_state.resolve(core.policies, states_root,
+                                      "tinker://0123456789abcdef0123456789abcdef:train:0/weights/x",
                                       owner) is None  # checkpoint paths resolve as before
         with pytest.raises(InvalidInput, match="no optimizer state"):
-            revision_state.resolve(core, "tinker://elsewhere@1", owner, with_optimizer=True)
-        state = revision_state.resolve(core, "tinker://elsewhere@1", owner)
+            revision_state.resolve(core.policies, states_root, "tinker://elsewhere@1", owner, with_optimizer=True)
+        state = revision_state.resolve(core.policies, states_root, "tinker://elsewhere@1", owner)
         assert state is not None and state.path == "tinker://elsewhere@1" and state.lora.rank == 4
-        state_dir = asyncio.run(revision_state.ensure_state(core, state))
+        state_dir = asyncio.run(revision_state.ensure_state(core.work, core.policies, state))
         loaded = state_io.load_state(state_dir, include_optimizer=False)
     assert loaded.optim is None and loaded.base_model == BASE
     expected = load_peft(adapter_dir, load_model(base, device="cpu").config)
