@@ -86,7 +86,7 @@ def training_rows(model_dir: Path, device: str, dtype: torch.dtype, tiny: bool) 
     args = _argparse.Namespace(model_dir=str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."),
                                rows=8, seq=16 if tiny else 256, rank=4 if tiny else 16, adapters=4,
                                warmup=1 if tiny else 2, steps=2 if tiny else 5, checkpoint_from_tokens=0,
-                               logits_chunk_mb=EngineSettings.logits_chunk_mb, variant="ours")
+                               logits_chunk_mb=EngineSettings.logits_chunk_mb, variant="ours", compile="off")
     cuda = device.startswith("cuda")
 
     def measure(variant: str) -> tuple[float, float]:
