@@ -124,7 +124,7 @@ class LocalEngine(EngineFront):
         self.runner = self.residency.runner
         self.trainer = Trainer(self.model, self.residency, base_model, max_tokens_per_pass=s.max_fused_tokens,
                                checkpoint_from_tokens=s.checkpoint_from_tokens or None,
-                               logits_chunk=s.logits_chunk_elements())
+                               logits_chunk=s.logits_chunk_elements(), compile=s.compile, compile_now=False)
         self.state = AdapterState(self.residency, base_model, cfg)
         self.reverse_kl = ReverseKL(self.trainer)
         self.sampler = Sampler(
@@ -384,6 +384,7 @@ class LocalEngine(EngineFront):
         finally:
             self._calibrated.set()
         self.sampler.executor.start_compile()  # after the measurements: it would be their contention
+        self.trainer.start_compile()
         while True:
             with self._cv:
                 while self._running and (self._paused or not self._has_work()):

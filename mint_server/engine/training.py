@@ -114,7 +114,10 @@ class Trainer:
         logits_chunk: int = 2**28,
         pack: bool = True,
         compile: str = "off",
+        compile_now: bool = True,
     ) -> None:
+        """compile "auto": the blocks of its passes compiled (model/compiled_training.py), counted in
+        stats, in a background warm-up started here or (compile_now False) by `start_compile`."""
         self.model, self.residency, self.base_model = model, residency, base_model
         self.pack = pack  # False: always the padded path (benchmarks compare the two)
         self._unpacked_reason = packing_unsupported(model)
@@ -127,9 +130,12 @@ class Trainer:
         self.device, self.vocab = residency.device, model.config.vocab_size
         self.features = FeatureCache()  # encoded images by digest (vision-language bases)
         model.requires_grad_(False)  # only adapters train; the base never gets a gradient
-        # compile "auto": the blocks of its passes compiled (model/compiled_training.py), counted in stats
-        attach_compiled_blocks(model, compile, self.stats)
+        self.compiled = attach_compiled_blocks(model, compile, self.stats, start=compile_now)
         residency.runner.shard.model = model  # the runner's rank runs it (a residency alone has no model)
+
+    def start_compile(self) -> None:
+        """Start the compiled blocks' background warm-up (a no-op when it runs or compile is off)."""
+        self.compiled.start_warm_up()
 
     # --- forward / forward_backward -------------------------------------------------------------
     def run(self, jobs: Sequence[TrainJob], between: Callable[[], None] | None = None,

@@ -107,19 +107,21 @@ def _make_post(eps: float) -> Callable[..., Tensor]:
     return post_attention
 
 
-def attach(model: Transformer, compile: str, stats: dict[str, int], background: bool = True) -> TrainingGraph:
+def attach(model: Transformer, compile: str, stats: dict[str, int], background: bool = True,
+           start: bool = True) -> TrainingGraph:
     """Give `model`'s training passes their compiled blocks (compile "auto"), or count them eager
     with the reason (compile "off", a family or setup model/compiled.py's decode step cannot run
-    either); `stats` are the trainer's counters. background: compile in a thread started here
-    (passes run eagerly meanwhile, counted as "compiling"); else on the first pass that needs it."""
+    either); `stats` are the trainer's counters. background: compile in a thread (passes run
+    eagerly meanwhile, counted as "compiling"), started here or, start False, by `start_warm_up`
+    (the engine starts it after its start-up measurements); else on the first pass that needs it."""
     from mint_server.model.compiled import unsupported
 
     graph = TrainingGraph(model, stats, "compile off" if compile == "off" else unsupported(model))
     model.training_graph = graph
     if background and graph._broken is None:
         graph._ready = False
-        graph.warming = threading.Thread(target=graph.warm_up, name="mint-compile-training", daemon=True)
-        graph.warming.start()
+        if start:
+            graph.start_warm_up()
     return graph
 
 
@@ -157,6 +159,12 @@ class TrainingGraph:
         base_flops = sum(p.weight.numel() for p in self._linears(model.layers[0]))
         self._lora_io = sum(p.in_features + p.out_features for p in self._linears(model.layers[0]))
         self._max_columns = int(WIDE_LORA_FLOPS * base_flops / self._lora_io)  # n·r beyond one adapter's
+
+    def start_warm_up(self) -> None:
+        """Compile in the background, once (passes run eagerly until it ends)."""
+        if self.warming is None and not self._ready:
+            self.warming = threading.Thread(target=self.warm_up, name="mint-compile-training", daemon=True)
+            self.warming.start()
 
     def warm_up(self) -> None:
         """Compile the graphs packed training passes (the dense families' path) use, forward and
