@@ -575,7 +575,7 @@ def packing_unsupported(model: Transformer) -> str | None:
     if (refusal := family_spec(model.config).packing_refusal) is not None:
         return refusal
     if getattr(model, "tp", None) is not None:
-        return "tensor parallelism (tp_runner pads its share)"
+        return "tensor parallelism (each rank's share is padded)"
     own = type(model)
     if own.hidden_states is not Transformer.hidden_states or own.run_layers is not Transformer.run_layers or any(
         type(b).forward is not Block.forward or type(getattr(b, "self_attn", None)) is not Attention

@@ -1,5 +1,5 @@
 """The trainable LoRA of a training pass: each adapter's per-layer A and B as autograd leaves
-(`training_lora`, which a tensor-parallel rank runs over its own bank share too), as a LoraBatch
+(`training_lora`, which every rank runs over its own bank share: the whole bank on a shard of one), as a LoraBatch
 by row or, for a packed row, by token (`TokenLora`), and their gradients summed per adapter
 (`leaf_grads`, `accumulate`)."""
 
@@ -22,8 +22,8 @@ from mint_server.model.tp_group import TP
 
 @dataclass(frozen=True)
 class LoraRef:
-    """What a training op needs of an adapter in a slot (training_lora's protocol); on one rank the
-    residency's Adapter serves, and tensor-parallel ops travel with this instead."""
+    """What a training op needs of an adapter in a slot (training_lora's protocol): the runner's
+    training ops carry this, so the same op body runs on every rank."""
 
     id: str
     slot: int
@@ -37,8 +37,9 @@ Leaves = dict[str, dict[str, tuple[list[Tensor], list[Tensor]]]]  # adapter id â
 
 def training_lora(bank: LoraBank, adapters: Sequence[Any], row_adapter: list[int], dev: torch.device,
                   dtype: torch.dtype) -> tuple[LoraBatch, Leaves]:
-    """Trainer.training_lora over any bank (a tensor-parallel rank's share too); adapters need .id,
-    .slot, .rank, .targets and .scale."""
+    """The pass's trainable LoRA over a rank's bank (a shard of one holds the whole bank): leaf
+    tensors per adapter, read from its slot, and the LoraBatch that applies them by row; adapters
+    need .id, .slot, .rank, .targets and .scale."""
     # invariant mode: always the bank's max rank, so the products' shapes do not depend on the batch
     rmax = bank.max_rank if invariant.enabled() else max(a.rank for a in adapters)
     leaves: Leaves = {a.id: {} for a in adapters}
