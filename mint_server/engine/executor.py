@@ -198,8 +198,8 @@ class Executor:
                  runner: Any = None, state_slots: int = 0, compile: str = "off",
                  compile_cache_dir: Path | None = None) -> None:
         """state_slots: a hybrid base's recurrent-state slots (one per sequence in flight, plus scratch).
-        compile: "auto" runs decode steps through the compiled graph (model/compiled.py) once
-        `start_compile` has built it, where the model allows; "off" stays eager."""
+        compile: "auto" runs steps through the compiled graphs (model/compiled.py) once
+        `compile` (or a warm-up) has built them, where the model allows; "off" stays eager."""
         dtype = model.embed_tokens.weight.dtype
         self.runner = runner or Runner.single(bank, torch.device(device), dtype)  # default: a shard of one
         self.rank: runner_mod.Shard = self.runner.shard
@@ -215,10 +215,10 @@ class Executor:
             configure_cache(compile_cache_dir)
             self.graph = StepGraph(model, bank, self.cache, self.compile_stats)
 
-    def start_compile(self) -> None:
-        """Compile the decode step in the background (steps run eagerly until it is ready)."""
+    def compile(self) -> None:
+        """Compile the step's variants now, on this thread (the engine compiles before it serves)."""
         if self.graph is not None:
-            self.graph.start_warm_up()
+            self.graph.warm_up()
 
     def call(self, name: str, **inputs: Any) -> Any:
         return self.runner.call(name, **inputs)

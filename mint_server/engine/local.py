@@ -375,16 +375,30 @@ class LocalEngine(EngineFront):
             measure_chunk_tokens(self.sampler, sc.max_step_tokens) if s.step_overhead_tokens is None else 0)
         log.info("calibrated: %s", {k: round(v, 4) for k, v in self.calibration().items()})
 
+    def _compile(self) -> None:
+        """compile "auto": the serving step's and the training blocks' graphs, before the engine
+        serves. Not in a background thread: its tracing holds the GIL between the eager steps' ops,
+        and requests run meanwhile took 11-116x their time (benchmarks/first_request.py); with the
+        data dir's compile cache warm a restart mostly traces. A failure leaves the step eager."""
+        if self.settings.compile == "off":
+            return
+        t0 = time.perf_counter()
+        log.info("compiling the serving step and the training blocks (compile auto; cached in the data "
+                    "dir for the next start)")
+        self.sampler.executor.compile()
+        self.trainer.compile()
+        log.info("compiled in %.1f s", time.perf_counter() - t0)
+
     def _loop(self) -> None:
         torch.set_num_threads(self.settings.intra_op_threads())  # this thread's OpenMP team (see __init__)
         try:
-            self._calibrate()
-        except Exception:  # noqa: BLE001 - the defaults stand; serving goes on
-            log.exception("measuring the step costs failed")
+            try:
+                self._calibrate()
+            except Exception:  # noqa: BLE001 - the defaults stand; serving goes on
+                log.exception("measuring the step costs failed")
+            self._compile()  # after the measurements: it would be their contention
         finally:
             self._calibrated.set()
-        self.sampler.executor.start_compile()  # after the measurements: it would be their contention
-        self.trainer.start_compile()
         while True:
             with self._cv:
                 while self._running and (self._paused or not self._has_work()):

@@ -174,8 +174,8 @@ class EngineSettings:
     compile: str = setting(
         default_factory=lambda: os.environ.get("MINT_COMPILE", "auto"), default_text="auto, or $MINT_COMPILE",
         help="auto or off: serving steps (decode rows, prefill chunks) and LoRA training blocks as compiled graphs, "
-        "compiled in the background after start-up (they run eagerly meanwhile), cached in the data dir's "
-        "compile-cache; off: always eager. See docs/engine.md and docs/training-speed.md.")
+        "compiled at start-up before the engine serves (minutes on a cold cache, less than a minute warm), cached "
+        "in the data dir's compile-cache; off: always eager, ready at once. See docs/engine.md.")
     # engine/kv.py, docs/engine.md "Prefix cache".
     prefix_cache: bool = setting(
         True, help="Keep full KV blocks of earlier requests for later ones with the same prefix: a chat's next "

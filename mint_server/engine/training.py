@@ -117,7 +117,7 @@ class Trainer:
         compile_now: bool = True,
     ) -> None:
         """compile "auto": the blocks of its passes compiled (model/compiled_training.py), counted in
-        stats, in a background warm-up started here or (compile_now False) by `start_compile`."""
+        stats, in a background warm-up started here or (compile_now False) by `compile`."""
         self.model, self.residency, self.base_model = model, residency, base_model
         self.pack = pack  # False: always the padded path (benchmarks compare the two)
         self._unpacked_reason = packing_unsupported(model)
@@ -133,9 +133,9 @@ class Trainer:
         self.compiled = attach_compiled_blocks(model, compile, self.stats, start=compile_now)
         residency.runner.shard.model = model  # the runner's rank runs it (a residency alone has no model)
 
-    def start_compile(self) -> None:
-        """Start the compiled blocks' background warm-up (a no-op when it runs or compile is off)."""
-        self.compiled.start_warm_up()
+    def compile(self) -> None:
+        """Compile the blocks now, on this thread (a no-op when compiled, warming or compile is off)."""
+        self.compiled.start_warm_up(background=False)
 
     # --- forward / forward_backward -------------------------------------------------------------
     def run(self, jobs: Sequence[TrainJob], between: Callable[[], None] | None = None,

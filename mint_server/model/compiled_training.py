@@ -160,11 +160,14 @@ class TrainingGraph:
         self._lora_io = sum(p.in_features + p.out_features for p in self._linears(model.layers[0]))
         self._max_columns = int(WIDE_LORA_FLOPS * base_flops / self._lora_io)  # n·r beyond one adapter's
 
-    def start_warm_up(self) -> None:
-        """Compile in the background, once (passes run eagerly until it ends)."""
-        if self.warming is None and not self._ready:
-            self.warming = threading.Thread(target=self.warm_up, name="mint-compile-training", daemon=True)
-            self.warming.start()
+    def start_warm_up(self, background: bool = True) -> None:
+        """Compile once: in a thread (passes run eagerly until it ends) or, background False, now."""
+        if self.warming is not None or self._ready:
+            return
+        if not background:
+            return self.warm_up()
+        self.warming = threading.Thread(target=self.warm_up, name="mint-compile-training", daemon=True)
+        self.warming.start()
 
     def warm_up(self) -> None:
         """Compile the graphs packed training passes (the dense families' path) use, forward and
