@@ -38,8 +38,9 @@ def generate(
     try:
         model_dir = resolve_base_model(base_model, data_dir)
         name = base_model or DEFAULT_BASE_MODEL
+        # compile off: one generation would wait minutes for graphs it runs a few steps of
         engine = LocalEngine(model_dir, name, settings=EngineSettings(device_slots=1, kv_budget_tokens=4096,
-                                                                      max_rank=256))
+                                                                      max_rank=256, compile="off"))
         source = AdapterSource(f"peft:{adapter}", peft_dir=Path(adapter)) if adapter else None
         tok = engine.tokenizer
         if chat:
