@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.common import load_average, smollm2_dir
-from benchmarks.serving import free_port
+from benchmarks.serving import free_port, stop_server
 
 KEY = "tml-first-request-bench-0001"
 
@@ -64,15 +63,6 @@ def chat(url: str, model: str, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16)
@@ -92,7 +82,7 @@ def main() -> None:
                 times = [chat(url, model, args.tokens) for _ in range(args.requests)]
                 metrics = httpx.get(f"{url}/metrics").text
             finally:
-                stop(proc)
+                stop_server(proc)
             compiled = [line for line in metrics.splitlines() if line.startswith("mint_compile")]
             rows[name] = {"ready_s": ready_s, "first_s": times[0], "next_median_s": statistics.median(times[1:]),
                           "load_average": load0, "compile_metrics": compiled}
