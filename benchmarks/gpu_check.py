@@ -78,15 +78,13 @@ def training_rows(model_dir: Path, device: str, dtype: torch.dtype, tiny: bool) 
     """Markdown rows: our LoRA training step vs PEFT's on the same batch; 4 policies fused vs in turn.
     The workers are benchmarks/train.py's, run in this process one after another (peak memory is
     reset between them on CUDA; on CPU it is not measured here)."""
-    import argparse as _argparse
-
     from benchmarks import train
     from mint_server.engine.settings import EngineSettings
 
-    args = _argparse.Namespace(model_dir=str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."),
-                               rows=8, seq=16 if tiny else 256, rank=4 if tiny else 16, adapters=4,
-                               warmup=1 if tiny else 2, steps=2 if tiny else 5, checkpoint_from_tokens=0,
-                               logits_chunk_mb=EngineSettings.logits_chunk_mb, variant="ours", compile="off")
+    args = argparse.Namespace(model_dir=str(model_dir), device=device, dtype=str(dtype).removeprefix("torch."),
+                              rows=8, seq=16 if tiny else 256, rank=4 if tiny else 16, adapters=4,
+                              warmup=1 if tiny else 2, steps=2 if tiny else 5, checkpoint_from_tokens=0,
+                              logits_chunk_mb=EngineSettings.logits_chunk_mb, variant="ours", compile="off")
     cuda = device.startswith("cuda")
 
     def measure(variant: str) -> tuple[float, float]:
@@ -94,7 +92,7 @@ def training_rows(model_dir: Path, device: str, dtype: torch.dtype, tiny: bool) 
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         step = train.peft_step(args) if variant == "peft" else \
-            train.worker_ours(_argparse.Namespace(**{**vars(args), "variant": variant}), build_only=True)
+            train.worker_ours(argparse.Namespace(**vars(args) | {"variant": variant}), build_only=True)
         t = statistics.median(train.timed(step, args)["step_s"])
         return t, (torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"))
 
@@ -106,7 +104,7 @@ def training_rows(model_dir: Path, device: str, dtype: torch.dtype, tiny: bool) 
             f"| {peft / ours:.2f}x PEFT |",
             f"| {args.adapters} policies fused vs in turn | fused {fused * 1e3:.1f} ms ({fused_mb:.0f} MB) "
             f"| in turn {seq * 1e3:.1f} ms ({seq_mb:.0f} MB) | {seq / fused:.2f}x faster, "
-            f"{fused_mb / seq_mb if seq_mb == seq_mb else float('nan'):.2f}x peak |"]
+            f"{fused_mb / seq_mb:.2f}x peak |"]  # nan on CPU (not measured here)
 
 
 def main() -> None:
