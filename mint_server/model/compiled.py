@@ -343,11 +343,6 @@ class StepGraph:
         finally:
             self._warming.on = False
 
-    def start_warm_up(self) -> threading.Thread:
-        t = threading.Thread(target=self.warm_up, name="mint-compile", daemon=True)
-        t.start()
-        return t
-
     @property
     def ready(self) -> bool:
         """Every variant compiled (and nothing failed)."""
